@@ -1,0 +1,43 @@
+"""`ciera`: one console script; each stage package registers its own subcommands here.
+
+User mistakes (a bad bundle, an unknown preset, a malformed option) surface as the package's own
+error type; they print as one line on stderr and exit with code 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+# (module, attribute) pairs: each module has `register(app)` and `USER_ERRORS`, a tuple of exception types.
+STAGE_CLI_MODULES = ("traces.cli", "sim.cli", "report.cli")
+
+app = typer.Typer(
+    name="ciera",
+    help="CIERA: lossless exponent-reuse Allgather for sharded MoE training, and its scale-out simulator.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+_user_errors: list[type[BaseException]] = []
+for _module_name in STAGE_CLI_MODULES:
+    _module = importlib.import_module(_module_name)
+    _module.register(app)
+    _user_errors.extend(_module.USER_ERRORS)
+USER_ERRORS: tuple[type[BaseException], ...] = tuple(_user_errors)
+
+
+def main() -> None:
+    try:
+        app()
+    except USER_ERRORS as error:
+        message = " ".join(str(error).split())
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

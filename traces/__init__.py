@@ -1,0 +1,32 @@
+"""Trace bundles: the versioned Parquet tables that measurement writes and the simulator reads.
+
+Public surface: `TraceBundle`, `read_bundle`, `write_bundle`, `validate_bundle`, `TraceError`,
+`default_bundle_path`, `SCHEMA_VERSION`. The format is documented in docs/trace-format.md.
+"""
+
+from pathlib import Path
+
+from .bundle import TABLE_NAMES, TraceBundle, empty_table, read_bundle, validate_bundle, write_bundle
+from .errors import TraceError
+from .schema import CATEGORIES, DTYPES, PHASES, SCHEMA_VERSION
+
+
+def default_bundle_path() -> Path:
+    """The bundle shipped with the package: analytic traces of six MoE models on the method's testbed."""
+    return Path(__file__).parent / "data" / "default"
+
+
+__all__ = [
+    "CATEGORIES",
+    "DTYPES",
+    "PHASES",
+    "SCHEMA_VERSION",
+    "TABLE_NAMES",
+    "TraceBundle",
+    "TraceError",
+    "default_bundle_path",
+    "empty_table",
+    "read_bundle",
+    "validate_bundle",
+    "write_bundle",
+]

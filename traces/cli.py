@@ -1,0 +1,40 @@
+"""`ciera traces ...`: inspect and validate trace bundles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .bundle import TABLE_NAMES, read_bundle
+from .errors import TraceError
+
+USER_ERRORS: tuple[type[BaseException], ...] = (TraceError,)
+
+traces_app = typer.Typer(help="Inspect and validate trace bundles (docs/trace-format.md).", no_args_is_help=True)
+
+
+@traces_app.command("validate")
+def validate_command(
+    bundle: Path = typer.Argument(..., help="Bundle directory."),
+    json_out: bool = typer.Option(False, "--json", help="Print the row counts as JSON."),
+) -> None:
+    """Check a bundle against the schema and consistency rules; exit 2 on the first problem."""
+    loaded = read_bundle(bundle)
+    counts = {name: len(loaded.table(name)) for name in TABLE_NAMES}
+    if json_out:
+        print(json.dumps({"bundle": str(bundle), "valid": True, "rows": counts}))
+        return
+    table = Table(title=f"{bundle}: valid trace bundle")
+    table.add_column("table")
+    table.add_column("rows", justify="right")
+    for name, count in counts.items():
+        table.add_row(name, str(count))
+    Console().print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(traces_app, name="traces")

@@ -58,6 +58,15 @@ def _fail(origin: str, table: str, column: str, message: str) -> TraceError:
     return TraceError(f"{origin}: table '{table}', column '{column}': {message}")
 
 
+def _normalised(arrow_type: pa.DataType) -> pa.DataType:
+    """Writers differ in string flavour (pandas 3 writes large_string); both mean text."""
+    return (
+        pa.string()
+        if pa.types.is_large_string(arrow_type) or pa.types.is_string_view(arrow_type)
+        else arrow_type
+    )
+
+
 def _check_columns(origin: str, name: str, actual: pa.Schema) -> None:
     expected = TABLE_SCHEMAS[name]
     missing = [f for f in expected.names if f not in actual.names]
@@ -68,8 +77,8 @@ def _check_columns(origin: str, name: str, actual: pa.Schema) -> None:
         raise _fail(origin, name, extra[0], f"unexpected column (schema v{SCHEMA_VERSION} has none such)")
     for field in expected:
         found = actual.field(field.name).type
-        if found != field.type:
-            raise _fail(origin, name, field.name, f"type {found}, expected {field.type}")
+        if _normalised(found) != _normalised(field.type):
+            raise _fail(origin, name, field.name, f"type {_normalised(found)}, expected {field.type}")
 
 
 def _check_values(origin: str, name: str, frame: pd.DataFrame) -> None:
@@ -151,6 +160,16 @@ def _check_consistency(origin: str, bundle: TraceBundle) -> None:
                 "layer",
                 f"value {row.layer} in run {row.run_id!r}, expected 0..{int(layers_by_run[row.run_id]) + 1} (runs.layers + 1)",
             )
+        counts = layers.groupby(["run_id", "iteration"])["layer"].nunique()
+        for (run_id, iteration), count in counts.items():
+            expected = int(layers_by_run[run_id]) + 2
+            if count != expected:
+                raise _fail(
+                    origin,
+                    "layers",
+                    "layer",
+                    f"run {run_id!r} iteration {iteration} has {count} distinct layers, runs.layers={expected - 2} implies {expected}",
+                )
         expected_kind = np.where(
             layers["layer"] == 0, "embedding", np.where(layers["layer"] == traced_l + 1, "head", "block")
         )
@@ -163,16 +182,6 @@ def _check_consistency(origin: str, bundle: TraceBundle) -> None:
                 "layer_kind",
                 f"value {row.layer_kind!r} for layer {row.layer} of run {row.run_id!r}",
             )
-        counts = layers.groupby(["run_id", "iteration"])["layer"].nunique()
-        for (run_id, iteration), count in counts.items():
-            expected = int(layers_by_run[run_id]) + 2
-            if count != expected:
-                raise _fail(
-                    origin,
-                    "layers",
-                    "layer",
-                    f"run {run_id!r} iteration {iteration} has {count} distinct layers, runs.layers={expected - 2} implies {expected}",
-                )
     layer_iters = set(map(tuple, layers[["run_id", "iteration"]].drop_duplicates().to_numpy().tolist()))
     iter_rows = set(map(tuple, bundle.iterations[["run_id", "iteration"]].to_numpy().tolist()))
     if layer_iters != iter_rows:
@@ -197,6 +206,21 @@ def _check_consistency(origin: str, bundle: TraceBundle) -> None:
             )
 
     coll = bundle.collectives
+    if len(coll) and len(runs):
+        # Collectives of a cluster that runs were captured on must span the nodes those runs imply.
+        gpus_per_node = runs.groupby("cluster")["gpus_per_node"].first()
+        on_known = coll[coll["cluster"].isin(gpus_per_node.index)]
+        implied_nodes = -(-on_known["world_size"] // on_known["cluster"].map(gpus_per_node))
+        mismatch = on_known["nodes"] != implied_nodes
+        if mismatch.any():
+            row = on_known[mismatch].iloc[0]
+            raise _fail(
+                origin,
+                "collectives",
+                "nodes",
+                f"value {row.nodes} for world_size {row.world_size} on cluster {row.cluster!r}, runs there have "
+                f"gpus_per_node {int(gpus_per_node[row.cluster])} so expected {int(implied_nodes[mismatch].iloc[0])}",
+            )
     if len(coll):
         too_many = coll["nodes"] > coll["world_size"]
         if too_many.any():
@@ -271,7 +295,7 @@ def read_bundle(path: str | os.PathLike[str]) -> TraceBundle:
                 f"{file}: table '{name}' has schema version {version.decode()!r}, this reader reads version {SCHEMA_VERSION}"
             )
         _check_columns(str(file), name, table.schema)
-        frame = table.to_pandas()
+        frame = table.select(TABLE_SCHEMAS[name].names).cast(TABLE_SCHEMAS[name]).to_pandas()
         _check_values(str(file), name, frame)
         frames[name] = frame
     bundle = TraceBundle(**frames)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -14,13 +15,15 @@ from .errors import TraceError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (TraceError,)
 
-traces_app = typer.Typer(help="Inspect and validate trace bundles (docs/trace-format.md).", no_args_is_help=True)
+traces_app = typer.Typer(
+    help="Inspect and validate trace bundles (docs/trace-format.md).", no_args_is_help=True
+)
 
 
 @traces_app.command("validate")
 def validate_command(
-    bundle: Path = typer.Argument(..., help="Bundle directory."),
-    json_out: bool = typer.Option(False, "--json", help="Print the row counts as JSON."),
+    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the row counts as JSON.")] = False,
 ) -> None:
     """Check a bundle against the schema and consistency rules; exit 2 on the first problem."""
     loaded = read_bundle(bundle)

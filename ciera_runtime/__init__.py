@@ -1,0 +1,79 @@
+"""CIERA runtime: lossless exponent-reuse all-gather for BF16/FP16 shards.
+
+Public surface (see docs/runtime.md):
+
+- ``CodecConfig``: block size, detector ('hash' | 'exact'), verify mode, backend name.
+- ``ShardEncoder`` / ``ShardDecoder``: the per-shard codec (sender HashCache, receiver ExpCache).
+- ``CompressedAllGather`` (engine per process group) and ``compressed_all_gather`` -> ``AllGatherHandle``.
+- ``gather_pipelined``: CCP, encode of gather i+1 overlapped with gather i.
+- ``profile_comm``, ``measure_codec_times``, ``select_shards``: benefit-driven selection (BSC).
+- ``get_backend``, ``available_backends``, ``register_backend``, ``CodecBackend``: codec backends.
+- Errors: ``CieraError``, ``PayloadError``, ``OutOfStepError``, ``ChecksumMismatchError``,
+  ``BackendUnavailableError``.
+
+torch is imported only by the all-gather, CCP and comm-profiling parts.
+"""
+
+from __future__ import annotations
+
+from ciera_runtime.backend import CodecBackend, available_backends, get_backend, register_backend
+from ciera_runtime.codec import CodecConfig, DType, ShardDecoder, ShardEncoder
+from ciera_runtime.errors import (
+    BackendUnavailableError,
+    ChecksumMismatchError,
+    CieraError,
+    OutOfStepError,
+    PayloadError,
+)
+from ciera_runtime.selection import (
+    CodecTimes,
+    CommProfile,
+    Decision,
+    ShardInfo,
+    measure_codec_times,
+    profile_comm,
+    select_shards,
+)
+
+__all__ = [
+    "AllGatherHandle",
+    "BackendUnavailableError",
+    "ChecksumMismatchError",
+    "CieraError",
+    "CodecBackend",
+    "CodecConfig",
+    "CodecTimes",
+    "CommProfile",
+    "CompressedAllGather",
+    "DType",
+    "Decision",
+    "OutOfStepError",
+    "PayloadError",
+    "ShardDecoder",
+    "ShardEncoder",
+    "ShardInfo",
+    "available_backends",
+    "compressed_all_gather",
+    "gather_pipelined",
+    "get_backend",
+    "measure_codec_times",
+    "profile_comm",
+    "register_backend",
+    "select_shards",
+]
+
+_TORCH_NAMES = {
+    "AllGatherHandle": "ciera_runtime.allgather",
+    "CompressedAllGather": "ciera_runtime.allgather",
+    "compressed_all_gather": "ciera_runtime.allgather",
+    "gather_pipelined": "ciera_runtime.ccp",
+}
+
+
+def __getattr__(name: str):
+    # torch-dependent names load on first use, so the codec imports without torch.
+    if name in _TORCH_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_TORCH_NAMES[name]), name)
+    raise AttributeError(f"module 'ciera_runtime' has no attribute {name!r}")

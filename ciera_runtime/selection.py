@@ -1,0 +1,191 @@
+"""Benefit-driven selective compression (BSC).
+
+For shard i: g_i = Comm(S) - (Comm(S_sm + S_bm + q_i * S_e) + T_hash + T_cmp + T_decmp). With CCP overlap
+the sender's hash and compress leave the critical path, so only T_decmp is charged. Shards with positive
+gain are ranked by g_i / M_i, M_i = (W - 1) * S_e, and taken until the cache budget is spent. The bytes
+of the compressed payload use the measured rANS rate (H bits per exponent) rather than S_e for changed
+blocks, which is what the wire really carries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ciera_runtime.codec import CodecConfig, DType, ShardDecoder, ShardEncoder, dtype_from_name
+from ciera_runtime.kernels import sign_mantissa_bytes
+
+
+@dataclass(frozen=True)
+class CommProfile:
+    """All-gather latency per rank-payload size, measured on the group; log-log interpolation."""
+
+    bytes_per_rank: tuple[int, ...]
+    time_s: tuple[float, ...]
+
+    def comm_s(self, payload_bytes: float) -> float:
+        sizes = np.log(np.maximum(np.asarray(self.bytes_per_rank, dtype=np.float64), 1.0))
+        times = np.log(np.asarray(self.time_s, dtype=np.float64))
+        x = np.log(max(payload_bytes, 1.0))
+        if x >= sizes[-1]:  # beyond the sweep: bandwidth-bound, extrapolate linearly in bytes
+            return float(self.time_s[-1] * payload_bytes / max(self.bytes_per_rank[-1], 1))
+        return float(np.exp(np.interp(x, sizes, times)))
+
+
+def profile_comm(
+    group=None, sizes_bytes: Sequence[int] = tuple(4**k for k in range(5, 13)), repeats: int = 5
+) -> CommProfile:
+    """Time all_gather_single of uint8 tensors of each per-rank size on ``group`` (median of repeats)."""
+    import torch
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    world_size = dist.get_world_size(group)
+    times_s = []
+    for size in sizes_bytes:
+        send = torch.zeros(size, dtype=torch.uint8)
+        recv = torch.empty(world_size * size, dtype=torch.uint8)
+        gather(recv, send, group=group)  # warm-up (connection set-up, allocator)
+        samples = []
+        for _ in range(repeats):
+            dist.barrier(group)
+            start_s = time.perf_counter()
+            gather(recv, send, group=group)
+            samples.append(time.perf_counter() - start_s)
+        times_s.append(float(np.median(samples)))
+    # Ranks measured slightly different times; agree on the slowest so every rank selects the same set.
+    agreed = torch.tensor(times_s, dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    return CommProfile(tuple(int(s) for s in sizes_bytes), tuple(float(t) for t in agreed.tolist()))
+
+
+@dataclass(frozen=True)
+class CodecTimes:
+    hash_s: float
+    compress_s: float
+    decompress_s: float
+    exponent_bits: float  # measured rANS bits per changed exponent
+
+
+def measure_codec_times(
+    numel: int, dtype, q: float, config: CodecConfig | None = None, world_size: int = 2, seed: int = 0
+) -> CodecTimes:
+    """Time one encode (detect+rANS) and the (W-1) decodes of a synthetic N(0, 0.02) shard with a share
+    q of blocks whose exponents change. decompress_s covers all W-1 sources (they are decoded in turn)."""
+    config = config or CodecConfig()
+    dtype = dtype_from_name(dtype)
+    rng = np.random.default_rng(seed)
+    weights = (rng.standard_normal(numel) * 0.02).astype(np.float32)
+    if dtype == DType.BF16:
+        bits = (weights.view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        bits = weights.astype(np.float16).view(np.uint16)
+    encoder = ShardEncoder(0, numel, dtype, 1, config)
+    decoder = ShardDecoder(0, 1, numel, dtype, config)
+    decoder.decode(encoder.encode(bits))
+    changed = perturb_blocks(bits, q, config.block_size, dtype, rng)
+    start_s = time.perf_counter()
+    payload = encoder.encode(changed)
+    compress_s = time.perf_counter() - start_s
+    start_s = time.perf_counter()
+    decoder.decode(payload)
+    decompress_s = (time.perf_counter() - start_s) * max(world_size - 1, 1)
+    n_changed_values = max(1, min(numel, encoder.last_changed_blocks * config.block_size))
+    exp_bits = 8.0 * (payload.size - encoder.layout.fixed_bytes) / n_changed_values
+    # Detection is a pass over the shard like the split; charge it as the share of encode it is.
+    start_s = time.perf_counter()
+    encoder.encode(changed)
+    hash_s = time.perf_counter() - start_s
+    return CodecTimes(hash_s, max(compress_s - hash_s, 0.0), decompress_s, exp_bits)
+
+
+def perturb_blocks(
+    bits: np.ndarray, q: float, block_size: int, dtype, rng: np.random.Generator
+) -> np.ndarray:
+    """Copy of ``bits`` where a share ``q`` of the blocks get one value's exponent moved by one."""
+    dtype = dtype_from_name(dtype)
+    out = bits.copy()
+    n_blocks = (bits.size + block_size - 1) // block_size
+    n_changed = int(round(q * n_blocks))
+    if n_changed == 0:
+        return out
+    blocks = rng.choice(n_blocks, size=n_changed, replace=False)
+    positions = np.minimum(blocks * block_size + rng.integers(0, block_size, n_changed), bits.size - 1)
+    shift = 7 if dtype == DType.BF16 else 10
+    mask = 0xFF if dtype == DType.BF16 else 0x1F
+    exps = (out[positions] >> shift) & mask
+    new_exps = np.where(exps > 1, exps - 1, exps + 1).astype(np.uint16)
+    out[positions] = (out[positions] & ~np.uint16(mask << shift)) | (new_exps << shift)
+    return out
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    shard_id: int
+    numel: int
+    dtype: str = "bf16"
+    category: str = ""
+    block_change_rate: float = 0.5  # q: measured, or a prior per category
+
+
+@dataclass(frozen=True)
+class Decision:
+    shard_id: int
+    category: str
+    q: float
+    gain_s: float
+    memory_bytes: int
+    selected: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def select_shards(
+    shards: Sequence[ShardInfo],
+    comm_s: Callable[[float], float],
+    world_size: int,
+    cache_budget_bytes: int | None,
+    codec_times: Callable[[ShardInfo], CodecTimes],
+    config: CodecConfig | None = None,
+    overlap: bool = True,
+) -> list[Decision]:
+    """Decision table, one row per shard (input order). ``comm_s`` maps bytes per rank to all-gather
+    seconds; ``codec_times`` gives the measured codec times of a shard (e.g. measure_codec_times)."""
+    config = config or CodecConfig()
+    rows = []
+    for shard in shards:
+        dtype = dtype_from_name(shard.dtype)
+        exp_bytes = shard.numel
+        n_blocks = (shard.numel + config.block_size - 1) // config.block_size
+        payload_bytes = (
+            sign_mantissa_bytes(shard.numel, dtype == DType.FP16)
+            + (n_blocks + 7) // 8
+            + 128  # header, tables
+        )
+        times = codec_times(shard)
+        payload_bytes += shard.block_change_rate * exp_bytes * min(times.exponent_bits, 8.0) / 8.0
+        cost_s = comm_s(payload_bytes) + times.decompress_s
+        if not overlap:
+            cost_s += times.hash_s + times.compress_s
+        gain_s = comm_s(2.0 * shard.numel) - cost_s
+        memory = (world_size - 1) * exp_bytes
+        rows.append([shard, gain_s, memory])
+    order = sorted(range(len(rows)), key=lambda k: -rows[k][1] / max(rows[k][2], 1))
+    used = 0
+    selected = set()
+    for k in order:
+        shard, gain_s, memory = rows[k]
+        if gain_s <= 0 or world_size < 2:
+            continue
+        if cache_budget_bytes is not None and used + memory > cache_budget_bytes:
+            continue
+        used += memory
+        selected.add(k)
+    return [
+        Decision(shard.shard_id, shard.category, shard.block_change_rate, gain_s, memory, k in selected)
+        for k, (shard, gain_s, memory) in enumerate(rows)
+    ]

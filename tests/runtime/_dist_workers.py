@@ -1,0 +1,112 @@
+"""Worker functions for the spawned multi-process gloo tests (importable by the spawned children)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_gloo(rank: int, world_size: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def changing_weights_worker(rank: int, world_size: int, port: int, iterations: int, result_queue) -> None:
+    """Many gathers of slowly changing weights (several shards, both dtypes, both detectors, a
+    recompute-style repeat and a simulated restart); every result must equal the raw all-gather."""
+    from ciera_runtime import CodecConfig, CompressedAllGather
+
+    init_gloo(rank, world_size, port)
+    try:
+        generator = torch.Generator().manual_seed(1000 + rank)
+        engines = {
+            "hash": CompressedAllGather(config=CodecConfig(block_size=512, detector="hash", verify_every=3)),
+            "exact": CompressedAllGather(config=CodecConfig(block_size=100, detector="exact")),
+        }
+        shapes = {
+            0: (5000, torch.bfloat16),
+            1: (1537, torch.float16),
+            2: (0, torch.bfloat16),
+            3: (7, torch.float16),
+        }
+        weights = {
+            sid: (torch.randn(n, generator=generator) * 0.02).to(dt) for sid, (n, dt) in shapes.items()
+        }
+        mismatches = 0
+        for iteration in range(iterations):
+            for shard_id, weight in weights.items():
+                for engine in engines.values():
+                    repeats = 2 if iteration % 4 == 1 else 1  # same weights gathered again: no exponents
+                    for _ in range(repeats):
+                        expected = torch.empty(world_size * weight.numel(), dtype=weight.dtype)
+                        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(expected, weight)
+                        got = engine.all_gather(weight, shard_id).wait()
+                        if not torch.equal(got.view(torch.int16), expected.view(torch.int16)):
+                            mismatches += 1
+                # A small update: multiply a few values, so some exponents cross a power of two.
+                if weight.numel():
+                    index = torch.randint(0, weight.numel(), (3,), generator=generator)
+                    weight[index] = weight[index] * 1.7
+            if iteration == iterations // 2 and rank == world_size - 1:
+                # Simulated restart of the last rank: fresh engines, empty caches, generation 0.
+                engines = {
+                    name: CompressedAllGather(config=engine.config) for name, engine in engines.items()
+                }
+            dist.barrier()
+        resyncs = sum(engine.stats.resyncs for engine in engines.values())
+        result_queue.put((rank, mismatches, resyncs))
+    finally:
+        dist.destroy_process_group()
+
+
+def pipeline_and_selection_worker(rank: int, world_size: int, port: int, result_queue) -> None:
+    """CCP pipeline over a few layers (compared with the raw all-gather) and a BSC decision table."""
+    from ciera_runtime import (
+        CodecConfig,
+        CompressedAllGather,
+        ShardInfo,
+        gather_pipelined,
+        measure_codec_times,
+        profile_comm,
+        select_shards,
+    )
+
+    init_gloo(rank, world_size, port)
+    try:
+        generator = torch.Generator().manual_seed(7 + rank)
+        layers = [
+            (layer, (torch.randn(4096, generator=generator) * 0.02).to(torch.bfloat16)) for layer in range(4)
+        ]
+        engine = CompressedAllGather(config=CodecConfig())
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        mismatches = 0
+        for _ in range(3):
+            order = layers + layers[::-1]  # forward then backward: second gather of a layer is unchanged
+            outputs, report = gather_pipelined(engine, order)
+            for (_, weight), got in zip(order, outputs, strict=True):
+                expected = torch.empty(world_size * weight.numel(), dtype=weight.dtype)
+                gather(expected, weight)
+                mismatches += int(not torch.equal(got.view(torch.int16), expected.view(torch.int16)))
+            for _, weight in layers:
+                weight[:5] = weight[:5] * 3.0
+        profile = profile_comm(sizes_bytes=(256, 4096, 65536), repeats=2)
+        shards = [
+            ShardInfo(0, 65536, "bf16", "norm", 0.0),
+            ShardInfo(1, 65536, "bf16", "attention", 1.0),
+            ShardInfo(2, 65536, "bf16", "expert_ffn", 0.05),
+        ]
+        times = {}
+
+        def codec_times(shard):
+            if shard.shard_id not in times:
+                times[shard.shard_id] = measure_codec_times(shard.numel, shard.dtype, shard.block_change_rate)
+            return times[shard.shard_id]
+
+        table = select_shards(shards, profile.comm_s, world_size, 2 * 65536, codec_times)
+        result_queue.put((rank, mismatches, report.as_dict(), [row.as_dict() for row in table]))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,143 @@
+"""Codec round trips: every 16-bit pattern, odd sizes, the FP16 packing, rANS against constriction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ciera_runtime import BackendUnavailableError, CodecConfig, ShardDecoder, ShardEncoder, get_backend, rans
+from ciera_runtime.codec import PayloadLayout, parse_header
+from ciera_runtime.kernels import sign_mantissa_bytes
+
+ALL_PATTERNS = np.arange(1 << 16, dtype=np.uint16)
+
+
+def _pair(numel: int, dtype: str, **config) -> tuple[ShardEncoder, ShardDecoder]:
+    codec_config = CodecConfig(**config)
+    return ShardEncoder(5, numel, dtype, 1, codec_config), ShardDecoder(5, 1, numel, dtype, codec_config)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("detector", ["hash", "exact"])
+def test_every_bit_pattern_round_trips_exactly(dtype: str, detector: str) -> None:
+    encoder, decoder = _pair(ALL_PATTERNS.size, dtype, detector=detector)
+    rng = np.random.default_rng(1)
+    # All 65,536 patterns (NaN payloads, +-inf, subnormals, +-0) in order, then shuffled: full, then delta.
+    for bits in (ALL_PATTERNS, rng.permutation(ALL_PATTERNS), ALL_PATTERNS[::-1].copy()):
+        np.testing.assert_array_equal(decoder.decode(encoder.encode(bits)), bits)
+
+
+def test_round_trip_through_torch_tensors_keeps_nan_payloads() -> None:
+    torch = pytest.importorskip("torch")
+    for torch_dtype in (torch.bfloat16, torch.float16):
+        tensor = torch.from_numpy(ALL_PATTERNS.view(np.int16).copy()).view(torch_dtype)
+        encoder, decoder = _pair(tensor.numel(), str(torch_dtype))
+        rebuilt = torch.from_numpy(decoder.decode(encoder.encode(tensor)).view(np.int16)).view(torch_dtype)
+        assert torch.equal(rebuilt.view(torch.int16), tensor.view(torch.int16))
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 511, 512, 513, 2049])
+@pytest.mark.parametrize("block_size", [1, 3, 512])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_sizes_not_multiple_of_block_and_empty_shards(numel: int, block_size: int, dtype: str) -> None:
+    encoder, decoder = _pair(numel, dtype, block_size=block_size, detector="exact" if numel % 2 else "hash")
+    rng = np.random.default_rng(numel)
+    bits = rng.integers(0, 1 << 16, numel).astype(np.uint16)
+    for _ in range(3):
+        np.testing.assert_array_equal(decoder.decode(encoder.encode(bits)), bits)
+        if numel:
+            bits[-1] ^= 0x0180  # last (partial) block's exponent changes
+    layout = PayloadLayout.of(numel, encoder.dtype, block_size)
+    assert layout.n_blocks == -(-numel // block_size)
+
+
+def test_unchanged_regather_sends_no_exponents_and_payload_meets_the_bound() -> None:
+    numel, block_size = 1 << 16, 512
+    encoder, decoder = _pair(numel, "bf16", block_size=block_size)
+    weights = (np.random.default_rng(0).standard_normal(numel) * 0.02).astype(np.float32)
+    bits = (weights.view(np.uint32) >> 16).astype(np.uint16)
+    first = encoder.encode(bits)
+    assert parse_header(first, 5, 1).full
+    decoder.decode(first)
+    for _ in range(2):  # recompute and backward gathers of the same weights
+        payload = encoder.encode(bits)
+        header = parse_header(payload, 5, 1)
+        assert header.changed_blocks == 0 and header.exp_bytes == 0
+        np.testing.assert_array_equal(decoder.decode(payload), bits)
+        # r(0) = 0.5 + 1/(16B) (+ 64-byte header here)
+        assert payload.size <= numel * 2 * (0.5 + 1 / (16 * block_size)) + 64 + 8
+
+
+def test_fp16_sign_mantissa_is_packed_in_11_bits_per_value() -> None:
+    assert sign_mantissa_bytes(8, True) == 8 + 3
+    assert sign_mantissa_bytes(1000, True) == 1000 + 375
+    assert sign_mantissa_bytes(9, True) == 9 + 4
+    assert sign_mantissa_bytes(1000, False) == 1000
+
+
+def test_hash_and_exact_detectors_flag_the_same_blocks() -> None:
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 1 << 16, 10_000).astype(np.uint16)
+    hashed, _ = _pair(bits.size, "bf16", block_size=100, detector="hash")
+    exact, _ = _pair(bits.size, "bf16", block_size=100, detector="exact")
+    hashed.encode(bits), exact.encode(bits)
+    for _ in range(5):
+        bits[rng.integers(0, bits.size, 4)] ^= 0x0080  # lowest exponent bit
+        bits[rng.integers(0, bits.size, 4)] ^= 0x0001  # mantissa only: not a change
+        hashed.encode(bits), exact.encode(bits)
+        assert hashed.last_changed_blocks == exact.last_changed_blocks
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        np.zeros(0, np.uint8),
+        np.full(1, 9, np.uint8),
+        np.full(5000, 200, np.uint8),
+        np.arange(256, dtype=np.uint8),
+        np.random.default_rng(0).integers(0, 256, 70_001).astype(np.uint8),
+    ],
+    ids=["empty", "one", "single-symbol", "all-symbols", "uniform"],
+)
+def test_rans_round_trips_edge_inputs(data: np.ndarray) -> None:
+    np.testing.assert_array_equal(rans.decode(rans.encode(data, chunk_symbols=4096)), data)
+
+
+def test_rans_matches_constriction_and_entropy() -> None:
+    constriction = pytest.importorskip("constriction")
+    weights = (np.random.default_rng(2).standard_normal(200_000) * 0.02).astype(np.float32)
+    exponents = ((weights.view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
+    ours = rans.encode(exponents)
+    np.testing.assert_array_equal(rans.decode(ours), exponents)
+    counts = np.bincount(exponents, minlength=256)
+    probabilities = counts / counts.sum()
+    entropy_bits = -(probabilities[counts > 0] * np.log2(probabilities[counts > 0])).sum()
+    model = constriction.stream.model.Categorical(probabilities.astype(np.float64), perfect=False)
+    coder = constriction.stream.stack.AnsCoder()
+    coder.encode_reverse(exponents.astype(np.int32), model)
+    reference = coder.get_compressed()
+    decoded = constriction.stream.stack.AnsCoder(reference).decode(model, exponents.size)
+    np.testing.assert_array_equal(decoded, exponents)
+    ours_bits, reference_bits = 8 * len(ours), 32 * reference.size
+    assert ours_bits <= exponents.size * entropy_bits * 1.01 + 8 * 1024  # within 1% + table/state bytes
+    assert abs(ours_bits - reference_bits) <= 0.01 * reference_bits + 8 * 1024
+
+
+def test_rans_rejects_corrupted_and_truncated_streams() -> None:
+    data = np.random.default_rng(4).integers(0, 12, 20_000).astype(np.uint8)
+    stream = bytearray(rans.encode(data))
+    with pytest.raises(rans.RansFormatError):
+        rans.decode(bytes(stream[:-4]))
+    stream[len(stream) // 2] ^= 0xFF
+    with pytest.raises(rans.RansFormatError):
+        rans.decode(bytes(stream))
+
+
+def test_backend_registry_gives_cpu_and_a_clear_error_for_missing_ones() -> None:
+    assert get_backend("cpu").name == "cpu"
+    with pytest.raises(BackendUnavailableError, match="'cuda' is not available"):
+        get_backend("cuda")
+    with pytest.raises(BackendUnavailableError, match="unknown codec backend 'tpu'"):
+        get_backend("tpu")
+    with pytest.raises(BackendUnavailableError):
+        ShardEncoder(0, 10, "bf16", config=CodecConfig(backend="cuda"))

@@ -1,0 +1,207 @@
+"""`ciera report`: write the self-contained HTML scaling report.
+
+With `--records` (and optionally `--timeline`) it renders what `ciera simulate --json/--timeline` wrote;
+without, it runs the simulator's default sweep through the `sim` API and renders that.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from traces import TraceError
+
+from .errors import ReportInputError
+from .html import build_report
+from .inputs import DTYPES, load_records, load_timeline, write_text_atomically
+
+# TraceError: a bad --bundle is reported the same way when the report is driven on its own.
+USER_ERRORS: tuple[type[BaseException], ...] = (ReportInputError, TraceError)
+
+DEFAULT_TITLE = "CIERA scale-out report"
+
+
+def _split_list(values: list[str] | None) -> list[str]:
+    """Accept both `--models a,b` and `--models a --models b`."""
+    return [item.strip() for value in values or [] for item in value.split(",") if item.strip()]
+
+
+def _parse_gpus(values: list[str] | None) -> list[int]:
+    gpus: list[int] = []
+    for item in _split_list(values):
+        if not item.isdigit() or int(item) < 1:
+            raise ReportInputError(f"--gpus: {item!r}, expected positive integers such as 4,8,16")
+        gpus.append(int(item))
+    return gpus
+
+
+def _filter_records(
+    records: list[dict[str, Any]], models: list[str], gpus: list[int], dtype: str | None
+) -> list[dict[str, Any]]:
+    if models:
+        known = {r["model"] for r in records}
+        unknown = [m for m in models if m not in known]
+        if unknown:
+            raise ReportInputError(
+                f"--models: {unknown[0]!r} not in the records (have: {', '.join(sorted(known))})"
+            )
+    selected = [
+        r
+        for r in records
+        if (not models or r["model"] in models)
+        and (not gpus or r["gpus"] in gpus)
+        and (not dtype or r["dtype"] == dtype)
+    ]
+    if not selected:
+        raise ReportInputError("no records left after --models/--gpus/--dtype filtering")
+    return selected
+
+
+def _simulate_sweep(
+    bundle: Path | None,
+    models: list[str],
+    gpus: list[int],
+    dtype: str | None,
+    cluster: str | None,
+    overrides: list[str],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """Run the simulator's sweep through its public API. Imported here so `ciera report --records` works
+    (and the CLI starts fast) without touching the simulator."""
+    try:
+        import sim
+    except ImportError as error:
+        raise ReportInputError(
+            f"the simulator package is unavailable ({error}); pass --records FILE"
+        ) from None
+    simulate = getattr(sim, "simulate", None)
+    if simulate is None:
+        raise ReportInputError(
+            "sim.simulate is not available in this build; pass --records FILE from ciera simulate"
+        )
+    options: dict[str, Any] = {
+        "bundle": bundle,
+        "cluster": cluster,
+        "overrides": sim.parse_overrides(overrides),
+    }
+    if models:
+        options["models"] = models
+    if gpus:
+        options["gpus"] = gpus
+    if dtype:
+        options["dtypes"] = [dtype]
+    result = simulate(**{key: value for key, value in options.items() if value is not None})
+    return _unpack_simulation(result)
+
+
+def _unpack_simulation(result: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """Records, Chrome-trace events and metadata from what sim.simulate returns (object or mapping)."""
+
+    def field(name: str, default: Any = None) -> Any:
+        return result.get(name, default) if isinstance(result, dict) else getattr(result, name, default)
+
+    records = field("records") or []
+    records = [record.to_dict() if hasattr(record, "to_dict") else dict(record) for record in records]
+    timeline = field("timeline") or field("timeline_events") or []
+    if isinstance(timeline, dict):
+        timeline = timeline.get("traceEvents", [])
+    metadata = {"cluster": field("cluster"), "bundle": field("bundle")}
+    return records, list(timeline), metadata
+
+
+def _cluster_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return value.get("name")
+    return getattr(value, "name", str(value))
+
+
+def report_command(
+    html_path: Annotated[Path, typer.Option("--html", help="Output HTML file (written atomically).")] = Path(
+        "ciera-report.html"
+    ),
+    records_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--records", help="Records JSON from `ciera simulate --json`; without it, simulate the sweep."
+        ),
+    ] = None,
+    timeline_path: Annotated[
+        Path | None, typer.Option("--timeline", help="Chrome-trace JSON from `ciera simulate --timeline`.")
+    ] = None,
+    bundle_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--bundle",
+            help="Trace bundle for the simulation and the exponent plots; default: the shipped one.",
+        ),
+    ] = None,
+    models: Annotated[
+        list[str] | None, typer.Option("--models", help="Models to include (comma-separated).")
+    ] = None,
+    gpus: Annotated[
+        list[str] | None, typer.Option("--gpus", help="World sizes to include, e.g. 4,8,16,32,64,128.")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="Restrict to bf16 or fp16.")] = None,
+    cluster: Annotated[
+        str | None, typer.Option("--cluster", help="Cluster preset name or TOML file (simulation only).")
+    ] = None,
+    overrides: Annotated[
+        list[str] | None, typer.Option("--set", help="KEY=VALUE preset override (simulation only).")
+    ] = None,
+    title: Annotated[str, typer.Option("--title", help="Report title.")] = DEFAULT_TITLE,
+) -> None:
+    """Write one self-contained HTML report (plotly inlined, works offline)."""
+    from traces import default_bundle_path, read_bundle
+
+    console = Console(stderr=True)
+    started_s = time.perf_counter()
+    if dtype is not None and dtype not in DTYPES:
+        raise ReportInputError(f"--dtype: {dtype!r}, expected one of {', '.join(DTYPES)}")
+    model_names = _split_list(models)
+    gpu_counts = _parse_gpus(gpus)
+    if timeline_path is not None and records_path is None:
+        raise ReportInputError("--timeline needs --records (the records the timeline belongs to)")
+    if records_path is not None:
+        if cluster is not None or overrides:
+            raise ReportInputError(
+                "--cluster/--set apply to a simulation; with --records the records are rendered as-is"
+            )
+        records, metadata = load_records(records_path)
+        timeline_events = load_timeline(timeline_path) if timeline_path is not None else []
+    else:
+        with console.status("simulating the sweep (ciera simulate)..."):
+            records, timeline_events, metadata = _simulate_sweep(
+                bundle_path, model_names, gpu_counts, dtype, cluster, overrides or []
+            )
+    records = _filter_records(records, model_names, gpu_counts, dtype)
+
+    resolved_bundle_path = bundle_path or (Path(metadata["bundle"]) if metadata.get("bundle") else None)
+    if resolved_bundle_path is None and default_bundle_path().exists():
+        resolved_bundle_path = default_bundle_path()
+    bundle = read_bundle(resolved_bundle_path) if resolved_bundle_path is not None else None
+
+    document = build_report(
+        records,
+        timeline_events,
+        bundle,
+        title,
+        cluster=_cluster_name(metadata.get("cluster")) or cluster,
+        bundle_path=str(resolved_bundle_path) if resolved_bundle_path is not None else None,
+    )
+    write_text_atomically(html_path, document)
+    elapsed_s = time.perf_counter() - started_s
+    console.print(
+        f"wrote [bold]{html_path}[/bold] ({len(document.encode()) / 1e6:.1f} MB, {len(records)} records) "
+        f"in {elapsed_s:.1f} s"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("report")(report_command)

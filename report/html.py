@@ -1,0 +1,346 @@
+"""Assemble the self-contained HTML report: plotly.js inlined once, figures as JSON, no network access."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+from traces import TraceBundle
+
+from .figures import (
+    SOURCE_LABELS,
+    breakdown_figure,
+    exponent_figure,
+    speedup_figure,
+    system_colour,
+    system_label,
+    timeline_figure,
+)
+from .inputs import SYSTEMS, validate_record, validate_timeline
+
+PLOT_CLASS = "ciera-plot"
+PLOTLY_CONFIG = {
+    "responsive": True,
+    "displaylogo": False,
+    "showLink": False,
+    "showSendToCloud": False,
+    "toImageButtonOptions": {"format": "svg"},
+    "modeBarButtonsToRemove": ["lasso2d", "select2d"],
+}
+
+STYLE = """
+:root { --ink:#1f2933; --muted:#6b7280; --line:#e5e7eb; --accent:#d62728; --bg:#f8fafc; }
+* { box-sizing: border-box; }
+body { margin:0; font-family: Inter, system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif; color:var(--ink);
+       background:var(--bg); line-height:1.5; }
+header { background:#111827; color:#f9fafb; padding:28px 40px 22px; }
+header h1 { margin:0 0 6px; font-size:26px; font-weight:650; letter-spacing:-0.01em; }
+header .meta { color:#cbd5e1; font-size:14px; }
+header .meta code { color:#f9fafb; }
+.provenance { margin:16px 0 0; padding:10px 14px; border-left:4px solid #f59e0b; background:#1f2937;
+              color:#fde68a; font-size:14px; border-radius:4px; }
+nav { position:sticky; top:0; z-index:10; background:white; border-bottom:1px solid var(--line);
+      padding:8px 40px; font-size:14px; }
+nav a { color:var(--ink); text-decoration:none; margin-right:22px; }
+nav a:hover { color:var(--accent); }
+main { max-width:1320px; margin:0 auto; padding:10px 40px 60px; }
+section { background:white; border:1px solid var(--line); border-radius:8px; margin:22px 0; padding:18px 22px; }
+section h2 { margin:0 0 4px; font-size:20px; }
+section p.lede { margin:0 0 10px; color:var(--muted); font-size:14px; max-width:980px; }
+.legend-key { display:inline-flex; gap:18px; flex-wrap:wrap; font-size:13px; color:var(--muted); margin-bottom:4px; }
+.swatch { display:inline-block; width:12px; height:12px; border-radius:50%; margin-right:5px; vertical-align:-1px; }
+.empty { color:var(--muted); font-style:italic; padding:20px 0; }
+table.records { border-collapse:collapse; width:100%; font-size:13px; font-variant-numeric:tabular-nums; }
+table.records th, table.records td { padding:4px 8px; border-bottom:1px solid var(--line); text-align:right;
+                                     white-space:nowrap; }
+table.records th { position:sticky; top:37px; background:#f3f4f6; cursor:pointer; user-select:none; }
+table.records td.text, table.records th.text { text-align:left; }
+table.records tr.analytic td.source { color:#b45309; }
+table.records tr.measured td.source { color:#047857; font-weight:600; }
+.table-tools { margin:6px 0 10px; font-size:14px; }
+.table-tools input { padding:5px 8px; width:340px; border:1px solid #cbd5e1; border-radius:4px; font:inherit; }
+.table-scroll { max-height:640px; overflow:auto; border:1px solid var(--line); border-radius:4px; }
+footer { color:var(--muted); font-size:12px; text-align:center; padding:10px 0 30px; }
+"""
+
+# Table filtering and sorting, a few lines of plain JS so the page needs nothing beyond plotly.js.
+TABLE_SCRIPT = """
+(function () {
+  const table = document.getElementById('records-table');
+  if (!table) return;
+  const body = table.tBodies[0];
+  document.getElementById('records-filter').addEventListener('input', function (event) {
+    const words = event.target.value.toLowerCase().split(/\\s+/).filter(Boolean);
+    for (const row of body.rows) {
+      const text = row.textContent.toLowerCase();
+      row.style.display = words.every(function (w) { return text.includes(w); }) ? '' : 'none';
+    }
+  });
+  Array.from(table.tHead.rows[0].cells).forEach(function (header, column) {
+    header.addEventListener('click', function () {
+      const ascending = header.dataset.order !== 'asc';
+      header.dataset.order = ascending ? 'asc' : 'desc';
+      const rows = Array.from(body.rows);
+      rows.sort(function (a, b) {
+        const x = a.cells[column].dataset.sort ?? a.cells[column].textContent;
+        const y = b.cells[column].dataset.sort ?? b.cells[column].textContent;
+        const nx = parseFloat(x), ny = parseFloat(y);
+        const order = (!isNaN(nx) && !isNaN(ny)) ? nx - ny : x.localeCompare(y);
+        return ascending ? order : -order;
+      });
+      rows.forEach(function (row) { body.appendChild(row); });
+    });
+  });
+})();
+"""
+
+
+@lru_cache(maxsize=1)
+def _plotly_js() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+def _json_for_script(value: object) -> str:
+    """JSON safe to embed in a <script> element (no premature '</script>', no NaN)."""
+    text = json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    return text.replace("</", "<\\/").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+def _sanitize(value: Any) -> Any:
+    """Plain JSON types only: numpy scalars to Python, non-finite floats to null (a gap in the plot)."""
+    if isinstance(value, dict):
+        return {key: _sanitize(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_sanitize(item) for item in value]
+    if hasattr(value, "item") and not isinstance(value, str):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _plot_div(figure_id: str) -> str:
+    return f'<div class="{PLOT_CLASS}" id="{figure_id}"></div>'
+
+
+def _system_key(systems: Sequence[str]) -> str:
+    items = "".join(
+        f'<span><span class="swatch" style="background:{system_colour(s)}"></span>{html.escape(system_label(s))}</span>'
+        for s in systems
+    )
+    return f'<div class="legend-key">{items}</div>'
+
+
+def _format_number(value: float | None, digits: int = 4) -> str:
+    return "—" if value is None else f"{value:.{digits}g}"
+
+
+def _records_table(records: list[dict[str, Any]]) -> str:
+    system_rank = {s: i for i, s in enumerate(SYSTEMS)}
+    ordered = sorted(
+        records,
+        key=lambda r: (
+            r["model"],
+            r["dtype"],
+            r["gpus"],
+            system_rank.get(r["system"], len(SYSTEMS)),
+            r["system"],
+        ),
+    )
+    headers = [
+        ("model", "text"),
+        ("dtype", "text"),
+        ("GPUs", ""),
+        ("system", "text"),
+        ("source", "text"),
+        ("iteration p50 (s)", ""),
+        ("p5–p95 (s)", ""),
+        ("× ZeRO-3", ""),
+        ("× ZeRO++", ""),
+        ("bound ×", ""),
+        ("overlap-only ×", ""),
+        ("Allgather GB/iter", ""),
+        ("shards selected", ""),
+    ]
+    head = "".join(f'<th class="{css}">{html.escape(name)}</th>' for name, css in headers)
+    rows = []
+    for r in ordered:
+        iteration = r["iteration_s"]
+        allgather_bytes = r.get("allgather_bytes_per_iter")
+        cells = [
+            f'<td class="text">{html.escape(r["model"])}</td>',
+            f'<td class="text">{html.escape(r["dtype"])}</td>',
+            f"<td>{r['gpus']}</td>",
+            f'<td class="text" style="color:{system_colour(r["system"])};font-weight:600">'
+            f"{html.escape(system_label(r['system']))}</td>",
+            f'<td class="text source">{SOURCE_LABELS[r["source"]]}</td>',
+            f"<td>{_format_number(iteration['p50'])}</td>",
+            f'<td data-sort="{iteration["p5"]}">{_format_number(iteration["p5"])}–{_format_number(iteration["p95"])}</td>',
+            f"<td>{_format_number(r['speedup_vs_zero3'], 3)}</td>",
+            f"<td>{_format_number(r.get('speedup_vs_zeropp'), 3)}</td>",
+            f"<td>{_format_number(r.get('bound_speedup'), 3)}</td>",
+            f"<td>{_format_number(r.get('overlap_only_speedup'), 3)}</td>",
+            f"<td>{_format_number(None if allgather_bytes is None else allgather_bytes / 1e9)}</td>",
+            f"<td>{_format_number(r.get('shards_selected'), 6)}</td>",
+        ]
+        rows.append(f'<tr class="{r["source"]}">{"".join(cells)}</tr>')
+    return (
+        '<div class="table-tools"><input id="records-filter" type="search" '
+        'placeholder="filter rows, e.g. &quot;mixtral fp16 ciera&quot;"> '
+        "<span>click a column header to sort</span></div>"
+        f'<div class="table-scroll"><table class="records" id="records-table"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table></div>"
+    )
+
+
+def _provenance_banner(records: list[dict[str, Any]], bundle: TraceBundle | None) -> str:
+    analytic = sum(r["source"] == "analytic" for r in records)
+    measured = len(records) - analytic
+    analytic_runs = 0 if bundle is None else int((bundle.runs["source"] == "analytic").sum())
+    parts = [
+        f"{len(records)} simulation records: {measured} measured, {analytic} <b>analytic projection</b>."
+    ]
+    if analytic:
+        parts.append(
+            "Analytic projections are model output of the simulator (analytic traces and/or extrapolation in "
+            "depth and world size), not measurements; they are drawn with hollow markers and dashed lines, and "
+            "paler bars."
+        )
+    if bundle is not None and analytic_runs:
+        parts.append(
+            f"{analytic_runs} of the bundle's {len(bundle.runs)} trace runs were produced by the analytic generator."
+        )
+    return f'<div class="provenance">{" ".join(parts)}</div>'
+
+
+def build_report(
+    records: list[dict[str, Any]],
+    timeline_events: list[dict[str, Any]],
+    bundle: TraceBundle | None,
+    title: str,
+    *,
+    cluster: str | None = None,
+    bundle_path: str | None = None,
+    timeline_caption: str | None = None,
+) -> str:
+    """One self-contained HTML document (plotly.js inlined once, no network access) for these records.
+
+    `records` follow the ciera.simulate/1 contract (validated here too, so API callers get the same
+    checks as files); `timeline_events` are Chrome-trace events, complete ('X') ones are drawn.
+    """
+    records = [validate_record(record, "<records>", index) for index, record in enumerate(records)]
+    timeline_events = validate_timeline(list(timeline_events), "<timeline>")
+    systems_present = [s for s in SYSTEMS if any(r["system"] == s for r in records)]
+
+    figures: dict[str, dict[str, Any]] = {}
+    if records:
+        figures["fig-speedup"] = speedup_figure(records)
+        figures["fig-breakdown"] = breakdown_figure(records)
+    if timeline_events:
+        figures["fig-timeline"] = timeline_figure(timeline_events)
+    has_exponents = bundle is not None and len(bundle.exponents) > 0
+    if has_exponents:
+        figures["fig-exponents"] = exponent_figure(bundle.exponents, bundle.runs)
+
+    def section(anchor: str, heading: str, lede: str, body: str) -> str:
+        return f'<section id="{anchor}"><h2>{heading}</h2><p class="lede">{lede}</p>{body}</section>'
+
+    no_records = '<p class="empty">No simulation records.</p>'
+    sections = [
+        section(
+            "speedup",
+            "Speedup vs GPUs",
+            "Iteration-time speedup of each system over ZeRO-3 (left) and over ZeRO++ (right, FP16 only) as the "
+            "world size grows. Filled markers on solid lines are measured; hollow markers on dashed lines are "
+            "analytic projections. The shaded band runs from what perfect overlap alone gives (dash-dot) up to the "
+            "bound that fewer bytes plus perfect overlap allow (dotted); the dotted line at 1 is parity. "
+            "Use the dropdown to pick the model and dtype.",
+            (_system_key([s for s in systems_present if s != "zero3"]) + _plot_div("fig-speedup"))
+            if records
+            else no_records,
+        ),
+        section(
+            "breakdown",
+            "Where the iteration time goes",
+            "Stacked per-rank time of one iteration for every system, grouped by world size W: compute, the "
+            "Allgather and ReduceScatter time not hidden behind compute, codec work left on the critical path, "
+            "and the rest (optimizer step, launch gaps). Markers with whiskers show the p50 iteration time and "
+            "its p5–p95 Monte Carlo band. Paler bars are analytic projections, full-colour bars measured.",
+            _plot_div("fig-breakdown") if records else no_records,
+        ),
+        section(
+            "timeline",
+            "One iteration, per stream",
+            "Gantt view of one simulated iteration per system: each row is a stream of a rank (compute, "
+            "Allgather, ReduceScatter, codec sender, codec receiver); gaps are idle time. Panels share the time "
+            "axis: zoom one to zoom all. The same trace opens in Perfetto (ciera simulate --timeline)."
+            + (f" {html.escape(timeline_caption)}" if timeline_caption else ""),
+            _plot_div("fig-timeline")
+            if timeline_events
+            else '<p class="empty">No timeline events were given.</p>',
+        ),
+        section(
+            "exponents",
+            "Exponent churn",
+            "How often exponents change between iterations, per parameter category: the fraction of values "
+            "whose exponent changed, and the fraction of B-value blocks holding any change (the block change "
+            "rate q that sets CIERA's payload ratio r(q) ≈ 0.5 + 1/(16B) + q·H/16 for BF16).",
+            _plot_div("fig-exponents")
+            if has_exponents
+            else '<p class="empty">The trace bundle holds no exponent statistics.</p>',
+        ),
+        section(
+            "records",
+            "All records",
+            "Every simulated (model, dtype, GPUs, system) point. Speedups are ratios of p50 iteration times; "
+            "“bound ×” is the most that fewer Allgather bytes plus perfect overlap could give, “overlap-only ×” "
+            "what perfect overlap gives without compression.",
+            _records_table(records) if records else no_records,
+        ),
+    ]
+
+    meta_items = []
+    if cluster:
+        meta_items.append(f"cluster <code>{html.escape(cluster)}</code>")
+    meta_items.append(f"trace bundle <code>{html.escape(bundle_path) if bundle_path else 'none'}</code>")
+    models = list(dict.fromkeys(r["model"] for r in records))
+    gpus = sorted({r["gpus"] for r in records})
+    if records:
+        meta_items.append(f"{len(models)} models, W ∈ {{{', '.join(map(str, gpus))}}}")
+    nav = "".join(
+        f'<a href="#{anchor}">{name}</a>'
+        for anchor, name in (
+            ("speedup", "Speedup"),
+            ("breakdown", "Breakdown"),
+            ("timeline", "Timeline"),
+            ("exponents", "Exponent churn"),
+            ("records", "Records"),
+        )
+    )
+    figure_payload = _json_for_script({key: _sanitize(value) for key, value in figures.items()})
+    render_script = (
+        f"const cieraFigures = {figure_payload};\n"
+        f"const cieraConfig = {_json_for_script(PLOTLY_CONFIG)};\n"
+        "for (const [id, figure] of Object.entries(cieraFigures)) {\n"
+        "  Plotly.newPlot(id, figure.data, figure.layout, cieraConfig);\n"
+        "}\n"
+    )
+    return (
+        "<!DOCTYPE html>\n"
+        '<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style>"
+        f"<script>{_plotly_js()}</script></head><body>"
+        f"<header><h1>{html.escape(title)}</h1>"
+        f'<div class="meta">{" · ".join(meta_items)}</div>'
+        f"{_provenance_banner(records, bundle)}</header>"
+        f"<nav>{nav}</nav><main>{''.join(sections)}</main>"
+        "<footer>Generated by <code>ciera report</code>. Self-contained: works offline.</footer>"
+        f"<script>{render_script}{TABLE_SCRIPT}</script></body></html>\n"
+    )

@@ -1,0 +1,193 @@
+"""Load and validate what the report renders: simulation records and Chrome-trace timelines.
+
+Both loaders accept already-parsed objects (from the sim API) as well as files, and every problem is a
+`ReportInputError` naming the origin (file), the record and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import ReportInputError
+
+RECORDS_SCHEMA = "ciera.simulate/1"
+SYSTEMS = ("zero3", "fsdp", "zeropp", "ciera-er", "ciera-er-bsc", "ciera")
+DTYPES = ("bf16", "fp16")
+SOURCES = ("measured", "analytic")
+PERCENTILE_KEYS = ("p5", "p50", "p95")
+BREAKDOWN_KEYS = ("compute", "exposed_allgather", "exposed_reduce_scatter", "codec_critical", "other")
+# Numbers a record may leave null: ZeRO++ exists for FP16 only, bounds only where the sim states them.
+OPTIONAL_NUMBER_FIELDS = (
+    "speedup_vs_zeropp",
+    "bound_speedup",
+    "overlap_only_speedup",
+    "allgather_bytes_per_iter",
+    "shards_selected",
+)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ReportInputError(f"{path}: cannot read file ({error.strerror or error})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ReportInputError(
+            f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: {error.msg})"
+        ) from None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_number(origin: str, where: str, field: str, value: object, allow_null: bool = False) -> None:
+    if value is None and allow_null:
+        return
+    if not _is_number(value) or value < 0:
+        raise ReportInputError(
+            f"{origin}: {where}, field '{field}': {value!r}, expected a finite number >= 0"
+        )
+
+
+def validate_record(record: object, origin: str, index: int) -> dict[str, Any]:
+    """Check one simulation record against the ciera.simulate/1 contract; return it as a plain dict."""
+    where = f"record {index}"
+    if not isinstance(record, Mapping):
+        raise ReportInputError(f"{origin}: {where}: {type(record).__name__}, expected a JSON object")
+    for field in (
+        "model",
+        "dtype",
+        "gpus",
+        "system",
+        "source",
+        "iteration_s",
+        "breakdown_s",
+        "speedup_vs_zero3",
+    ):
+        if field not in record:
+            raise ReportInputError(f"{origin}: {where}, field '{field}': missing")
+    if not isinstance(record["model"], str) or not record["model"]:
+        raise ReportInputError(
+            f"{origin}: {where}, field 'model': {record['model']!r}, expected a model name"
+        )
+    for field, allowed in (("dtype", DTYPES), ("system", SYSTEMS), ("source", SOURCES)):
+        if record[field] not in allowed:
+            raise ReportInputError(
+                f"{origin}: {where}, field '{field}': {record[field]!r}, expected one of {', '.join(allowed)}"
+            )
+    gpus = record["gpus"]
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise ReportInputError(f"{origin}: {where}, field 'gpus': {gpus!r}, expected an integer >= 1")
+    for field, keys in (("iteration_s", PERCENTILE_KEYS), ("breakdown_s", BREAKDOWN_KEYS)):
+        nested = record[field]
+        if not isinstance(nested, Mapping):
+            raise ReportInputError(f"{origin}: {where}, field '{field}': {nested!r}, expected an object")
+        for key in keys:
+            if key not in nested:
+                raise ReportInputError(f"{origin}: {where}, field '{field}.{key}': missing")
+            _check_number(origin, where, f"{field}.{key}", nested[key])
+    _check_number(origin, where, "speedup_vs_zero3", record["speedup_vs_zero3"])
+    for field in OPTIONAL_NUMBER_FIELDS:
+        _check_number(origin, where, field, record.get(field), allow_null=True)
+    return dict(record)
+
+
+def validate_records(document: object, origin: str) -> list[dict[str, Any]]:
+    """Validate a whole `{"schema": "ciera.simulate/1", "records": [...]}` document."""
+    if not isinstance(document, Mapping):
+        raise ReportInputError(f"{origin}: top level is {type(document).__name__}, expected a JSON object")
+    schema = document.get("schema")
+    if schema != RECORDS_SCHEMA:
+        raise ReportInputError(f"{origin}: field 'schema': {schema!r}, expected {RECORDS_SCHEMA!r}")
+    records = document.get("records")
+    if not isinstance(records, list):
+        raise ReportInputError(f"{origin}: field 'records': {type(records).__name__}, expected a list")
+    if not records:
+        raise ReportInputError(f"{origin}: field 'records': empty list, nothing to report")
+    return [validate_record(record, origin, index) for index, record in enumerate(records)]
+
+
+def load_records(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Records of a `ciera simulate --json` file, and the document's other top-level fields (metadata)."""
+    path = Path(path)
+    document = _read_json(path)
+    records = validate_records(document, str(path))
+    metadata = {key: value for key, value in document.items() if key not in ("schema", "records")}
+    return records, metadata
+
+
+def validate_timeline(document: object, origin: str) -> list[dict[str, Any]]:
+    """Complete ('X') events of a Chrome trace, with `pid` resolved to the system name it stands for.
+
+    Accepts the object form `{"traceEvents": [...]}` and the bare array form; `process_name` metadata
+    events name integer pids, as Perfetto would show them.
+    """
+    if isinstance(document, Mapping):
+        if "traceEvents" not in document:
+            raise ReportInputError(f"{origin}: field 'traceEvents': missing")
+        events = document["traceEvents"]
+    else:
+        events = document
+    if not isinstance(events, list):
+        raise ReportInputError(f"{origin}: field 'traceEvents': {type(events).__name__}, expected a list")
+    process_names: dict[object, str] = {}
+    for event in events:
+        if isinstance(event, Mapping) and event.get("ph") == "M" and event.get("name") == "process_name":
+            name = (event.get("args") or {}).get("name")
+            if isinstance(name, str):
+                process_names[event.get("pid")] = name
+    complete_events: list[dict[str, Any]] = []
+    for index, event in enumerate(events):
+        if not isinstance(event, Mapping):
+            raise ReportInputError(
+                f"{origin}: traceEvents[{index}]: {type(event).__name__}, expected an object"
+            )
+        if event.get("ph") != "X":
+            continue
+        for field in ("pid", "tid", "ts", "dur"):
+            if field not in event:
+                raise ReportInputError(f"{origin}: traceEvents[{index}], field '{field}': missing")
+        for field in ("ts", "dur"):
+            if not _is_number(event[field]) or event[field] < 0:
+                raise ReportInputError(
+                    f"{origin}: traceEvents[{index}], field '{field}': {event[field]!r}, expected microseconds >= 0"
+                )
+        resolved = dict(event)
+        resolved["pid"] = process_names.get(event["pid"], str(event["pid"]))
+        resolved["tid"] = str(event["tid"])
+        complete_events.append(resolved)
+    return complete_events
+
+
+def load_timeline(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    path = Path(path)
+    return validate_timeline(_read_json(path), str(path))
+
+
+def write_text_atomically(path: str | os.PathLike[str], text: str) -> Path:
+    """Write via a temporary sibling and `os.replace`, so readers never see a half-written file."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise ReportInputError(f"{path}: directory {directory} does not exist")
+    file_descriptor, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(file_descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp_name, 0o644)
+        os.replace(temp_name, path)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+    return path

@@ -313,6 +313,9 @@ def write_bundle(bundle: TraceBundle, path: str | os.PathLike[str], overwrite: b
         raise TraceError(f"{root}: already exists (pass overwrite to replace it)")
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".partial", dir=root.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the bundle should not be
     try:
         for name, table in tables.items():
             pq.write_table(

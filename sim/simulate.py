@@ -1,0 +1,317 @@
+"""The sweep: (model, dtype, world size, system) → one SimRecord, plus timelines and JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import traces
+
+from .cluster import ClusterPreset
+from .collectives import CollectiveModel
+from .engine import BREAKDOWN_KEYS, Replay, attribute, busy_s, replay, sample_durations, sample_iteration_s
+from .engine import timeline_events as engine_timeline_events
+from .errors import SimInputError
+from .profile import BundleIndex, ModelProfile, available_models, build_profile, compute_world_size_for
+from .systems import FP16_ONLY_SYSTEMS, STREAMS_ORDER, SYSTEMS, BuiltSystem, build_system, noise_slots
+
+SCHEMA = "ciera.simulate/1"
+DEFAULT_GPUS = (4, 8, 16, 32, 64, 128)
+DTYPES = ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class SimRecord:
+    model: str
+    dtype: str
+    gpus: int
+    system: str
+    source: str  # trace source: measured | analytic | mixed
+    projected: bool  # world size or depth not traced: the numbers are projections
+    iteration_s: dict[str, float]  # p5, p50, p95 over the Monte Carlo samples
+    iteration_nominal_s: float  # the simpy replay at nominal (median) durations
+    breakdown_s: dict[str, float]  # of the nominal replay; sums to iteration_nominal_s
+    allgather_bytes_per_iter: float
+    reduce_scatter_bytes_per_iter: float
+    speedup_vs_zero3: float
+    speedup_vs_zeropp: float | None
+    shards_selected: int
+    shards_total: int
+    payload_ratio: float  # this system's gathered bytes / zero3's
+    bound_speedup: float
+    overlap_only_speedup: float
+    speedup_parts: dict[str, float]  # bytes × overlap × other = speedup_vs_zero3
+    fit_residual: float
+    full_layers: int
+    compute_world_size: int
+    cluster: str
+    simulated_events: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Outcome:
+    built: BuiltSystem
+    replay: Replay
+    samples_s: np.ndarray
+
+
+def _quantiles(samples: np.ndarray) -> dict[str, float]:
+    p5, p50, p95 = np.percentile(samples, [5, 50, 95])
+    return {"p5": float(p5), "p50": float(p50), "p95": float(p95)}
+
+
+def _speedup_parts(speedup: float, bound: float, overlap_only: float) -> dict[str, float]:
+    """Split a speedup multiplicatively: first what fewer bytes can explain (at most bound/overlap_only),
+    then what overlap the baseline lacked can explain (at most overlap_only), the rest is `other` (a weak
+    baseline, a different topology such as hpZ, or — below 1 — the system's own overheads)."""
+    bytes_ceiling = max(bound / overlap_only, 1.0)
+    from_bytes = min(max(speedup, 1.0), bytes_ceiling)
+    from_overlap = min(max(speedup / from_bytes, 1.0), max(overlap_only, 1.0))
+    return {"bytes": from_bytes, "overlap": from_overlap, "other": speedup / (from_bytes * from_overlap)}
+
+
+def _normal_draws(preset: ClusterPreset, profile: ModelProfile) -> np.ndarray:
+    # Common random numbers: the same draws for every system and world size of a (model, dtype).
+    seed = [preset.simulation.seed, zlib.crc32(profile.model.encode()), DTYPES.index(profile.dtype)]
+    return np.random.default_rng(seed).standard_normal((noise_slots(profile), preset.simulation.samples))
+
+
+def resolve_models(bundle: traces.TraceBundle, models: Sequence[str] | None) -> list[str]:
+    known = available_models(bundle)
+    if not known:
+        raise SimInputError("bundle: table 'runs' is empty, nothing to simulate")
+    if not models:
+        return known
+    lookup = {name.lower(): name for name in known}
+    resolved = []
+    for name in models:
+        if name.lower() not in lookup:
+            raise SimInputError(f"--models: model {name!r} is not in the bundle, expected one of {known}")
+        resolved.append(lookup[name.lower()])
+    return resolved
+
+
+def check_request(systems: Sequence[str], gpus: Sequence[int], dtypes: Sequence[str]) -> None:
+    for system in systems:
+        if system not in SYSTEMS:
+            raise SimInputError(f"--systems: unknown system {system!r}, expected one of {list(SYSTEMS)}")
+    for world_size in gpus:
+        if isinstance(world_size, bool) or not isinstance(world_size, int | np.integer) or world_size < 2:
+            raise SimInputError(f"--gpus: value {world_size!r}, expected integers >= 2")
+    for dtype in dtypes:
+        if dtype not in DTYPES:
+            raise SimInputError(f"--dtype: value {dtype!r}, expected one of {list(DTYPES)}")
+
+
+class Simulator:
+    """Caches profiles and collective model for one bundle and preset."""
+
+    def __init__(self, bundle: traces.TraceBundle, preset: ClusterPreset) -> None:
+        self.bundle = bundle
+        self.index = BundleIndex(bundle)
+        self.preset = preset
+        self.collectives = CollectiveModel.from_preset(preset, bundle.collectives)
+        self._profiles: dict[tuple[str, str, int], ModelProfile] = {}
+        self._draws: dict[tuple[str, str], np.ndarray] = {}
+        self.simulated_events = 0
+        self.simpy_seconds = 0.0
+
+    def profile(self, model: str, dtype: str, world_size: int) -> ModelProfile:
+        source_w = compute_world_size_for(self.index, model, dtype, world_size)
+        key = (model, dtype, source_w)
+        if key not in self._profiles:
+            self._profiles[key] = build_profile(self.index, model, dtype, source_w, self.preset)
+        return self._profiles[key]
+
+    def run(self, system: str, model: str, dtype: str, world_size: int) -> _Outcome:
+        profile = self.profile(model, dtype, world_size)
+        built = build_system(system, profile, world_size, self.preset, self.collectives)
+        started = time.perf_counter()
+        nominal = replay(built.graph)
+        self.simpy_seconds += time.perf_counter() - started
+        self.simulated_events += nominal.events
+        draws_key = (model, dtype)
+        if draws_key not in self._draws:
+            self._draws[draws_key] = _normal_draws(self.preset, profile)
+        samples = sample_iteration_s(built.graph, sample_durations(built.graph, self._draws[draws_key]))
+        return _Outcome(built, nominal, samples)
+
+    def records_for(self, model: str, dtype: str, world_size: int, systems: Sequence[str]) -> list[SimRecord]:
+        profile = self.profile(model, dtype, world_size)
+        wanted = [s for s in systems if not (dtype == "bf16" and s in FP16_ONLY_SYSTEMS)]
+        needed = list(dict.fromkeys(["zero3", *(["zeropp"] if dtype == "fp16" else []), *wanted]))
+        outcomes = {system: self.run(system, model, dtype, world_size) for system in needed}
+        baseline = outcomes["zero3"]
+        base_graph = baseline.built.graph
+        compute_busy = busy_s(base_graph, "compute")
+        allgather_busy = busy_s(base_graph, "allgather", link_only=True)
+        other_comm_busy = busy_s(base_graph, "reduce_scatter", link_only=True)
+        base_p50 = float(np.median(baseline.samples_s))
+        zeropp_p50 = float(np.median(outcomes["zeropp"].samples_s)) if "zeropp" in outcomes else None
+        projected = (
+            world_size not in profile.traced_world_sizes or profile.full_layers not in profile.traced_layers
+        )
+        records = []
+        for system in wanted:
+            outcome = outcomes[system]
+            p50 = float(np.median(outcome.samples_s))
+            ratio = outcome.built.allgather_bytes_per_iter / max(baseline.built.allgather_bytes_per_iter, 1.0)
+            base_nominal = baseline.replay.iteration_s
+            bound = base_nominal / max(compute_busy, ratio * allgather_busy + other_comm_busy)
+            overlap_only = base_nominal / max(compute_busy, allgather_busy + other_comm_busy)
+            speedup = base_p50 / p50
+            breakdown = attribute(outcome.built.graph, outcome.replay)
+            scatter_bytes = sum(
+                op.bytes for op in outcome.built.graph.ops if op.category == "reduce_scatter" and op.uses_link
+            )
+            decisions = outcome.built.decisions
+            records.append(
+                SimRecord(
+                    model=model,
+                    dtype=dtype,
+                    gpus=world_size,
+                    system=system,
+                    source=profile.source,
+                    projected=projected,
+                    iteration_s=_quantiles(outcome.samples_s),
+                    iteration_nominal_s=outcome.replay.iteration_s,
+                    breakdown_s={key: float(breakdown[key]) for key in BREAKDOWN_KEYS},
+                    allgather_bytes_per_iter=float(outcome.built.allgather_bytes_per_iter),
+                    reduce_scatter_bytes_per_iter=float(scatter_bytes),
+                    speedup_vs_zero3=speedup,
+                    speedup_vs_zeropp=(zeropp_p50 / p50) if zeropp_p50 is not None else None,
+                    shards_selected=outcome.built.shards_selected,
+                    shards_total=len(decisions) if decisions is not None else 0,
+                    payload_ratio=ratio,
+                    bound_speedup=bound,
+                    overlap_only_speedup=overlap_only,
+                    speedup_parts=_speedup_parts(speedup, bound, overlap_only),
+                    fit_residual=profile.fit_residual,
+                    full_layers=profile.full_layers,
+                    compute_world_size=profile.compute_world_size,
+                    cluster=self.preset.name,
+                    simulated_events=outcome.replay.events,
+                    notes=list(profile.notes),
+                )
+            )
+        return records
+
+
+def simulate(
+    bundle: traces.TraceBundle,
+    cluster: ClusterPreset,
+    models: Sequence[str] | None = None,
+    gpus: Sequence[int] = DEFAULT_GPUS,
+    systems: Sequence[str] = SYSTEMS,
+    dtypes: Sequence[str] = DTYPES,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[SimRecord]:
+    """One record per (model, dtype, gpus, system); zeropp only for fp16 (as in DeepSpeed's evaluation)."""
+    check_request(systems, gpus, dtypes)
+    names = resolve_models(bundle, models)
+    simulator = Simulator(bundle, cluster)
+    jobs = [
+        (model, dtype, world_size)
+        for model in names
+        for dtype in dtypes
+        if _has_runs(bundle, model, dtype)
+        for world_size in gpus
+    ]
+    if not jobs:
+        raise SimInputError(f"bundle: no runs of {names} with dtype {list(dtypes)}")
+    records: list[SimRecord] = []
+    for done, (model, dtype, world_size) in enumerate(jobs, start=1):
+        records.extend(simulator.records_for(model, dtype, world_size, systems))
+        if progress is not None:
+            progress(done, len(jobs))
+    return records
+
+
+def _has_runs(bundle: traces.TraceBundle, model: str, dtype: str) -> bool:
+    runs = bundle.runs
+    return bool(((runs["model"] == model) & (runs["dtype"] == dtype)).any())
+
+
+def timeline(
+    bundle: traces.TraceBundle,
+    cluster: ClusterPreset,
+    model: str,
+    dtype: str,
+    gpus: int,
+    systems: Iterable[str] = SYSTEMS,
+) -> dict[str, Any]:
+    """One simulated iteration per system as Chrome trace JSON (opens in Perfetto / chrome://tracing):
+    one process per system, one thread per stream, complete events with µs timestamps."""
+    check_request(list(systems), [gpus], [dtype])
+    (model,) = resolve_models(bundle, [model])
+    simulator = Simulator(bundle, cluster)
+    events: list[dict[str, Any]] = []
+    for pid, system in enumerate(systems, start=1):
+        if dtype == "bf16" and system in FP16_ONLY_SYSTEMS:
+            continue
+        outcome = simulator.run(system, model, dtype, gpus)
+        label = f"{system} — {model} {dtype} W={gpus}"
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": label}})
+        events.append(
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
+        )
+        for tid, stream in enumerate(STREAMS_ORDER, start=1):
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": stream}}
+            )
+            events.append(
+                {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
+            )
+        tids = {stream: tid for tid, stream in enumerate(STREAMS_ORDER, start=1)}
+        for event in engine_timeline_events(outcome.built.graph, outcome.replay):
+            duration_us = (event["end_s"] - event["start_s"]) * 1e6  # type: ignore[operator]
+            if duration_us <= 0:
+                continue
+            events.append(
+                {
+                    "ph": "X",
+                    "name": event["name"],
+                    "cat": event["stream"],
+                    "pid": pid,
+                    "tid": tids[str(event["stream"])],
+                    "ts": float(event["start_s"]) * 1e6,  # type: ignore[arg-type]
+                    "dur": duration_us,
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schema": "ciera.timeline/1"}}
+
+
+def records_to_json(records: Sequence[SimRecord], cluster: ClusterPreset | None = None) -> dict[str, Any]:
+    document: dict[str, Any] = {"schema": SCHEMA, "records": [record.to_dict() for record in records]}
+    if cluster is not None:
+        document["cluster"] = cluster.name
+    return document
+
+
+def write_json_atomic(document: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write JSON next to `path` and rename it into place: readers never see a partial file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump(document, stream, indent=1, allow_nan=False)
+            stream.write("\n")
+        os.replace(staging, target)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise
+    return target

@@ -32,7 +32,7 @@ class CodecBackend(Protocol):
     ) -> None: ...
 
     def detect_changes_exact(
-        self, bits, exp_shift: int, exp_mask: int, block_size: int, last_exp, changed_out, force_all
+        self, bits, exp_shift: int, exp_mask: int, block_size: int, exp_out, last_exp, changed_out, force_all
     ) -> None: ...
 
     def extract_exponents(self, bits, exp_shift: int, exp_mask: int, exp_out) -> None: ...
@@ -51,7 +51,7 @@ class CodecBackend(Protocol):
 
 
 class CpuBackend:
-    """numba kernels (parallel over the cores numba is allowed to use) and the numba interleaved rANS."""
+    """numba kernels (vectorised loops; blocks and rANS chunks in parallel) and the numba interleaved rANS."""
 
     name = "cpu"
 
@@ -68,9 +68,11 @@ class CpuBackend:
             bits, exp_shift, exp_mask, block_size, hash_cache, exp_out, changed_out, force_all
         )
 
-    def detect_changes_exact(self, bits, exp_shift, exp_mask, block_size, last_exp, changed_out, force_all):
+    def detect_changes_exact(
+        self, bits, exp_shift, exp_mask, block_size, exp_out, last_exp, changed_out, force_all
+    ):
         self._kernels.detect_changes_exact(
-            bits, exp_shift, exp_mask, block_size, last_exp, changed_out, force_all
+            bits, exp_shift, exp_mask, block_size, exp_out, last_exp, changed_out, force_all
         )
 
     def extract_exponents(self, bits, exp_shift, exp_mask, exp_out):

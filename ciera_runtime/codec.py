@@ -186,9 +186,9 @@ class ShardEncoder:
         self.backend: CodecBackend = get_backend(self.config.backend)
         self.generation = 0  # generation of the last payload made; 0 = none yet (next one is full)
         n_blocks = self.layout.n_blocks
+        self._exp_scratch = np.empty(numel, dtype=np.uint8)
         if self.config.detector == "hash":
             self._hash_cache = np.zeros((n_blocks, 2), dtype=np.uint64)
-            self._exp_scratch = np.empty(numel, dtype=np.uint8)
         else:
             self._last_exp = np.zeros(numel, dtype=np.uint8)
         self._changed = np.zeros(n_blocks, dtype=np.uint8)
@@ -207,14 +207,15 @@ class ShardEncoder:
         full = force_full or self.generation == 0
         shift, mask = _EXP_LAYOUT[self.dtype]
         block_size = self.config.block_size
+        exp_source = self._exp_scratch
         if self.config.detector == "hash":
-            exp_source = self._exp_scratch
             self.backend.detect_changes_hash(
                 bits, shift, mask, block_size, self._hash_cache, exp_source, self._changed, full
             )
         else:
-            exp_source = self._last_exp
-            self.backend.detect_changes_exact(bits, shift, mask, block_size, exp_source, self._changed, full)
+            self.backend.detect_changes_exact(
+                bits, shift, mask, block_size, exp_source, self._last_exp, self._changed, full
+            )
         changed_blocks = np.flatnonzero(self._changed)
         self.last_changed_blocks = int(changed_blocks.size)
         offsets, changed_values = kernels.changed_block_offsets(changed_blocks, block_size, self.numel)

@@ -1,8 +1,9 @@
 """numba CPU kernels of the codec: plane split/merge, block change detection, block gather/scatter.
 
 All kernels work on the raw 16-bit patterns (``uint16``) so NaN payloads, infinities, subnormals and
-signed zeros pass through untouched.  Parallel kernels split work by blocks or by groups of values with
-``prange``; ``cache=True`` keeps the start-up cost to one compile per machine, and ``nogil=True`` lets the
+signed zeros pass through untouched.  Element-wise kernels are plain whole-array loops that LLVM
+vectorises; per-block kernels (hash, compare, gather, scatter) run blocks in parallel with ``prange``.
+``cache=True`` keeps the start-up cost to one compile per machine, and ``nogil=True`` lets the
 CCP worker thread encode while the main thread decodes.
 """
 
@@ -20,9 +21,6 @@ _GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 HASH_SEED_A = np.uint64(0x243F6A8885A308D3)
 HASH_SEED_B = np.uint64(0x13198A2E03707344)
 
-# Values per parallel task in the element-wise kernels: large enough to amortise scheduling.
-_ELEMENT_CHUNK = 1 << 16
-
 
 @njit(inline="always")
 def _splitmix64(state):
@@ -32,35 +30,51 @@ def _splitmix64(state):
     return z ^ (z >> np.uint64(31))
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def detect_changes_hash(bits, exp_shift, exp_mask, block_size, hash_cache, exp_out, changed_out, force_all):
-    """Extract exponents into ``exp_out`` and flag blocks whose 128-bit hash differs from ``hash_cache``.
+@njit(cache=True, nogil=True)
+def extract_exponents(bits, exp_shift, exp_mask, exp_out):
+    """Exponent plane. A plain loop over the whole array: LLVM vectorises it (index provably >= 0),
+    which beats a prange split by far on small core counts."""
+    for i in range(bits.size):
+        exp_out[i] = (bits[i] >> exp_shift) & exp_mask
 
-    ``hash_cache`` has shape (n_blocks, 2) and is updated in place for changed blocks, so the next call
-    compares against this gather.  Each stream folds 8 exponent bytes at a time into SplitMix64.
-    """
-    numel = bits.size
-    n_blocks = changed_out.size
-    for block in prange(n_blocks):
-        start = block * block_size
-        stop = min(start + block_size, numel)
-        hash_a = HASH_SEED_A ^ np.uint64(stop - start)
-        hash_b = HASH_SEED_B
-        word = np.uint64(0)
-        filled = 0
-        for i in range(start, stop):
-            exponent = (bits[i] >> exp_shift) & exp_mask
-            exp_out[i] = exponent
-            word |= np.uint64(exponent) << np.uint64(8 * filled)
-            filled += 1
-            if filled == 8:
-                hash_a = _splitmix64(hash_a ^ word)
-                hash_b = _splitmix64(hash_b + (word * _GOLDEN_GAMMA))
-                word = np.uint64(0)
-                filled = 0
-        if filled > 0:
+
+@njit(inline="always")
+def _block_words_hash(exp, exp_words, start, stop, seed_a, seed_b):
+    """Two SplitMix64 streams over the block's exponent bytes taken 8 at a time (little-endian)."""
+    hash_a = seed_a ^ np.uint64(stop - start)
+    hash_b = seed_b
+    i = start
+    if start % 8 == 0:
+        for word_index in range(start // 8, stop // 8):
+            word = exp_words[word_index]
             hash_a = _splitmix64(hash_a ^ word)
             hash_b = _splitmix64(hash_b + (word * _GOLDEN_GAMMA))
+        i = (stop // 8) * 8
+    word = np.uint64(0)
+    filled = 0
+    while i < stop:
+        word |= np.uint64(exp[i]) << np.uint64(8 * filled)
+        filled += 1
+        i += 1
+        if filled == 8 or i == stop:
+            hash_a = _splitmix64(hash_a ^ word)
+            hash_b = _splitmix64(hash_b + (word * _GOLDEN_GAMMA))
+            word = np.uint64(0)
+            filled = 0
+    return hash_a, hash_b
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def hash_blocks(exp, exp_words, block_size, hash_cache, changed_out, force_all):
+    """Flag blocks whose 128-bit exponent hash differs from ``hash_cache`` (n_blocks x 2), updating it.
+
+    ``exp_words`` is the exponent plane viewed as uint64 (its first floor(n/8)*8 bytes).
+    """
+    numel = exp.size
+    for block in prange(changed_out.size):
+        start = block * block_size
+        stop = min(start + block_size, numel)
+        hash_a, hash_b = _block_words_hash(exp, exp_words, start, stop, HASH_SEED_A, HASH_SEED_B)
         changed = force_all or hash_cache[block, 0] != hash_a or hash_cache[block, 1] != hash_b
         if changed:
             hash_cache[block, 0] = hash_a
@@ -69,33 +83,48 @@ def detect_changes_hash(bits, exp_shift, exp_mask, block_size, hash_cache, exp_o
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def detect_changes_exact(bits, exp_shift, exp_mask, block_size, last_exp, changed_out, force_all):
+def compare_blocks(exp, exp_words, last_exp, last_words, block_size, changed_out, force_all):
     """Flag blocks whose exponents differ from ``last_exp`` (the last ones sent) and update it in place."""
-    numel = bits.size
-    n_blocks = changed_out.size
-    for block in prange(n_blocks):
+    numel = exp.size
+    for block in prange(changed_out.size):
         start = block * block_size
         stop = min(start + block_size, numel)
         changed = force_all
+        i = start
+        if start % 8 == 0 and not changed:
+            for word_index in range(start // 8, stop // 8):
+                if exp_words[word_index] != last_words[word_index]:
+                    changed = True
+                    break
+            i = (stop // 8) * 8
         if not changed:
-            for i in range(start, stop):
-                if ((bits[i] >> exp_shift) & exp_mask) != last_exp[i]:
+            for k in range(i, stop):
+                if exp[k] != last_exp[k]:
                     changed = True
                     break
         if changed:
-            for i in range(start, stop):
-                last_exp[i] = (bits[i] >> exp_shift) & exp_mask
+            for k in range(start, stop):
+                last_exp[k] = exp[k]
         changed_out[block] = changed
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def extract_exponents(bits, exp_shift, exp_mask, exp_out):
-    """Exponent plane only (used for full-exponent payloads and receiver resync)."""
-    numel = bits.size
-    n_chunks = (numel + _ELEMENT_CHUNK - 1) // _ELEMENT_CHUNK
-    for chunk in prange(n_chunks):
-        for i in range(chunk * _ELEMENT_CHUNK, min(numel, (chunk + 1) * _ELEMENT_CHUNK)):
-            exp_out[i] = (bits[i] >> exp_shift) & exp_mask
+def words_view(plane: np.ndarray) -> np.ndarray:
+    """uint64 view of the first floor(n/8)*8 bytes of a contiguous uint8 plane."""
+    return plane[: plane.size - plane.size % 8].view(np.uint64)
+
+
+def detect_changes_hash(bits, exp_shift, exp_mask, block_size, hash_cache, exp_out, changed_out, force_all):
+    """Exponent plane into ``exp_out``, then flag blocks whose 128-bit hash changed (updating the cache)."""
+    extract_exponents(bits, exp_shift, exp_mask, exp_out)
+    hash_blocks(exp_out, words_view(exp_out), block_size, hash_cache, changed_out, force_all)
+
+
+def detect_changes_exact(bits, exp_shift, exp_mask, block_size, exp_out, last_exp, changed_out, force_all):
+    """Exponent plane into ``exp_out``, then flag blocks that differ from ``last_exp`` (updated in place)."""
+    extract_exponents(bits, exp_shift, exp_mask, exp_out)
+    compare_blocks(
+        exp_out, words_view(exp_out), last_exp, words_view(last_exp), block_size, changed_out, force_all
+    )
 
 
 def sign_mantissa_bytes(numel: int, is_fp16: bool) -> int:
@@ -105,9 +134,9 @@ def sign_mantissa_bytes(numel: int, is_fp16: bool) -> int:
     return numel + (3 * numel + 7) // 8
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def pack_sign_mantissa(bits, is_fp16, out):
-    """Write the sign+mantissa plane.
+    """Write the sign+mantissa plane (vectorised whole-array loops).
 
     BF16: ``out[i] = sign << 7 | mantissa7``.
     FP16: ``out[:n]`` holds the low 8 mantissa bits; then for every group of 8 values the 3-bit fields
@@ -115,53 +144,44 @@ def pack_sign_mantissa(bits, is_fp16, out):
     """
     numel = bits.size
     if not is_fp16:
-        n_chunks = (numel + _ELEMENT_CHUNK - 1) // _ELEMENT_CHUNK
-        for chunk in prange(n_chunks):
-            for i in range(chunk * _ELEMENT_CHUNK, min(numel, (chunk + 1) * _ELEMENT_CHUNK)):
-                value = bits[i]
-                out[i] = ((value >> 8) & 0x80) | (value & 0x7F)
+        for i in range(numel):
+            value = bits[i]
+            out[i] = ((value >> 8) & 0x80) | (value & 0x7F)
         return
-    n_groups = (numel + 7) // 8
-    for group in prange(n_groups):
+    for i in range(numel):
+        out[i] = bits[i] & 0xFF
+    for group in range((numel + 7) // 8):
         packed = 0
         base = group * 8
-        for j in range(8):
-            i = base + j
-            if i < numel:
-                value = bits[i]
-                out[i] = value & 0xFF
-                high = ((value >> 13) & 0x4) | ((value >> 8) & 0x3)
-                packed |= np.int64(high) << (3 * j)
+        for j in range(min(8, numel - base)):
+            value = bits[base + j]
+            packed |= np.int64(((value >> 13) & 0x4) | ((value >> 8) & 0x3)) << (3 * j)
         out[numel + 3 * group] = packed & 0xFF
         out[numel + 3 * group + 1] = (packed >> 8) & 0xFF
         out[numel + 3 * group + 2] = (packed >> 16) & 0xFF
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def merge_planes(exp, sign_mantissa, exp_shift, is_fp16, out):
     """Inverse of the split: rebuild the 16-bit patterns from the exponent and sign+mantissa planes."""
     numel = out.size
     if not is_fp16:
-        n_chunks = (numel + _ELEMENT_CHUNK - 1) // _ELEMENT_CHUNK
-        for chunk in prange(n_chunks):
-            for i in range(chunk * _ELEMENT_CHUNK, min(numel, (chunk + 1) * _ELEMENT_CHUNK)):
-                sm = np.uint16(sign_mantissa[i])
-                out[i] = ((sm & 0x80) << 8) | (np.uint16(exp[i]) << exp_shift) | (sm & 0x7F)
+        for i in range(numel):
+            sm = np.int64(sign_mantissa[i])
+            out[i] = ((sm & 0x80) << 8) | (np.int64(exp[i]) << exp_shift) | (sm & 0x7F)
         return
-    n_groups = (numel + 7) // 8
-    for group in prange(n_groups):
+    for i in range(numel):
+        out[i] = (np.int64(exp[i]) << exp_shift) | np.int64(sign_mantissa[i])
+    for group in range((numel + 7) // 8):
         base = group * 8
         packed = (
             np.int64(sign_mantissa[numel + 3 * group])
             | (np.int64(sign_mantissa[numel + 3 * group + 1]) << 8)
             | (np.int64(sign_mantissa[numel + 3 * group + 2]) << 16)
         )
-        for j in range(8):
-            i = base + j
-            if i < numel:
-                high = (packed >> (3 * j)) & 0x7
-                value = ((high & 0x4) << 13) | (np.int64(exp[i]) << exp_shift) | ((high & 0x3) << 8)
-                out[i] = np.uint16(value | sign_mantissa[i])
+        for j in range(min(8, numel - base)):
+            high = (packed >> (3 * j)) & 0x7
+            out[base + j] = np.int64(out[base + j]) | ((high & 0x4) << 13) | ((high & 0x3) << 8)
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -1,0 +1,164 @@
+"""Codec throughput and payload size against a memcpy baseline measured in the same run.
+
+    python benchmarks/codec.py --json out/codec.json [--numel 8388608] [--repeats 5]
+
+Weights: BF16 N(0, 0.02). Perturbation at rate q: a share q of the blocks get one exponent moved by one.
+Throughputs are in shard bytes (2 per value) per second, best of ``repeats``, numba's threads (all cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ciera_runtime import (  # noqa: E402
+    CodecConfig,
+    ShardDecoder,
+    ShardEncoder,
+    kernels,  # noqa: E402
+    rans,
+)
+from ciera_runtime.selection import perturb_blocks  # noqa: E402
+
+
+def best_s(function, repeats: int) -> float:
+    function()  # warm-up (compile / page-in)
+    samples = []
+    for _ in range(repeats):
+        start_s = time.perf_counter()
+        function()
+        samples.append(time.perf_counter() - start_s)
+    return min(samples)
+
+
+def entropy_bits(data: np.ndarray) -> float:
+    counts = np.bincount(data, minlength=256)
+    probabilities = counts[counts > 0] / data.size
+    return float(-(probabilities * np.log2(probabilities)).sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the results to this file")
+    parser.add_argument("--numel", type=int, default=1 << 23, help="values per shard (default 8 Mi)")
+    parser.add_argument("--block-size", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    numel, block_size, repeats = args.numel, args.block_size, args.repeats
+    rng = np.random.default_rng(args.seed)
+    weights = (rng.standard_normal(numel) * 0.02).astype(np.float32)
+    bits = (weights.view(np.uint32) >> 16).astype(np.uint16)  # truncation: BF16 patterns
+    shard_bytes = bits.nbytes
+    gbps = lambda seconds: shard_bytes / seconds / 1e9  # noqa: E731
+
+    copy_target = np.empty_like(bits)
+    memcpy_s = best_s(lambda: np.copyto(copy_target, bits), repeats)
+
+    exp_plane = np.empty(numel, dtype=np.uint8)
+    sm_plane = np.empty(numel, dtype=np.uint8)
+    merged = np.empty_like(bits)
+    n_blocks = (numel + block_size - 1) // block_size
+    hash_cache = np.zeros((n_blocks, 2), dtype=np.uint64)
+    changed = np.zeros(n_blocks, dtype=np.uint8)
+
+    def split() -> None:
+        kernels.extract_exponents(bits, 7, 0xFF, exp_plane)
+        kernels.pack_sign_mantissa(bits, False, sm_plane)
+
+    split_s = best_s(split, repeats)
+    merge_s = best_s(lambda: kernels.merge_planes(exp_plane, sm_plane, 7, False, merged), repeats)
+    assert np.array_equal(merged, bits)
+    detect_s = best_s(
+        lambda: kernels.detect_changes_hash(bits, 7, 0xFF, block_size, hash_cache, exp_plane, changed, False),
+        repeats,
+    )
+    last_exp = exp_plane.copy()
+    detect_exact_s = best_s(
+        lambda: kernels.detect_changes_exact(bits, 7, 0xFF, block_size, exp_plane, last_exp, changed, False),
+        repeats,
+    )
+
+    # Full codec path at q = 0.01: encode (detect, split, gather, rANS, assemble), decode (rANS, merge).
+    config = CodecConfig(block_size=block_size)
+    versions = [perturb_blocks(bits, 0.01, block_size, "bf16", rng) for _ in range(2)]
+    encoder = ShardEncoder(0, numel, "bf16", 1, config)
+    decoder = ShardDecoder(0, 1, numel, "bf16", config)
+    decoder.decode(encoder.encode(bits))
+    encode_samples, decode_samples = [], []
+    out = np.empty_like(bits)
+    for k in range(repeats + 1):
+        version = versions[k % 2]
+        start_s = time.perf_counter()
+        payload = encoder.encode(version)
+        encode_samples.append(time.perf_counter() - start_s)
+        start_s = time.perf_counter()
+        decoder.decode(payload, out=out)
+        decode_samples.append(time.perf_counter() - start_s)
+        assert np.array_equal(out, version)
+
+    exponents = ((weights.view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
+    stream = rans.encode(exponents)
+    decoded = np.empty_like(exponents)
+    ans_encode_s = best_s(lambda: rans.encode(exponents), repeats)
+    ans_decode_s = best_s(lambda: rans.decode(stream, decoded), repeats)
+    assert np.array_equal(decoded, exponents)
+    entropy = entropy_bits(exponents)
+
+    payload_rows = []
+    for q in (0.0, 0.01, 0.1, 0.5, 1.0):
+        encoder = ShardEncoder(0, numel, "bf16", 1, config)
+        encoder.encode(bits)
+        perturbed = perturb_blocks(bits, q, block_size, "bf16", rng)
+        payload = encoder.encode(perturbed)
+        ratio = payload.size / shard_bytes
+        bound = 0.5 + 1 / (16 * block_size) + q * entropy / 16
+        payload_rows.append(
+            {
+                "q": q,
+                "ratio": round(ratio, 6),
+                "bound": round(bound, 6),
+                "excess_pp": round(100 * (ratio - bound), 4),
+            }
+        )
+
+    result = {
+        "numel": numel,
+        "shard_bytes": shard_bytes,
+        "block_size": block_size,
+        "cpu_count": os.cpu_count(),
+        "memcpy_GBps": round(gbps(memcpy_s), 3),
+        "split_GBps": round(gbps(split_s), 3),
+        "merge_GBps": round(gbps(merge_s), 3),
+        "detect_GBps": round(gbps(detect_s), 3),
+        "detect_exact_GBps": round(gbps(detect_exact_s), 3),
+        "encode_GBps": round(gbps(min(encode_samples[1:])), 3),
+        "decode_GBps": round(gbps(min(decode_samples[1:])), 3),
+        "ans": {
+            "symbols": int(exponents.size),
+            "bits_per_symbol": round(8 * len(stream) / exponents.size, 5),
+            "entropy_bits": round(entropy, 5),
+            "excess_percent": round(100 * (8 * len(stream) / exponents.size / entropy - 1), 4),
+            "encode_MBps": round(exponents.size / ans_encode_s / 1e6, 1),
+            "decode_MBps": round(exponents.size / ans_decode_s / 1e6, 1),
+            "decode_MBps_per_core": round(exponents.size / ans_decode_s / 1e6 / (os.cpu_count() or 1), 1),
+        },
+        "payload": payload_rows,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,20 +1,49 @@
 """CIERA's trace-driven scale-out simulator (imports without torch).
 
-Cluster presets (`load_cluster`), the hierarchical collective cost model (`CollectiveModel`).
+- `load_cluster` / `list_clusters`: cluster presets (TOML data) with dotted-key overrides.
+- `CollectiveModel`: hierarchical ring α–β costs calibrated to nccl-tests bus bandwidth.
+- `simulate(bundle, cluster, models, gpus, systems, dtypes)`: one `SimRecord` per (model, dtype, gpus, system).
+- `timeline(...)`: one simulated iteration per system as Chrome-trace JSON.
+- `records_to_json` / `write_json_atomic`: the `ciera.simulate/1` document.
+- `select_shards`: benefit-driven shard selection (BSC) as a pure function.
 """
 
 from .cluster import ClusterPreset, list_clusters, load_cluster, parse_overrides
 from .collectives import CollectiveModel, algbw_Bps, busbw_Bps, busbw_factor
 from .errors import SimInputError
+from .selection import select_shards
+from .simulate import (
+    DEFAULT_GPUS,
+    DTYPES,
+    SCHEMA,
+    Simulator,
+    SimRecord,
+    records_to_json,
+    simulate,
+    timeline,
+    write_json_atomic,
+)
+from .systems import SYSTEMS
 
 __all__ = [
+    "DEFAULT_GPUS",
+    "DTYPES",
+    "SCHEMA",
+    "SYSTEMS",
     "ClusterPreset",
     "CollectiveModel",
     "SimInputError",
+    "SimRecord",
+    "Simulator",
     "algbw_Bps",
     "busbw_Bps",
     "busbw_factor",
     "list_clusters",
     "load_cluster",
     "parse_overrides",
+    "records_to_json",
+    "select_shards",
+    "simulate",
+    "timeline",
+    "write_json_atomic",
 ]

@@ -1,13 +1,202 @@
-"""`ciera simulate`: placeholder until the simulator lands (keeps the console script importable)."""
+"""`ciera simulate`: project iteration time and speedups of ZeRO-3, FSDP, ZeRO++ and CIERA to 4–128 GPUs."""
 
 from __future__ import annotations
 
-import typer
+import sys
+from pathlib import Path
+from typing import Annotated
 
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import traces
+
+from .cluster import load_cluster, parse_overrides
 from .errors import SimInputError
+from .simulate import (
+    DEFAULT_GPUS,
+    DTYPES,
+    SimRecord,
+    records_to_json,
+    simulate,
+    timeline,
+    write_json_atomic,
+)
+from .systems import FP16_ONLY_SYSTEMS, SYSTEMS
 
 USER_ERRORS: tuple[type[BaseException], ...] = (SimInputError,)
 
+DEFAULT_CLUSTER = "a100-hdr-testbed"
+
+
+def _split(values: list[str] | None) -> list[str]:
+    """Accept both repeated options and comma-separated lists."""
+    return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+
+
+def parse_gpus(values: list[str] | None) -> list[int]:
+    parts = _split(values)
+    if not parts:
+        return list(DEFAULT_GPUS)
+    gpus = []
+    for part in parts:
+        try:
+            number = int(part)
+        except ValueError:
+            raise SimInputError(
+                f"--gpus: value {part!r}, expected positive integers >= 2, e.g. 4,8,16"
+            ) from None
+        if number < 2:
+            raise SimInputError(f"--gpus: value {part!r}, expected positive integers >= 2, e.g. 4,8,16")
+        gpus.append(number)
+    return list(dict.fromkeys(gpus))
+
+
+def _format_speedup(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _print_table(records: list[SimRecord], console: Console, notes: list[str]) -> None:
+    table = Table(
+        title=f"Simulated iteration time ({records[0].cluster})" if records else "Simulated iteration time"
+    )
+    for name, justify in (
+        ("model", "left"),
+        ("dtype", "left"),
+        ("gpus", "right"),
+        ("system", "left"),
+        ("iteration p50 s", "right"),
+        ("vs zero3", "right"),
+        ("vs zeropp", "right"),
+        ("bound", "right"),
+        ("source", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for record in records:
+        marker = record.source + (", projected" if record.projected else "")
+        table.add_row(
+            record.model + (" †" if record.source != "measured" else ""),
+            record.dtype,
+            str(record.gpus),
+            record.system,
+            f"{record.iteration_s['p50']:.4g}",
+            _format_speedup(record.speedup_vs_zero3),
+            _format_speedup(record.speedup_vs_zeropp),
+            _format_speedup(record.bound_speedup),
+            marker,
+        )
+    table.caption = (
+        "† from analytic traces (model output, not measurements). projected: world size or depth not traced. "
+        "bound: most that fewer bytes plus perfect overlap allow vs zero3 (docs/simulator.md)."
+        + ("".join(f"\n{note}" for note in notes))
+    )
+    console.print(table)
+
+
+def simulate_command(
+    bundle: Annotated[
+        Path | None, typer.Option("--bundle", help="Trace bundle directory (default: the packaged one).")
+    ] = None,
+    models: Annotated[
+        list[str] | None, typer.Option("--models", help="Models to simulate (comma-separated or repeated).")
+    ] = None,
+    gpus: Annotated[
+        list[str] | None, typer.Option("--gpus", help="World sizes, e.g. 4,8,16,32,64,128 (the default).")
+    ] = None,
+    systems: Annotated[
+        list[str] | None,
+        typer.Option("--systems", help=f"Systems, from {', '.join(SYSTEMS)} (default: all)."),
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="bf16 or fp16 (default: both; zeropp runs in fp16 only).")
+    ] = None,
+    cluster: Annotated[
+        str, typer.Option("--cluster", help="Cluster preset name or a TOML file path.")
+    ] = DEFAULT_CLUSTER,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a preset field, KEY=VALUE with dotted keys (repeatable)."),
+    ] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write the records as JSON to this file.")
+    ] = None,
+    timeline_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--timeline",
+            help="Write one simulated iteration per system (first model and dtype, largest --gpus) "
+            "as Chrome-trace JSON for Perfetto.",
+        ),
+    ] = None,
+) -> None:
+    """Replay one training iteration per system and project it to the requested GPU counts."""
+    preset = load_cluster(cluster, parse_overrides(overrides or []))
+    system_names = _split(systems) or list(SYSTEMS)
+    for name in system_names:
+        if name not in SYSTEMS:
+            raise SimInputError(f"--systems: unknown system {name!r}, expected one of {list(SYSTEMS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise SimInputError(f"--dtype: value {dtype!r}, expected one of {list(DTYPES)}")
+    dtypes = [dtype] if dtype else list(DTYPES)
+    world_sizes = parse_gpus(gpus)
+    notes = []
+    skipped = [s for s in system_names if s in FP16_ONLY_SYSTEMS]
+    if skipped and "bf16" in dtypes:
+        if dtypes == ["bf16"] and set(system_names) <= set(FP16_ONLY_SYSTEMS):
+            raise SimInputError(
+                f"--systems {','.join(system_names)} with --dtype bf16: ZeRO++ is simulated in fp16 only "
+                "(as DeepSpeed evaluates it); use --dtype fp16"
+            )
+        notes.append(f"{', '.join(skipped)}: fp16 only (as in DeepSpeed's ZeRO++), skipped for bf16")
+    bundle_path = bundle if bundle is not None else traces.default_bundle_path()
+    if bundle is None and not bundle_path.is_dir():
+        raise SimInputError(
+            f"--bundle: the packaged default bundle is missing at {bundle_path}; "
+            "generate one with `ciera analytic-bundle --out DIR` and pass --bundle DIR"
+        )
+    loaded = traces.read_bundle(bundle_path)
+
+    error_console = Console(stderr=True)
+    with Progress(
+        TextColumn("simulating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=error_console,
+        transient=True,
+        disable=not error_console.is_terminal,
+    ) as progress:
+        task = progress.add_task("sweep", total=None)
+
+        def report(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        records = simulate(
+            loaded,
+            preset,
+            models=_split(models) or None,
+            gpus=world_sizes,
+            systems=system_names,
+            dtypes=dtypes,
+            progress=report,
+        )
+    if json_path is not None:
+        write_json_atomic(records_to_json(records, preset), json_path)
+    if timeline_path is not None:
+        first = records[0]
+        write_json_atomic(
+            timeline(loaded, preset, first.model, first.dtype, max(world_sizes), systems=system_names),
+            timeline_path,
+        )
+    out = Console()
+    _print_table(records, out if out.is_terminal else Console(width=150), notes)
+    if json_path is not None:
+        print(f"wrote {json_path}", file=sys.stderr)
+    if timeline_path is not None:
+        print(f"wrote {timeline_path}", file=sys.stderr)
+
 
 def register(app: typer.Typer) -> None:
-    return None
+    app.command("simulate")(simulate_command)

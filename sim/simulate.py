@@ -80,7 +80,11 @@ def _speedup_parts(speedup: float, bound: float, overlap_only: float) -> dict[st
     bytes_ceiling = max(bound / overlap_only, 1.0)
     from_bytes = min(max(speedup, 1.0), bytes_ceiling)
     from_overlap = min(max(speedup / from_bytes, 1.0), max(overlap_only, 1.0))
-    return {"bytes": from_bytes, "overlap": from_overlap, "other": speedup / (from_bytes * from_overlap)}
+    return {
+        "bytes": float(from_bytes),
+        "overlap": float(from_overlap),
+        "other": float(speedup / (from_bytes * from_overlap)),
+    }
 
 
 def _normal_draws(preset: ClusterPreset, profile: ModelProfile) -> np.ndarray:

@@ -12,8 +12,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from traces import TraceError
+from traces import TraceBundle, TraceError
 
 from .errors import ReportInputError
 from .html import build_report
@@ -23,6 +24,7 @@ from .inputs import DTYPES, load_records, load_timeline, write_text_atomically
 USER_ERRORS: tuple[type[BaseException], ...] = (ReportInputError, TraceError)
 
 DEFAULT_TITLE = "CIERA scale-out report"
+DEFAULT_CLUSTER = "a100-hdr-testbed"  # the method's testbed, as `ciera simulate` defaults to
 
 
 def _split_list(values: list[str] | None) -> list[str]:
@@ -62,54 +64,45 @@ def _filter_records(
 
 
 def _simulate_sweep(
-    bundle: Path | None,
+    bundle: TraceBundle,
     models: list[str],
     gpus: list[int],
     dtype: str | None,
     cluster: str | None,
     overrides: list[str],
+    console: Console,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
-    """Run the simulator's sweep through its public API. Imported here so `ciera report --records` works
-    (and the CLI starts fast) without touching the simulator."""
+    """Run the simulator's sweep through its public API, plus one timeline: the first model, FP16 when
+    swept (so all six systems, ZeRO++ included, appear), at the largest world size. Imported here so
+    `ciera report --records` (and the CLI's start) never loads the simulator."""
     try:
         import sim
     except ImportError as error:
         raise ReportInputError(
             f"the simulator package is unavailable ({error}); pass --records FILE"
         ) from None
-    simulate = getattr(sim, "simulate", None)
-    if simulate is None:
-        raise ReportInputError(
-            "sim.simulate is not available in this build; pass --records FILE from ciera simulate"
+    preset = sim.load_cluster(cluster or DEFAULT_CLUSTER, sim.parse_overrides(overrides))
+    sweep_gpus = gpus or list(sim.DEFAULT_GPUS)
+    sweep_dtypes = [dtype] if dtype else list(sim.DTYPES)
+    with Progress(
+        TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
+        task = progress.add_task("sweep", total=None)
+        sim_records = sim.simulate(
+            bundle,
+            preset,
+            models=models or None,
+            gpus=sweep_gpus,
+            dtypes=sweep_dtypes,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
         )
-    options: dict[str, Any] = {
-        "bundle": bundle,
-        "cluster": cluster,
-        "overrides": sim.parse_overrides(overrides),
-    }
-    if models:
-        options["models"] = models
-    if gpus:
-        options["gpus"] = gpus
-    if dtype:
-        options["dtypes"] = [dtype]
-    result = simulate(**{key: value for key, value in options.items() if value is not None})
-    return _unpack_simulation(result)
-
-
-def _unpack_simulation(result: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
-    """Records, Chrome-trace events and metadata from what sim.simulate returns (object or mapping)."""
-
-    def field(name: str, default: Any = None) -> Any:
-        return result.get(name, default) if isinstance(result, dict) else getattr(result, name, default)
-
-    records = field("records") or []
-    records = [record.to_dict() if hasattr(record, "to_dict") else dict(record) for record in records]
-    timeline = field("timeline") or field("timeline_events") or []
-    if isinstance(timeline, dict):
-        timeline = timeline.get("traceEvents", [])
-    metadata = {"cluster": field("cluster"), "bundle": field("bundle")}
-    return records, list(timeline), metadata
+    records = [record.to_dict() for record in sim_records]
+    first_model = records[0]["model"]
+    timeline_dtype = "fp16" if any(r["dtype"] == "fp16" for r in records) else records[0]["dtype"]
+    timeline_document = sim.timeline(
+        bundle, preset, first_model, timeline_dtype, max(r["gpus"] for r in records)
+    )
+    return records, timeline_document["traceEvents"], {"cluster": preset.name}
 
 
 def _cluster_name(value: Any) -> str | None:
@@ -175,17 +168,19 @@ def report_command(
             )
         records, metadata = load_records(records_path)
         timeline_events = load_timeline(timeline_path) if timeline_path is not None else []
-    else:
-        with console.status("simulating the sweep (ciera simulate)..."):
-            records, timeline_events, metadata = _simulate_sweep(
-                bundle_path, model_names, gpu_counts, dtype, cluster, overrides or []
-            )
-    records = _filter_records(records, model_names, gpu_counts, dtype)
-
-    resolved_bundle_path = bundle_path or (Path(metadata["bundle"]) if metadata.get("bundle") else None)
+    resolved_bundle_path = bundle_path or (
+        Path(metadata["bundle"]) if records_path and metadata.get("bundle") else None
+    )
     if resolved_bundle_path is None and default_bundle_path().exists():
         resolved_bundle_path = default_bundle_path()
     bundle = read_bundle(resolved_bundle_path) if resolved_bundle_path is not None else None
+    if records_path is None:
+        if bundle is None:
+            raise ReportInputError("--bundle: no trace bundle to simulate (the packaged default is missing)")
+        records, timeline_events, metadata = _simulate_sweep(
+            bundle, model_names, gpu_counts, dtype, cluster, overrides or [], console
+        )
+    records = _filter_records(records, model_names, gpu_counts, dtype)
 
     document = build_report(
         records,

@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from .inputs import BREAKDOWN_KEYS, SYSTEMS
+from .inputs import BREAKDOWN_KEYS, SYSTEMS, is_measured_point, provenance_label
 
 Figure = dict[str, Any]
 
@@ -60,9 +60,9 @@ CATEGORY_COLOURS = {
     "embedding": "#54a24b",
 }
 STREAM_ORDER = ("compute", "allgather", "reduce_scatter", "codec_sender", "codec_receiver")
-SOURCE_LABELS = {"measured": "measured", "analytic": "analytic projection"}
 
 ANALYTIC_BAR_OPACITY = 0.6
+DEFAULT_BLOCK_SIZE = 512  # DESIGN.md's B, shown when the bundle has it
 ALWAYS_VISIBLE = -1  # owner of traces shown in every dropdown view
 
 FONT = {
@@ -144,7 +144,8 @@ def _views(records: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def _gpu_ticks(gpus: Iterable[int]) -> dict[str, Any]:
-    """A log axis ticked at the simulated world sizes; explicit range so an empty panel stays sane."""
+    """A log axis ticked at the given powers of two (world sizes, block sizes); an explicit range, so an
+    empty panel stays sane."""
     values = sorted(set(gpus))
     padding = 0.12  # in decades
     return {
@@ -182,18 +183,20 @@ def _speedup_traces(
         colour = system_colour(system)
         custom = [
             [
-                SOURCE_LABELS[r["source"]],
+                provenance_label(r),
                 r["iteration_s"]["p50"],
                 r["iteration_s"]["p5"],
                 r["iteration_s"]["p95"],
                 _fmt(r.get("bound_speedup")),
+                _speedup_parts_text(r) if speedup_field == "speedup_vs_zero3" else "",
             ]
             for r in points
         ]
         hover = (
             f"<b>{system_label(system)}</b> · %{{x}} GPUs<br>speedup vs {baseline_label}: <b>%{{y:.3f}}×</b><br>"
             "iteration p50 %{customdata[1]:.4g} s (p5–p95 %{customdata[2]:.4g}–%{customdata[3]:.4g} s)<br>"
-            "bound (bytes + perfect overlap): %{customdata[4]}×<br>source: %{customdata[0]}<extra></extra>"
+            "bound (bytes + perfect overlap): %{customdata[4]}×%{customdata[5]}<br>"
+            "source: %{customdata[0]}<extra></extra>"
         )
         traces.append(
             {
@@ -208,7 +211,7 @@ def _speedup_traces(
                 "marker": {
                     "color": colour,
                     "size": 9,
-                    "symbol": ["circle" if r["source"] == "measured" else "circle-open" for r in points],
+                    "symbol": ["circle" if is_measured_point(r) else "circle-open" for r in points],
                     "line": {"width": 2, "color": colour},
                 },
                 "customdata": custom,
@@ -217,7 +220,7 @@ def _speedup_traces(
                 "yaxis": f"y{axis_suffix}",
             }
         )
-        measured = [(r, c) for r, c in zip(points, custom, strict=True) if r["source"] == "measured"]
+        measured = [(r, c) for r, c in zip(points, custom, strict=True) if is_measured_point(r)]
         if measured:
             traces.append(
                 {
@@ -237,6 +240,16 @@ def _speedup_traces(
                 }
             )
     return traces
+
+
+def _speedup_parts_text(record: dict[str, Any]) -> str:
+    """The simulator's multiplicative split of the speedup (bytes × overlap × other), when it gives one."""
+    parts = record.get("speedup_parts")
+    if not isinstance(parts, dict) or not all(
+        isinstance(parts.get(k), int | float) for k in ("bytes", "overlap", "other")
+    ):
+        return ""
+    return f"<br>split: bytes {parts['bytes']:.3f}× · overlap {parts['overlap']:.3f}× · other {parts['other']:.3f}×"
 
 
 def _bound_traces(records: list[dict[str, Any]], show_legend: bool) -> list[dict[str, Any]]:
@@ -337,14 +350,8 @@ def speedup_figure(records: list[dict[str, Any]]) -> Figure:
                     "font": {"size": 13, "color": "#6b7280"},
                 }
             )
-        sources = {r["source"] for r in selected}
-        provenance = (
-            "measured"
-            if sources == {"measured"}
-            else "analytic projection"
-            if sources == {"analytic"}
-            else "mixed"
-        )
+        labels = {provenance_label(r) for r in selected}
+        provenance = labels.pop() if len(labels) == 1 else "measured and projected points"
         view_layouts.append(
             {
                 "annotations": annotations,
@@ -425,7 +432,7 @@ def breakdown_figure(records: list[dict[str, Any]]) -> Figure:
         system_rank = {s: i for i, s in enumerate(_ordered_systems(r["system"] for r in selected))}
         selected.sort(key=lambda r: (r["gpus"], system_rank[r["system"]]))
         categories = [[f"W={r['gpus']}" for r in selected], [system_label(r["system"]) for r in selected]]
-        sources = [SOURCE_LABELS[r["source"]] for r in selected]
+        sources = [provenance_label(r) for r in selected]
         for key in BREAKDOWN_KEYS:
             data.append(
                 {
@@ -434,13 +441,11 @@ def breakdown_figure(records: list[dict[str, Any]]) -> Figure:
                     "legendgroup": key,
                     "x": categories,
                     "y": [r["breakdown_s"][key] for r in selected],
-                    # Analytic bars are paler: model output, not a measurement. (Not hatched: plotly's
+                    # Projected bars are paler: model output, not a measurement. (Not hatched: plotly's
                     # pattern fills did not draw in headless Chromium.)
                     "marker": {
                         "color": BREAKDOWN_COLOURS[key],
-                        "opacity": [
-                            1.0 if r["source"] == "measured" else ANALYTIC_BAR_OPACITY for r in selected
-                        ],
+                        "opacity": [1.0 if is_measured_point(r) else ANALYTIC_BAR_OPACITY for r in selected],
                         "line": {"width": 0},
                     },
                     "customdata": sources,
@@ -475,8 +480,7 @@ def breakdown_figure(records: list[dict[str, Any]]) -> Figure:
                     "line": {"width": 3},
                 },
                 "customdata": [
-                    [r["iteration_s"]["p5"], r["iteration_s"]["p95"], SOURCE_LABELS[r["source"]]]
-                    for r in selected
+                    [r["iteration_s"]["p5"], r["iteration_s"]["p95"], provenance_label(r)] for r in selected
                 ],
                 "hovertemplate": (
                     "%{x}<br>iteration p50 <b>%{y:.4g} s</b><br>p5–p95 %{customdata[0]:.4g}–%{customdata[1]:.4g} s"
@@ -520,6 +524,13 @@ def timeline_figure(timeline_events: list[dict[str, Any]]) -> Figure:
     panel_count = max(len(systems), 1)
     gap = 0.05
     panel_height = (1 - gap * (panel_count - 1)) / panel_count
+    # Seconds for long iterations (tens of seconds at scale), milliseconds otherwise.
+    longest_us = max(
+        (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events) for events in events_by_system.values()),
+        default=0.0,
+    )
+    )
+    us_per_unit, unit = (1e6, "s") if longest_us >= 2e6 else (1e3, "ms")
     data: list[dict[str, Any]] = []
     layout = _base_layout(170 * panel_count + 120)
     layout["margin"] = {"l": 120, "r": 30, "t": 60, "b": 60}
@@ -527,7 +538,7 @@ def timeline_figure(timeline_events: list[dict[str, Any]]) -> Figure:
     for index, system in enumerate(systems):
         events = events_by_system[system]
         origin_us = min(e["ts"] for e in events)
-        end_ms = max(e["ts"] + e["dur"] for e in events) / 1e3 - origin_us / 1e3
+        iteration_units = (max(e["ts"] + e["dur"] for e in events) - origin_us) / us_per_unit
         streams = [s for s in STREAM_ORDER if any(e["tid"] == s for e in events)]
         streams += sorted({e["tid"] for e in events} - set(STREAM_ORDER))
         suffix = "" if index == 0 else str(index + 1)
@@ -539,14 +550,14 @@ def timeline_figure(timeline_events: list[dict[str, Any]]) -> Figure:
                 "name": system_label(system),
                 "showlegend": False,
                 "y": [e["tid"] for e in events],
-                "base": [(e["ts"] - origin_us) / 1e3 for e in events],
-                "x": [e["dur"] / 1e3 for e in events],
+                "base": [(e["ts"] - origin_us) / us_per_unit for e in events],
+                "x": [e["dur"] / us_per_unit for e in events],
                 "marker": {"color": system_colour(system), "line": {"width": 0}},
                 "width": 0.7,
-                "customdata": [[e.get("name", ""), (e["ts"] - origin_us) / 1e3] for e in events],
+                "customdata": [[e.get("name", ""), (e["ts"] - origin_us) / us_per_unit] for e in events],
                 "hovertemplate": (
                     f"<b>{system_label(system)}</b> · %{{y}}<br>%{{customdata[0]}}<br>"
-                    "start %{customdata[1]:.4g} ms · duration %{x:.4g} ms<extra></extra>"
+                    f"start %{{customdata[1]:.4g}} {unit} · duration %{{x:.4g}} {unit}<extra></extra>"
                 ),
                 "xaxis": f"x{suffix}",
                 "yaxis": f"y{suffix}",
@@ -555,7 +566,7 @@ def timeline_figure(timeline_events: list[dict[str, Any]]) -> Figure:
         # Panels share one time axis (zoom one, zoom all); each keeps its own tick labels.
         shared_time_axis = {"matches": "x"} if index else {}
         layout[f"xaxis{suffix}"] = _axis(
-            "time within the iteration (ms)" if index == panel_count - 1 else "",
+            f"time within the iteration ({unit})" if index == panel_count - 1 else "",
             anchor=f"y{suffix}",
             rangemode="tozero",
             **shared_time_axis,
@@ -571,7 +582,7 @@ def timeline_figure(timeline_events: list[dict[str, Any]]) -> Figure:
         )
         annotations.append(
             {
-                "text": f"<b>{system_label(system)}</b> · one iteration: {end_ms:.4g} ms",
+                "text": f"<b>{system_label(system)}</b> · one iteration: {iteration_units:.4g} {unit}",
                 "xref": "paper",
                 "yref": "paper",
                 "x": 0,
@@ -594,11 +605,15 @@ def timeline_figure(timeline_events: list[dict[str, Any]]) -> Figure:
 def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
     """Per-category distribution of exponent and block change rates (box from precomputed quartiles, so
     the page stays small however many shards the bundle has) and the numel-weighted block change rate over
-    iterations. Restricted to the bundle's most common block size B."""
-    block_size = int(exponents["block_size"].mode().iloc[0])
-    rows = exponents[exponents["block_size"] == block_size].merge(
-        runs[["run_id", "model", "dtype", "source"]], on="run_id", how="left"
+    iterations at the default block size B (or the bundle's most common one), and how q grows with B."""
+    block_sizes = set(exponents["block_size"].astype(int))
+    block_size = (
+        DEFAULT_BLOCK_SIZE
+        if DEFAULT_BLOCK_SIZE in block_sizes
+        else int(exponents["block_size"].mode().iloc[0])
     )
+    all_rows = exponents.merge(runs[["run_id", "model", "dtype", "source"]], on="run_id", how="left")
+    rows = all_rows[all_rows["block_size"] == block_size]
     categories = [c for c in CATEGORY_COLOURS if c in set(rows["category"])]
     categories += sorted(set(rows["category"]) - set(CATEGORY_COLOURS))
     data: list[dict[str, Any]] = []
@@ -641,6 +656,7 @@ def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
                 "type": "scatter",
                 "mode": "lines+markers",
                 "name": category,
+                "legendgroup": category,
                 "x": series["iteration"].tolist(),
                 "y": series["block_change_rate"].tolist(),
                 "line": {"color": CATEGORY_COLOURS.get(category, "#333333"), "width": 2},
@@ -650,8 +666,36 @@ def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
                 "yaxis": "y2",
             }
         )
+    weighted_all = all_rows.assign(weighted_rate=all_rows["block_change_rate"] * all_rows["numel"])
+    per_block_size = (
+        weighted_all.groupby(["category", "block_size"])[["weighted_rate", "numel"]].sum().reset_index()
+    )
+    per_block_size["block_change_rate"] = per_block_size["weighted_rate"] / per_block_size["numel"].clip(
+        lower=1
+    )
+    for category in categories:
+        series = per_block_size[per_block_size["category"] == category].sort_values("block_size")
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": category,
+                "legendgroup": category,
+                "showlegend": False,
+                "x": series["block_size"].tolist(),
+                "y": series["block_change_rate"].tolist(),
+                "line": {"color": CATEGORY_COLOURS.get(category, "#333333"), "width": 2},
+                "marker": {"size": 6},
+                "hovertemplate": f"{category} · B=%{{x}}<br>block change rate %{{y:.4f}}<extra></extra>",
+                "xaxis": "x3",
+                "yaxis": "y3",
+            }
+        )
     sources = sorted(set(rows["source"].dropna()))
-    provenance = " + ".join(SOURCE_LABELS.get(s, s) for s in sources) or "unknown source"
+    provenance = (
+        " + ".join("analytic traces" if s == "analytic" else f"{s} traces" for s in sources)
+        or "unknown source"
+    )
     layout = _base_layout(520)
     layout.update(
         {
@@ -661,17 +705,21 @@ def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
                 "y": 0.97,
             },
             "boxmode": "group",
-            "xaxis": _axis("parameter category", domain=[0, 0.45]),
+            "xaxis": _axis("parameter category", domain=[0, 0.38]),
             "yaxis": _axis("change rate between iterations (fraction)", rangemode="tozero"),
-            "xaxis2": _axis("iteration", domain=[0.55, 1], anchor="y2"),
-            "yaxis2": _axis("block change rate q (numel-weighted)", anchor="x2", rangemode="tozero"),
+            "xaxis2": _axis("iteration", domain=[0.46, 0.71], anchor="y2", dtick=1),
+            "yaxis2": _axis(f"block change rate q at B={block_size}", anchor="x2", rangemode="tozero"),
+            "xaxis3": _axis(
+                "block size B (values, log₂ scale)", domain=[0.79, 1], anchor="y3", **_gpu_ticks(block_sizes)
+            ),
+            "yaxis3": _axis("block change rate q", anchor="x3", rangemode="tozero"),
             "annotations": [
-                _panel_title(
-                    "distribution per category (box: p25–p75, whiskers: p5–p95)", "x domain", "y domain"
-                ),
-                _panel_title("block change rate over iterations", "x2 domain", "y2 domain"),
+                _panel_title("per category (box p25–p75, whiskers p5–p95)", "x domain", "y domain"),
+                _panel_title("q over iterations (numel-weighted)", "x2 domain", "y2 domain"),
+                _panel_title("q vs block size", "x3 domain", "y3 domain"),
             ],
-            "margin": {"l": 70, "r": 30, "t": 90, "b": 60},
+            "margin": {"l": 70, "r": 30, "t": 90, "b": 110},
+            "legend": {"orientation": "h", "y": -0.28, "x": 0, "font": {"size": 12}},
         }
     )
     return {"data": data, "layout": layout}

@@ -12,7 +12,6 @@ from typing import Any
 from traces import TraceBundle
 
 from .figures import (
-    SOURCE_LABELS,
     breakdown_figure,
     exponent_figure,
     speedup_figure,
@@ -20,7 +19,7 @@ from .figures import (
     system_label,
     timeline_figure,
 )
-from .inputs import SYSTEMS, validate_record, validate_timeline
+from .inputs import SYSTEMS, is_measured_point, provenance_label, validate_record, validate_timeline
 
 PLOT_CLASS = "ciera-plot"
 PLOTLY_CONFIG = {
@@ -59,7 +58,7 @@ table.records th, table.records td { padding:4px 8px; border-bottom:1px solid va
                                      white-space:nowrap; }
 table.records th { position:sticky; top:37px; background:#f3f4f6; cursor:pointer; user-select:none; }
 table.records td.text, table.records th.text { text-align:left; }
-table.records tr.analytic td.source { color:#b45309; }
+table.records tr.projected td.source { color:#b45309; }
 table.records tr.measured td.source { color:#047857; font-weight:600; }
 .table-tools { margin:6px 0 10px; font-size:14px; }
 .table-tools input { padding:5px 8px; width:340px; border:1px solid #cbd5e1; border-radius:4px; font:inherit; }
@@ -179,7 +178,7 @@ def _records_table(records: list[dict[str, Any]]) -> str:
             f"<td>{r['gpus']}</td>",
             f'<td class="text" style="color:{system_colour(r["system"])};font-weight:600">'
             f"{html.escape(system_label(r['system']))}</td>",
-            f'<td class="text source">{SOURCE_LABELS[r["source"]]}</td>',
+            f'<td class="text source">{provenance_label(r)}</td>',
             f"<td>{_format_number(iteration['p50'])}</td>",
             f'<td data-sort="{iteration["p5"]}">{_format_number(iteration["p5"])}–{_format_number(iteration["p95"])}</td>',
             f"<td>{_format_number(r['speedup_vs_zero3'], 3)}</td>",
@@ -189,7 +188,8 @@ def _records_table(records: list[dict[str, Any]]) -> str:
             f"<td>{_format_number(None if allgather_bytes is None else allgather_bytes / 1e9)}</td>",
             f"<td>{_format_number(r.get('shards_selected'), 6)}</td>",
         ]
-        rows.append(f'<tr class="{r["source"]}">{"".join(cells)}</tr>')
+        row_class = "measured" if is_measured_point(r) else "projected"
+        rows.append(f'<tr class="{row_class}">{"".join(cells)}</tr>')
     return (
         '<div class="table-tools"><input id="records-filter" type="search" '
         'placeholder="filter rows, e.g. &quot;mixtral fp16 ciera&quot;"> '
@@ -200,21 +200,24 @@ def _records_table(records: list[dict[str, Any]]) -> str:
 
 
 def _provenance_banner(records: list[dict[str, Any]], bundle: TraceBundle | None) -> str:
-    analytic = sum(r["source"] == "analytic" for r in records)
-    measured = len(records) - analytic
+    measured = sum(is_measured_point(r) for r in records)
+    analytic = sum(provenance_label(r) == "analytic projection" for r in records)
+    other_projections = len(records) - measured - analytic
     analytic_runs = 0 if bundle is None else int((bundle.runs["source"] == "analytic").sum())
-    parts = [
-        f"{len(records)} simulation records: {measured} measured, {analytic} <b>analytic projection</b>."
-    ]
-    if analytic:
+    counts = f"{len(records)} simulation records: {measured} measured, {analytic} <b>analytic projection</b>"
+    if other_projections:
+        counts += f", {other_projections} projected from measured traces to untraced sizes"
+    parts = [counts + "."]
+    if measured < len(records):
         parts.append(
             "Analytic projections are model output of the simulator (analytic traces and/or extrapolation in "
-            "depth and world size), not measurements; they are drawn with hollow markers and dashed lines, and "
-            "paler bars."
+            "depth and world size), not measurements; every projected point is drawn with a hollow marker on a "
+            "dashed line, and as a paler bar."
         )
     if bundle is not None and analytic_runs:
         parts.append(
-            f"{analytic_runs} of the bundle's {len(bundle.runs)} trace runs were produced by the analytic generator."
+            f"{analytic_runs} of the bundle's {len(bundle.runs)} trace runs were produced by the analytic "
+            "generator, not captured on hardware."
         )
     return f'<div class="provenance">{" ".join(parts)}</div>'
 
@@ -237,6 +240,9 @@ def build_report(
     records = [validate_record(record, "<records>", index) for index, record in enumerate(records)]
     timeline_events = validate_timeline(list(timeline_events), "<timeline>")
     systems_present = [s for s in SYSTEMS if any(r["system"] == s for r in records)]
+    if timeline_caption is None:
+        contexts = sorted({event["context"] for event in timeline_events if event.get("context")})
+        timeline_caption = f"Simulated: {'; '.join(contexts)}." if contexts else None
 
     figures: dict[str, dict[str, Any]] = {}
     if records:

@@ -19,7 +19,8 @@ from .errors import ReportInputError
 RECORDS_SCHEMA = "ciera.simulate/1"
 SYSTEMS = ("zero3", "fsdp", "zeropp", "ciera-er", "ciera-er-bsc", "ciera")
 DTYPES = ("bf16", "fp16")
-SOURCES = ("measured", "analytic")
+# Where the record's traces came from; `mixed` when a model's traces mix measured and analytic runs.
+SOURCES = ("measured", "analytic", "mixed")
 PERCENTILE_KEYS = ("p5", "p50", "p95")
 BREAKDOWN_KEYS = ("compute", "exposed_allgather", "exposed_reduce_scatter", "codec_critical", "other")
 # Numbers a record may leave null: ZeRO++ exists for FP16 only, bounds only where the sim states them.
@@ -95,10 +96,29 @@ def validate_record(record: object, origin: str, index: int) -> dict[str, Any]:
             if key not in nested:
                 raise ReportInputError(f"{origin}: {where}, field '{field}.{key}': missing")
             _check_number(origin, where, f"{field}.{key}", nested[key])
+    if not isinstance(record.get("projected", False), bool):
+        raise ReportInputError(
+            f"{origin}: {where}, field 'projected': {record['projected']!r}, expected true/false"
+        )
     _check_number(origin, where, "speedup_vs_zero3", record["speedup_vs_zero3"])
     for field in OPTIONAL_NUMBER_FIELDS:
         _check_number(origin, where, field, record.get(field), allow_null=True)
     return dict(record)
+
+
+def is_measured_point(record: dict[str, Any]) -> bool:
+    """Only a record simulated from measured traces at a traced world size and depth counts as measured;
+    anything extrapolated, or built on analytic traces, is a projection."""
+    return record["source"] == "measured" and not record.get("projected", False)
+
+
+def provenance_label(record: dict[str, Any]) -> str:
+    if is_measured_point(record):
+        return "measured"
+    return {
+        "measured": "projection from measured traces",
+        "mixed": "projection from measured + analytic traces",
+    }.get(record["source"], "analytic projection")
 
 
 def validate_records(document: object, origin: str) -> list[dict[str, Any]]:
@@ -125,11 +145,23 @@ def load_records(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], di
     return records, metadata
 
 
-def validate_timeline(document: object, origin: str) -> list[dict[str, Any]]:
-    """Complete ('X') events of a Chrome trace, with `pid` resolved to the system name it stands for.
+def _system_of_process(process_label: str) -> tuple[str, str]:
+    """'ciera — Mixtral-8x7B bf16 W=32' → ('ciera', 'Mixtral-8x7B bf16 W=32'); unknown labels stay whole."""
+    for system in sorted(SYSTEMS, key=len, reverse=True):
+        if process_label == system:
+            return system, ""
+        for separator in (" — ", " - ", " "):
+            if process_label.startswith(system + separator):
+                return system, process_label[len(system) + len(separator) :].strip()
+    return process_label, ""
 
-    Accepts the object form `{"traceEvents": [...]}` and the bare array form; `process_name` metadata
-    events name integer pids, as Perfetto would show them.
+
+def validate_timeline(document: object, origin: str) -> list[dict[str, Any]]:
+    """Complete ('X') events of a Chrome trace with `pid` resolved to the system and `tid` to the stream.
+
+    Accepts the object form `{"traceEvents": [...]}` and the bare array form. `process_name` and
+    `thread_name` metadata events name integer pids and tids, as Perfetto would show them; a process name
+    like 'ciera — <model> <dtype> W=<n>' yields the system and, in `context`, what was simulated.
     """
     if isinstance(document, Mapping):
         if "traceEvents" not in document:
@@ -140,11 +172,17 @@ def validate_timeline(document: object, origin: str) -> list[dict[str, Any]]:
     if not isinstance(events, list):
         raise ReportInputError(f"{origin}: field 'traceEvents': {type(events).__name__}, expected a list")
     process_names: dict[object, str] = {}
+    thread_names: dict[tuple[object, object], str] = {}
     for event in events:
-        if isinstance(event, Mapping) and event.get("ph") == "M" and event.get("name") == "process_name":
-            name = (event.get("args") or {}).get("name")
-            if isinstance(name, str):
-                process_names[event.get("pid")] = name
+        if not isinstance(event, Mapping) or event.get("ph") != "M":
+            continue
+        name = (event.get("args") or {}).get("name")
+        if not isinstance(name, str):
+            continue
+        if event.get("name") == "process_name":
+            process_names[event.get("pid")] = name
+        elif event.get("name") == "thread_name":
+            thread_names[(event.get("pid"), event.get("tid"))] = name
     complete_events: list[dict[str, Any]] = []
     for index, event in enumerate(events):
         if not isinstance(event, Mapping):
@@ -162,8 +200,10 @@ def validate_timeline(document: object, origin: str) -> list[dict[str, Any]]:
                     f"{origin}: traceEvents[{index}], field '{field}': {event[field]!r}, expected microseconds >= 0"
                 )
         resolved = dict(event)
-        resolved["pid"] = process_names.get(event["pid"], str(event["pid"]))
-        resolved["tid"] = str(event["tid"])
+        system, context = _system_of_process(process_names.get(event["pid"], str(event["pid"])))
+        resolved["pid"] = system
+        resolved["context"] = context
+        resolved["tid"] = thread_names.get((event["pid"], event["tid"]), str(event["tid"]))
         complete_events.append(resolved)
     return complete_events
 

@@ -63,7 +63,7 @@ def test_analytic_points_are_labelled_and_drawn_differently(records, timeline_ev
     assert {symbols[w] for w in (16, 32, 64, 128)} == {"circle-open"}
     assert measured["x"] == [4, 8] and measured["marker"]["symbol"] == "circle"
     # Table rows say which is which.
-    assert '<tr class="analytic">' in document and '<tr class="measured">' in document
+    assert '<tr class="projected">' in document and '<tr class="measured">' in document
 
 
 def test_all_analytic_records_never_say_measured(timeline_events, bundle):

@@ -526,9 +526,11 @@ def timeline_figure(timeline_events: list[dict[str, Any]]) -> Figure:
     panel_height = (1 - gap * (panel_count - 1)) / panel_count
     # Seconds for long iterations (tens of seconds at scale), milliseconds otherwise.
     longest_us = max(
-        (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events) for events in events_by_system.values()),
+        (
+            max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+            for events in events_by_system.values()
+        ),
         default=0.0,
-    )
     )
     us_per_unit, unit = (1e6, "s") if longest_us >= 2e6 else (1e3, "ms")
     data: list[dict[str, Any]] = []

@@ -44,7 +44,8 @@ def _thread_safe_numba() -> bool:
 
     from ciera_runtime import kernels
 
-    kernels.extract_exponents(np.zeros(1, np.uint16), 7, 0xFF, np.zeros(1, np.uint8))  # selects the layer
+    empty_u8, empty_u64 = np.zeros(0, np.uint8), np.zeros(0, np.uint64)
+    kernels.hash_blocks(empty_u8, empty_u64, 1, np.zeros((0, 2), np.uint64), empty_u8, False)  # picks the layer
     return numba.threading_layer() in ("omp", "tbb")
 
 

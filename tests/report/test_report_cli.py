@@ -179,3 +179,32 @@ def test_output_directory_must_exist(monkeypatch, capsys, tmp_path, records_file
     target = tmp_path / "missing-dir" / "r.html"
     code, _, err = _run(monkeypatch, capsys, "report", "--html", str(target), "--records", str(records_file))
     assert code == 2 and "does not exist" in err
+
+
+def test_report_simulates_when_no_records_are_given(monkeypatch, capsys, tmp_path):
+    # A small slice of the default sweep through the sim API, on the shipped bundle.
+    pytest.importorskip("sim.simulate")
+    html_path = tmp_path / "report.html"
+    code, _, err = _run(
+        monkeypatch, capsys, "report", "--html", str(html_path), "--models", "OLMoE-1B-7B", "--gpus", "4,16"
+    )
+    assert code == 0, err
+    document = html_path.read_text()
+    assert "OLMoE-1B-7B" in document and "a100-hdr-testbed" in document
+    assert document.count("<tr class=") == 2 * (5 + 6)  # bf16 without ZeRO++, fp16 with it
+    assert 'id="fig-timeline"' in document and 'id="fig-exponents"' in document
+
+
+def test_records_and_cluster_options_conflict(monkeypatch, capsys, tmp_path, records_file):
+    code, _, err = _run(
+        monkeypatch,
+        capsys,
+        "report",
+        "--html",
+        str(tmp_path / "r.html"),
+        "--records",
+        str(records_file),
+        "--set",
+        "inter_node.beta_Bps=1e9",
+    )
+    assert code == 2 and "--cluster/--set apply to a simulation" in err

@@ -138,3 +138,37 @@ def test_default_sweep_size_stays_small():
     assert len(many_records) == 6 * 6 * 11
     document = build_report(many_records, [], None, "t")
     assert len(document.encode()) < 10_000_000
+
+
+def test_sim_shaped_timeline_resolves_systems_and_streams():
+    # `ciera simulate --timeline` names integer pids/tids through metadata events.
+    document = {
+        "traceEvents": [
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": 1,
+                "tid": 0,
+                "args": {"name": "ciera — Mixtral-8x7B bf16 W=32"},
+            },
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "allgather"}},
+            {"ph": "X", "name": "fwd L1 gather", "pid": 1, "tid": 2, "ts": 10.0, "dur": 5.0},
+        ]
+    }
+    (event,) = validate_timeline(document, "t.json")
+    assert (event["pid"], event["tid"], event["context"]) == ("ciera", "allgather", "Mixtral-8x7B bf16 W=32")
+    page = build_report(crafted_records(), [document["traceEvents"][i] for i in range(3)], None, "t")
+    assert "Simulated: Mixtral-8x7B bf16 W=32." in page
+
+
+def test_projected_records_from_measured_traces_are_not_measured(timeline_events):
+    sim_shaped = crafted_records()
+    for record in sim_shaped:
+        record["projected"] = record["gpus"] > 4  # measured traces exist at W=4 only
+        record["source"] = "measured" if record["model"] == "Model-A" else "mixed"
+    figure = speedup_figure(sim_shaped)
+    projection = next(t for t in figure["data"] if t.get("legendgroup") == "ciera" and t["xaxis"] == "x")
+    symbols = dict(zip(projection["x"], projection["marker"]["symbol"], strict=True))
+    assert symbols[4] == "circle" and symbols[8] == "circle-open"
+    page = build_report(sim_shaped, timeline_events, None, "t")
+    assert "projection from measured traces" in page and "projection from measured + analytic traces" in page

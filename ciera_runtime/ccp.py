@@ -44,8 +44,9 @@ def _thread_safe_numba() -> bool:
 
     from ciera_runtime import kernels
 
+    # The first parallel kernel call is what selects numba's threading layer.
     empty_u8, empty_u64 = np.zeros(0, np.uint8), np.zeros(0, np.uint64)
-    kernels.hash_blocks(empty_u8, empty_u64, 1, np.zeros((0, 2), np.uint64), empty_u8, False)  # picks the layer
+    kernels.hash_blocks(empty_u8, empty_u64, 1, np.zeros((0, 2), np.uint64), empty_u8, False)
     return numba.threading_layer() in ("omp", "tbb")
 
 

@@ -94,7 +94,7 @@ def _base_layout(height_px: int) -> dict[str, Any]:
         "plot_bgcolor": "white",
         "margin": {"l": 70, "r": 30, "t": 110, "b": 60},
         "hoverlabel": {"font": {"family": FONT["family"], "size": 12}},
-        "legend": {"orientation": "h", "y": -0.16, "x": 0, "font": {"size": 12}},
+        "legend": {"orientation": "h", "y": -0.2, "yanchor": "top", "x": 0, "font": {"size": 12}},
     }
 
 
@@ -365,7 +365,8 @@ def speedup_figure(records: list[dict[str, Any]]) -> Figure:
     for trace, owner in zip(data, owners, strict=True):
         trace["visible"] = owner in (0, ALWAYS_VISIBLE)
     visibility = [[owner in (view, ALWAYS_VISIBLE) for owner in owners] for view in range(len(views))]
-    layout = _base_layout(560)
+    layout = _base_layout(600)
+    layout["margin"] = {"l": 70, "r": 30, "t": 110, "b": 120}
     layout.update(view_layouts[0] if view_layouts else {})
     layout.update(
         {
@@ -501,8 +502,15 @@ def breakdown_figure(records: list[dict[str, Any]]) -> Figure:
             "bargap": 0.25,
             "xaxis": _axis("world size W · system", tickangle=-50, tickfont={"size": 10}),
             "yaxis": _axis("time per iteration (s)", rangemode="tozero"),
-            "margin": {"l": 70, "r": 30, "t": 110, "b": 170},
-            "legend": {"orientation": "h", "y": 1.08, "x": 0.25, "font": {"size": 12}},
+            "margin": {"l": 70, "r": 30, "t": 130, "b": 170},
+            "legend": {
+                "orientation": "h",
+                "y": 1.02,
+                "yanchor": "bottom",
+                "x": 1,
+                "xanchor": "right",
+                "font": {"size": 12},
+            },
             "updatemenus": [_dropdown([f"{m} · {d}" for m, d in views], visibility, view_layouts)]
             if len(views) > 1
             else [],

@@ -56,7 +56,7 @@ section p.lede { margin:0 0 10px; color:var(--muted); font-size:14px; max-width:
 table.records { border-collapse:collapse; width:100%; font-size:13px; font-variant-numeric:tabular-nums; }
 table.records th, table.records td { padding:4px 8px; border-bottom:1px solid var(--line); text-align:right;
                                      white-space:nowrap; }
-table.records th { position:sticky; top:37px; background:#f3f4f6; cursor:pointer; user-select:none; }
+table.records th { position:sticky; top:0; background:#f3f4f6; cursor:pointer; user-select:none; }
 table.records td.text, table.records th.text { text-align:left; }
 table.records tr.projected td.source { color:#b45309; }
 table.records tr.measured td.source { color:#047857; font-weight:600; }
@@ -264,8 +264,10 @@ def build_report(
             "Speedup vs GPUs",
             "Iteration-time speedup of each system over ZeRO-3 (left) and over ZeRO++ (right, FP16 only) as the "
             "world size grows. Filled markers on solid lines are measured; hollow markers on dashed lines are "
-            "analytic projections. The shaded band runs from what perfect overlap alone gives (dash-dot) up to the "
-            "bound that fewer bytes plus perfect overlap allow (dotted); the dotted line at 1 is parity. "
+            "analytic projections. For CIERA (ER+BSC+CCP) the shaded band runs from what perfect overlap alone gives "
+            "(dash-dot) up to the bound that its fewer bytes plus perfect overlap allow (dotted); every point's own "
+            "bound and the split of its speedup into bytes × overlap × other are in its hover text. The dotted "
+            "line at 1 is parity. "
             "Use the dropdown to pick the model and dtype.",
             (_system_key([s for s in systems_present if s != "zero3"]) + _plot_div("fig-speedup"))
             if records

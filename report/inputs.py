@@ -202,7 +202,7 @@ def validate_timeline(document: object, origin: str) -> list[dict[str, Any]]:
         resolved = dict(event)
         system, context = _system_of_process(process_names.get(event["pid"], str(event["pid"])))
         resolved["pid"] = system
-        resolved["context"] = context
+        resolved["context"] = event.get("context") or context  # kept when events are validated twice
         resolved["tid"] = thread_names.get((event["pid"], event["tid"]), str(event["tid"]))
         complete_events.append(resolved)
     return complete_events

@@ -54,10 +54,18 @@ class OpGraph:
 
     def add(self, op: Op) -> int:
         self.ops.append(op)
+        self._predecessors = None
         return len(self.ops) - 1
+
+    _predecessors: tuple[list[int], list[int]] | None = None
 
     def predecessors(self) -> tuple[list[int], list[int]]:
         """(previous op on the same stream, previous op on the link) per op, -1 when none."""
+        if self._predecessors is None:
+            self._predecessors = self._compute_predecessors()
+        return self._predecessors
+
+    def _compute_predecessors(self) -> tuple[list[int], list[int]]:
         stream_prev = [-1] * len(self.ops)
         last_on_stream: dict[str, int] = {}
         for index, op in enumerate(self.ops):

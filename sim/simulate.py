@@ -132,6 +132,7 @@ class Simulator:
         self._draws: dict[tuple[str, str], np.ndarray] = {}
         self.simulated_events = 0
         self.simpy_seconds = 0.0
+        self.simulated_runs = 0
 
     def profile(self, model: str, dtype: str, world_size: int) -> ModelProfile:
         source_w = compute_world_size_for(self.index, model, dtype, world_size)
@@ -147,6 +148,7 @@ class Simulator:
         nominal = replay(built.graph)
         self.simpy_seconds += time.perf_counter() - started
         self.simulated_events += nominal.events
+        self.simulated_runs += 1
         draws_key = (model, dtype)
         if draws_key not in self._draws:
             self._draws[draws_key] = _normal_draws(self.preset, profile)

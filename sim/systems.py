@@ -70,8 +70,22 @@ class BuiltSystem:
     shards_selected: int
 
 
+_STEPS_CACHE: dict[int, tuple[ModelProfile, tuple[list[Step], float, float]]] = {}
+
+
 def compute_steps(profile: ModelProfile) -> tuple[list[Step], float, float]:
     """(layer steps in compute order, optimizer step seconds, optimizer coefficient of variation)."""
+    cached = _STEPS_CACHE.get(id(profile))
+    if cached is not None and cached[0] is profile:
+        return cached[1]
+    result = _compute_steps(profile)
+    if len(_STEPS_CACHE) > 64:
+        _STEPS_CACHE.clear()
+    _STEPS_CACHE[id(profile)] = (profile, result)
+    return result
+
+
+def _compute_steps(profile: ModelProfile) -> tuple[list[Step], float, float]:
     rows = {(int(r.layer), str(r.phase)): r for r in profile.layers.itertuples(index=False)}
     last = profile.full_layers + 1
 
@@ -173,26 +187,28 @@ def _ciera_layer_plan(
     )
     selected = decisions["selected"].to_numpy()
     raw = raw_bytes(decisions["numel"].to_numpy(dtype=float))
-    frame = pd.DataFrame(
-        {
-            "layer": decisions["layer"].to_numpy(),
-            "raw": raw,
-            "changed": np.where(selected, decisions["changed_payload_bytes"], raw),
-            "unchanged": np.where(selected, decisions["unchanged_payload_bytes"], raw),
-            "hash_s": np.where(selected, shards["hash_s"], 0.0),
-            "compress_s": np.where(selected, shards["compress_s"], 0.0),
-            "decompress_s": np.where(selected, shards["decompress_s"], 0.0),
-        }
+    layer_of = decisions["layer"].to_numpy(dtype=np.int64)
+    slots = int(layer_of.max()) + 1 if len(layer_of) else 0
+
+    def per_layer(values: np.ndarray) -> np.ndarray:
+        return np.bincount(layer_of, weights=values, minlength=slots)
+
+    raw_sum = per_layer(raw)
+    changed_sum = per_layer(np.where(selected, decisions["changed_payload_bytes"].to_numpy(), raw))
+    unchanged_sum = per_layer(np.where(selected, decisions["unchanged_payload_bytes"].to_numpy(), raw))
+    sender_sum = per_layer(
+        np.where(selected, shards["hash_s"].to_numpy() + shards["compress_s"].to_numpy(), 0.0)
     )
-    per_layer = frame.groupby("layer").sum()
+    receiver_sum = per_layer(np.where(selected, shards["decompress_s"].to_numpy(), 0.0))
     plan = {
-        int(layer): {
-            "changed_ratio": row.changed / row.raw if row.raw > 0 else 1.0,
-            "unchanged_ratio": row.unchanged / row.raw if row.raw > 0 else 1.0,
-            "sender_s": row.hash_s + row.compress_s,
-            "receiver_s": row.decompress_s,
+        layer: {
+            "changed_ratio": changed_sum[layer] / raw_sum[layer],
+            "unchanged_ratio": unchanged_sum[layer] / raw_sum[layer],
+            "sender_s": float(sender_sum[layer]),
+            "receiver_s": float(receiver_sum[layer]),
         }
-        for layer, row in per_layer.iterrows()
+        for layer in np.unique(layer_of).tolist()
+        if raw_sum[layer] > 0
     }
     return decisions, plan
 

@@ -3,7 +3,9 @@
     python benchmarks/codec.py --json out/codec.json [--numel 8388608] [--repeats 5]
 
 Weights: BF16 N(0, 0.02). Perturbation at rate q: a share q of the blocks get one exponent moved by one.
-Throughputs are in shard bytes (2 per value) per second, best of ``repeats``, numba's threads (all cores).
+Throughputs are in shard bytes (2 per value) per second, best of ``repeats``, numba's threads (all cores);
+detection uses the kernels ``kernels.detect_changes_*`` pick (serial below 3 numba threads), and
+``detect_parallel_GBps`` is the hash detector forced onto all threads.
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ def main() -> None:
         lambda: kernels.detect_changes_hash(bits, 7, 0xFF, block_size, hash_cache, exp_plane, changed, False),
         repeats,
     )
+    kernels.use_parallel_detect(True)  # the same kernel on all numba threads, for comparison
+    detect_parallel_s = best_s(
+        lambda: kernels.detect_changes_hash(bits, 7, 0xFF, block_size, hash_cache, exp_plane, changed, False),
+        repeats,
+    )
+    kernels.use_parallel_detect(None)
     last_exp = exp_plane.copy()
     detect_exact_s = best_s(
         lambda: kernels.detect_changes_exact(bits, 7, 0xFF, block_size, exp_plane, last_exp, changed, False),
@@ -147,6 +155,18 @@ def main() -> None:
         "merge_GBps": round(gbps(merge_s), 3),
         "detect_GBps": round(gbps(detect_s), 3),
         "detect_exact_GBps": round(gbps(detect_exact_s), 3),
+        "detect_parallel_GBps": round(gbps(detect_parallel_s), 3),
+        "detect_kernels": "parallel" if kernels._detect_parallel() else "serial",
+        "vs_memcpy": {
+            name: round(memcpy_s / seconds, 3)
+            for name, seconds in (
+                ("split", split_s),
+                ("merge", merge_s),
+                ("detect", detect_s),
+                ("detect_exact", detect_exact_s),
+                ("detect_parallel", detect_parallel_s),
+            )
+        },
         "encode_GBps": round(gbps(min(encode_samples[1:])), 3),
         "decode_GBps": round(gbps(min(decode_samples[1:])), 3),
         "ans": {

@@ -26,7 +26,8 @@ from ciera_runtime.errors import ChecksumMismatchError, OutOfStepError, PayloadE
 from ciera_runtime.rans import RansFormatError
 
 MAGIC = b"CIER"
-FORMAT_VERSION = 1
+# 2: rANS streams use 8 interleaved lanes (8 lane states per chunk; version 1 had 4).
+FORMAT_VERSION = 2
 # magic, version, dtype, flags, shard_id, source_rank, generation, numel, block_size, changed_blocks,
 # exp_bytes, shard_crc32, meta_crc32, reserved
 HEADER_FORMAT = "<4sHBBIIQQIIQIIQ"

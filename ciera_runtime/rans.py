@@ -9,7 +9,7 @@ Format (little-endian, every field 4-byte aligned so the word arrays can be view
     n_chunks x u32            16-bit words written by each chunk
     per chunk: LANES x u32 final lane states, then its 16-bit words (padded to 4 bytes)
 
-Each chunk interleaves ``LANES`` = 4 rANS states held in registers (symbol i of the chunk uses lane i % 4); states are 32 bits
+Each chunk interleaves ``LANES`` = 8 rANS states held in registers (symbol i of the chunk uses lane i % 8); states are 32 bits
 in [2**16, 2**32) with 16-bit renormalisation, so one symbol emits at most one word.  Decoding checks that
 every lane ends in the initial state and every word was consumed: a corrupted stream raises instead of
 yielding wrong bytes.
@@ -22,7 +22,7 @@ from numba import njit, prange
 
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
-LANES = 4
+LANES = 8
 STATE_LOW = 1 << 16  # lower end of the normalised state interval
 DEFAULT_CHUNK_SYMBOLS = 1 << 18
 _MASK = PROB_SCALE - 1
@@ -61,29 +61,19 @@ def normalize_frequencies(counts: np.ndarray) -> np.ndarray:
 def _encode_chunk(data, freqs, cums, start, stop, words, states_out):
     """Encode data[start:stop] backwards; its words end at words[stop]. Returns the word count."""
     pos = stop
-    x0 = x1 = x2 = x3 = np.int64(STATE_LOW)
+    x = np.full(LANES, STATE_LOW, dtype=np.int64)
     for i in range(stop - 1, start - 1, -1):
-        lane = (i - start) & 3
-        x = x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
+        lane = (i - start) & (LANES - 1)
+        state = x[lane]
         symbol = data[i]
         freq = freqs[symbol]
-        if x >= _RENORM_BOUND * freq:
+        if state >= _RENORM_BOUND * freq:
             pos -= 1
-            words[pos] = x & 0xFFFF
-            x >>= 16
-        x = ((x // freq) << PROB_BITS) + (x % freq) + cums[symbol]
-        if lane == 0:
-            x0 = x
-        elif lane == 1:
-            x1 = x
-        elif lane == 2:
-            x2 = x
-        else:
-            x3 = x
-    states_out[0] = x0
-    states_out[1] = x1
-    states_out[2] = x2
-    states_out[3] = x3
+            words[pos] = state & 0xFFFF
+            state >>= 16
+        x[lane] = ((state // freq) << PROB_BITS) + (state % freq) + cums[symbol]
+    for lane in range(LANES):
+        states_out[lane] = x[lane]
     return stop - pos
 
 
@@ -99,39 +89,56 @@ def _encode_chunks(data, freqs, cums, chunk_symbols, words, word_counts, states)
 
 @njit(inline="always")
 def _decode_step(x, table):
-    entry = table[x & _MASK]  # freq << 32 | bias << 8 | symbol
-    return (entry >> 32) * (x >> PROB_BITS) + ((entry >> 8) & 0xFFFFFF), entry & 0xFF
+    entry = table[
+        x & _MASK
+    ]  # freq << 20 | bias << 8 | symbol (freq < 4096: one-symbol streams never get here)
+    return (entry >> 20) * (x >> PROB_BITS) + ((entry >> 8) & _MASK), entry & 0xFF
+
+
+@njit(inline="always")
+def _decode_renorm(x, table, words, pos):
+    """One symbol and a branch-free renormalisation: words[pos] is read unconditionally (the caller
+    guarantees it exists) and consumed only when the state fell below STATE_LOW. ``pos`` is unsigned so
+    numba emits no negative-index wraparound for it."""
+    x, symbol = _decode_step(x, table)
+    word = np.int64(words[pos])
+    low = x < STATE_LOW
+    x = ((x << 16) | word) if low else x
+    return x, pos + np.uint64(low), symbol
 
 
 @njit(cache=True, nogil=True)
 def _decode_chunk(words, pos, end, states, table, out, start, stop):
     """Decode out[start:stop]; returns True when the chunk's stream was consistent."""
-    x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
-    if min(min(x0, x1), min(x2, x3)) < STATE_LOW:
+    x0, x1, x2, x3 = np.int64(states[0]), np.int64(states[1]), np.int64(states[2]), np.int64(states[3])
+    x4, x5, x6, x7 = np.int64(states[4]), np.int64(states[5]), np.int64(states[6]), np.int64(states[7])
+    if min(min(min(x0, x1), min(x2, x3)), min(min(x4, x5), min(x6, x7))) < STATE_LOW:
         return False
-    i = start
-    # Fast path: four lanes in registers while at least four words remain (no per-read bounds check).
-    while i + 4 <= stop and pos + 4 <= end:
-        x0, out[i] = _decode_step(x0, table)
-        x1, out[i + 1] = _decode_step(x1, table)
-        x2, out[i + 2] = _decode_step(x2, table)
-        x3, out[i + 3] = _decode_step(x3, table)
-        if x0 < STATE_LOW:
-            x0 = (x0 << 16) | words[pos]
-            pos += 1
-        if x1 < STATE_LOW:
-            x1 = (x1 << 16) | words[pos]
-            pos += 1
-        if x2 < STATE_LOW:
-            x2 = (x2 << 16) | words[pos]
-            pos += 1
-        if x3 < STATE_LOW:
-            x3 = (x3 << 16) | words[pos]
-            pos += 1
-        i += 4
-    lane_state = np.array([x0, x1, x2, x3], dtype=np.int64)
+    chunk_out = out[start:stop]
+    chunk_words = words[pos:end]
+    n_words = np.uint64(chunk_words.size)
+    p = np.uint64(0)
+    groups = chunk_out.size // LANES
+    group = 0
+    # Fast path: eight lanes in registers while at least eight words remain, so every read is in bounds.
+    for group in range(groups):
+        if p + np.uint64(LANES) > n_words:
+            break
+        i = group * LANES
+        x0, p, chunk_out[i] = _decode_renorm(x0, table, chunk_words, p)
+        x1, p, chunk_out[i + 1] = _decode_renorm(x1, table, chunk_words, p)
+        x2, p, chunk_out[i + 2] = _decode_renorm(x2, table, chunk_words, p)
+        x3, p, chunk_out[i + 3] = _decode_renorm(x3, table, chunk_words, p)
+        x4, p, chunk_out[i + 4] = _decode_renorm(x4, table, chunk_words, p)
+        x5, p, chunk_out[i + 5] = _decode_renorm(x5, table, chunk_words, p)
+        x6, p, chunk_out[i + 6] = _decode_renorm(x6, table, chunk_words, p)
+        x7, p, chunk_out[i + 7] = _decode_renorm(x7, table, chunk_words, p)
+        group += 1
+    i = start + group * LANES
+    pos += np.int64(p)
+    lane_state = np.array([x0, x1, x2, x3, x4, x5, x6, x7], dtype=np.int64)
     while i < stop:
-        lane = (i - start) & 3
+        lane = (i - start) & (LANES - 1)
         x, out[i] = _decode_step(lane_state[lane], table)
         if x < STATE_LOW:
             if pos >= end:
@@ -231,11 +238,12 @@ def decode(stream: bytes | memoryview | np.ndarray, out: np.ndarray | None = Non
     cums = np.zeros(256, dtype=np.int64)
     np.cumsum(freqs[:-1], out=cums[1:])
     slot = np.arange(PROB_SCALE, dtype=np.int64)
+    # slot -> freq << 20 | (slot - cumfreq) << 8 | symbol, 4 B per slot (16 KiB: stays in L1).
     table = (
-        (np.repeat(freqs, freqs) << 32)
+        (np.repeat(freqs, freqs) << 20)
         | ((slot - np.repeat(cums, freqs)) << 8)
         | np.repeat(np.arange(256, dtype=np.int64), freqs)
-    )
+    ).astype(np.uint32)
     word_counts = buf[offset + 4 * present_count : table_end].view(np.uint32).astype(np.int64)
     # Chunk c: LANES states then its words, padded to 4 bytes; locate all in the 16-bit word view.
     states = np.empty((n_chunks, LANES), dtype=np.int64)
@@ -250,6 +258,12 @@ def decode(stream: bytes | memoryview | np.ndarray, out: np.ndarray | None = Non
         cursor += _pad4(2 * int(word_counts[chunk]))
     if cursor != buf.size:
         raise RansFormatError(f"rANS stream is {buf.size} bytes, its tables describe {cursor}")
+    if present_count == 1:
+        # One symbol (frequency 4096): states never move and no words are written.
+        if word_counts.any() or (states != STATE_LOW).any():
+            raise RansFormatError("rANS single-symbol stream carries words or moved states: corrupted data")
+        out[:] = symbols[0]
+        return out
     words = buf.view(np.uint16)
     bad_chunks = _decode_chunks(words, word_starts, word_counts, states, table, chunk_symbols, out)
     if bad_chunks:

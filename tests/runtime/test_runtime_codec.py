@@ -141,3 +141,59 @@ def test_backend_registry_gives_cpu_and_a_clear_error_for_missing_ones() -> None
         get_backend("tpu")
     with pytest.raises(BackendUnavailableError):
         ShardEncoder(0, 10, "bf16", config=CodecConfig(backend="cuda"))
+
+
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 15, 16, 17, 63, 4095, 4096, 4097, 4103])
+def test_rans_round_trips_every_lane_tail(size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 7, size).astype(np.uint8)
+    np.testing.assert_array_equal(rans.decode(rans.encode(data, chunk_symbols=4096)), data)
+
+
+def test_rans_rejects_single_symbol_stream_with_moved_state() -> None:
+    stream = bytearray(rans.encode(np.full(100, 3, np.uint8)))
+    stream[-4] ^= 0x01  # last lane state of the only chunk
+    with pytest.raises(rans.RansFormatError):
+        rans.decode(bytes(stream))
+
+
+@pytest.mark.parametrize("block_size", [512, 100, 13])
+def test_parallel_and_serial_detectors_agree(block_size: int) -> None:
+    from ciera_runtime import kernels
+
+    rng = np.random.default_rng(block_size)
+    bits = rng.integers(0, 1 << 16, 10_007).astype(np.uint16)
+    n_blocks = (bits.size + block_size - 1) // block_size
+    results = []
+    for parallel in (True, False):
+        kernels.use_parallel_detect(parallel)
+        try:
+            hashes, last = np.zeros((n_blocks, 2), np.uint64), np.zeros(bits.size, np.uint8)
+            exp_h, exp_e = np.empty(bits.size, np.uint8), np.empty(bits.size, np.uint8)
+            changed_h, changed_e = np.zeros(n_blocks, np.uint8), np.zeros(n_blocks, np.uint8)
+            kernels.detect_changes_hash(bits, 7, 0xFF, block_size, hashes, exp_h, changed_h, False)
+            kernels.detect_changes_exact(bits, 7, 0xFF, block_size, exp_e, last, changed_e, False)
+            results.append((hashes.copy(), exp_h.copy(), changed_h.copy(), changed_e.copy(), last.copy()))
+        finally:
+            kernels.use_parallel_detect(None)
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(results[0][1], (bits >> 7).astype(np.uint8))
+
+
+def test_hash_flags_every_single_word_change() -> None:
+    """Each stream sums SplitMix64 outputs (a bijection) of position-keyed words: changing one word of a
+    block always changes both halves of its hash."""
+    from ciera_runtime import kernels
+
+    rng = np.random.default_rng(9)
+    bits = rng.integers(0, 1 << 16, 4096).astype(np.uint16)
+    hashes, exp, changed = np.zeros((8, 2), np.uint64), np.empty(4096, np.uint8), np.zeros(8, np.uint8)
+    kernels.detect_changes_hash(bits, 7, 0xFF, 512, hashes, exp, changed, False)
+    for _trial in range(200):
+        position = int(rng.integers(0, 4096))
+        before = hashes.copy()
+        bits[position] ^= np.uint16(1 << int(rng.integers(7, 15)))
+        kernels.detect_changes_hash(bits, 7, 0xFF, 512, hashes, exp, changed, False)
+        block = position // 512
+        assert changed.nonzero()[0].tolist() == [block]
+        assert (hashes[block] != before[block]).all()

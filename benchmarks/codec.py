@@ -4,8 +4,8 @@
 
 Weights: BF16 N(0, 0.02). Perturbation at rate q: a share q of the blocks get one exponent moved by one.
 Throughputs are in shard bytes (2 per value) per second, best of ``repeats``, numba's threads (all cores);
-detection uses the kernels ``kernels.detect_changes_*`` pick (serial below 3 numba threads), and
-``detect_parallel_GBps`` is the hash detector forced onto all threads.
+``detect*_GBps`` use the adaptive serial/parallel choice of ``kernels.detect_changes_*``;
+``detect_serial_GBps`` and ``detect_parallel_GBps`` force one variant of the hash detector.
 """
 
 from __future__ import annotations
@@ -83,12 +83,17 @@ def main() -> None:
         lambda: kernels.detect_changes_hash(bits, 7, 0xFF, block_size, hash_cache, exp_plane, changed, False),
         repeats,
     )
-    kernels.use_parallel_detect(True)  # the same kernel on all numba threads, for comparison
-    detect_parallel_s = best_s(
-        lambda: kernels.detect_changes_hash(bits, 7, 0xFF, block_size, hash_cache, exp_plane, changed, False),
-        repeats,
-    )
+    detect_forced_s = {}
+    for parallel in (False, True):  # each variant forced, for comparison with the adaptive choice
+        kernels.use_parallel_detect(parallel)
+        detect_forced_s[parallel] = best_s(
+            lambda: kernels.detect_changes_hash(
+                bits, 7, 0xFF, block_size, hash_cache, exp_plane, changed, False
+            ),
+            repeats,
+        )
     kernels.use_parallel_detect(None)
+    detect_parallel_s, detect_serial_s = detect_forced_s[True], detect_forced_s[False]
     last_exp = exp_plane.copy()
     detect_exact_s = best_s(
         lambda: kernels.detect_changes_exact(bits, 7, 0xFF, block_size, exp_plane, last_exp, changed, False),
@@ -155,8 +160,8 @@ def main() -> None:
         "merge_GBps": round(gbps(merge_s), 3),
         "detect_GBps": round(gbps(detect_s), 3),
         "detect_exact_GBps": round(gbps(detect_exact_s), 3),
+        "detect_serial_GBps": round(gbps(detect_serial_s), 3),
         "detect_parallel_GBps": round(gbps(detect_parallel_s), 3),
-        "detect_kernels": "parallel" if kernels._detect_parallel() else "serial",
         "vs_memcpy": {
             name: round(memcpy_s / seconds, 3)
             for name, seconds in (
@@ -164,6 +169,7 @@ def main() -> None:
                 ("merge", merge_s),
                 ("detect", detect_s),
                 ("detect_exact", detect_exact_s),
+                ("detect_serial", detect_serial_s),
                 ("detect_parallel", detect_parallel_s),
             )
         },

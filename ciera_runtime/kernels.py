@@ -9,6 +9,8 @@ CCP worker thread encode while the main thread decodes.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from numba import njit, prange
 
@@ -221,26 +223,65 @@ def extract_and_compare_blocks_serial(
         )
 
 
-# Detection kernels take ~1 ms per MiB-sized shard: a parallel region that must wait for a second thread
-# the OS has not scheduled yet (a shared or oversubscribed machine, or 2 ranks on 2 cores) costs more
-# than it saves. Measured here (2 loaded cores): serial 4.3-5.5 GB/s, 2 threads 2.1-2.6 GB/s (8.8 when
-# the machine was momentarily idle). So the parallel kernels are used only from this many numba threads on.
-PARALLEL_DETECT_MIN_THREADS = 3
-_parallel_detect: bool | None = None  # None: decide from numba.get_num_threads()
+# Serial or parallel detection. A parallel region ends only when every numba thread has checked in, so
+# on a shared or oversubscribed machine (other jobs, 2 ranks on 2 cores, the CCP worker next to the main
+# thread) it waits for a thread the OS has not scheduled yet. Measured here, 8 Mi values, 2 cores:
+# idle-ish, 2 threads 8.7 GB/s vs serial 5.0; loaded (load average 3.4), 2 threads 2.1 vs serial 4.5.
+# Neither is right everywhere, so by default each detector picks, per call, the variant with the lower
+# recently measured time per value (exponential average), and re-tries the other one every
+# PROBE_EVERY calls. Shards under PARALLEL_MIN_VALUES always run serially (one region costs more).
+PROBE_EVERY = 16
+PARALLEL_MIN_VALUES = 1 << 16
+_parallel_detect: bool | None = None  # None: adaptive; True/False: forced
 
 
 def use_parallel_detect(enabled: bool | None) -> None:
-    """Force the parallel (True) or serial (False) detection kernels; None restores the automatic choice."""
+    """Force the parallel (True) or serial (False) detection kernels; None restores the adaptive choice."""
     global _parallel_detect
     _parallel_detect = enabled
 
 
-def _detect_parallel() -> bool:
-    if _parallel_detect is not None:
-        return _parallel_detect
-    import numba
+class _AdaptiveChoice:
+    """Chooses serial vs parallel detection from measured seconds per value (races are harmless: a lost
+    update only delays the estimate)."""
 
-    return numba.get_num_threads() >= PARALLEL_DETECT_MIN_THREADS
+    def __init__(self) -> None:
+        self.cost: dict[tuple[str, bool], float] = {}
+        self.warm: set[tuple[str, bool]] = set()
+        self.calls = 0
+
+    def choose(self, kind: str, numel: int) -> bool:
+        if _parallel_detect is not None:
+            return _parallel_detect
+        import numba
+
+        if numel < PARALLEL_MIN_VALUES or numba.get_num_threads() < 2:
+            return False
+        self.calls += 1
+        serial, parallel = self.cost.get((kind, False)), self.cost.get((kind, True))
+        if serial is None or parallel is None:
+            return serial is not None  # measure serial first, then parallel
+        prefer_parallel = parallel < serial
+        return not prefer_parallel if self.calls % PROBE_EVERY == 0 else prefer_parallel
+
+    def record(self, kind: str, parallel: bool, numel: int, seconds: float) -> None:
+        if _parallel_detect is not None or numel < PARALLEL_MIN_VALUES:
+            return
+        key = (kind, parallel)
+        if key not in self.warm:  # the first call loads the kernel (and starts the thread pool)
+            self.warm.add(key)
+            return
+        per_value = seconds / numel
+        old = self.cost.get(key)
+        self.cost[key] = per_value if old is None else 0.75 * old + 0.25 * per_value
+
+
+_choice = _AdaptiveChoice()
+
+
+def _detect_parallel(kind: str = "hash", numel: int = 1 << 30) -> bool:
+    """The variant the next detection of ``kind`` on ``numel`` values would use."""
+    return _choice.choose(kind, numel)
 
 
 def words_view(plane: np.ndarray) -> np.ndarray:
@@ -250,7 +291,9 @@ def words_view(plane: np.ndarray) -> np.ndarray:
 
 def detect_changes_hash(bits, exp_shift, exp_mask, block_size, hash_cache, exp_out, changed_out, force_all):
     """Exponent plane into ``exp_out``, then flag blocks whose 128-bit hash changed (updating the cache)."""
-    kernel = extract_and_hash_blocks if _detect_parallel() else extract_and_hash_blocks_serial
+    parallel = _choice.choose("hash", bits.size)
+    kernel = extract_and_hash_blocks if parallel else extract_and_hash_blocks_serial
+    start_s = time.perf_counter()
     kernel(
         bits,
         exp_shift,
@@ -262,11 +305,14 @@ def detect_changes_hash(bits, exp_shift, exp_mask, block_size, hash_cache, exp_o
         changed_out,
         force_all,
     )
+    _choice.record("hash", parallel, bits.size, time.perf_counter() - start_s)
 
 
 def detect_changes_exact(bits, exp_shift, exp_mask, block_size, exp_out, last_exp, changed_out, force_all):
     """Exponent plane into ``exp_out``, then flag blocks that differ from ``last_exp`` (updated in place)."""
-    kernel = extract_and_compare_blocks if _detect_parallel() else extract_and_compare_blocks_serial
+    parallel = _choice.choose("exact", bits.size)
+    kernel = extract_and_compare_blocks if parallel else extract_and_compare_blocks_serial
+    start_s = time.perf_counter()
     kernel(
         bits,
         exp_shift,
@@ -279,6 +325,7 @@ def detect_changes_exact(bits, exp_shift, exp_mask, block_size, exp_out, last_ex
         changed_out,
         force_all,
     )
+    _choice.record("exact", parallel, bits.size, time.perf_counter() - start_s)
 
 
 def sign_mantissa_bytes(numel: int, is_fp16: bool) -> int:

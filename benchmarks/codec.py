@@ -79,10 +79,13 @@ def main() -> None:
     split_s = best_s(split, repeats)
     merge_s = best_s(lambda: kernels.merge_planes(exp_plane, sm_plane, 7, False, merged), repeats)
     assert np.array_equal(merged, bits)
-    detect_s = best_s(
-        lambda: kernels.detect_changes_hash(bits, 7, 0xFF, block_size, hash_cache, exp_plane, changed, False),
-        repeats,
-    )
+
+    def detect_hash() -> None:
+        kernels.detect_changes_hash(bits, 7, 0xFF, block_size, hash_cache, exp_plane, changed, False)
+
+    for _ in range(2 * kernels.PROBE_EVERY):  # let the adaptive serial/parallel choice settle
+        detect_hash()
+    detect_s = best_s(detect_hash, repeats)
     detect_forced_s = {}
     for parallel in (False, True):  # each variant forced, for comparison with the adaptive choice
         kernels.use_parallel_detect(parallel)
@@ -95,10 +98,13 @@ def main() -> None:
     kernels.use_parallel_detect(None)
     detect_parallel_s, detect_serial_s = detect_forced_s[True], detect_forced_s[False]
     last_exp = exp_plane.copy()
-    detect_exact_s = best_s(
-        lambda: kernels.detect_changes_exact(bits, 7, 0xFF, block_size, exp_plane, last_exp, changed, False),
-        repeats,
-    )
+
+    def detect_exact() -> None:
+        kernels.detect_changes_exact(bits, 7, 0xFF, block_size, exp_plane, last_exp, changed, False)
+
+    for _ in range(2 * kernels.PROBE_EVERY):
+        detect_exact()
+    detect_exact_s = best_s(detect_exact, repeats)
 
     # Full codec path at q = 0.01: encode (detect, split, gather, rANS, assemble), decode (rANS, merge).
     config = CodecConfig(block_size=block_size)

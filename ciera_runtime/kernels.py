@@ -2,7 +2,10 @@
 
 All kernels work on the raw 16-bit patterns (``uint16``) so NaN payloads, infinities, subnormals and
 signed zeros pass through untouched.  Element-wise kernels are plain whole-array loops that LLVM
-vectorises; per-block kernels (hash, compare, gather, scatter) run blocks in parallel with ``prange``.
+vectorises; per-block kernels (gather, scatter) run blocks in parallel with ``prange``; change detection
+(extraction fused with hash or compare) has a serial and a ``prange`` variant, chosen per call by measured
+speed (see ``_AdaptiveChoice``). Loops index slices from 0 so numba's negative-index wraparound checks
+disappear and LLVM can vectorise them.
 ``cache=True`` keeps the start-up cost to one compile per machine, and ``nogil=True`` lets the
 CCP worker thread encode while the main thread decodes.
 """

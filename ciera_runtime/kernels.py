@@ -12,6 +12,7 @@ CCP worker thread encode while the main thread decodes.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -245,8 +246,7 @@ def use_parallel_detect(enabled: bool | None) -> None:
 
 
 class _AdaptiveChoice:
-    """Chooses serial vs parallel detection from measured seconds per value (races are harmless: a lost
-    update only delays the estimate)."""
+    """Chooses serial vs parallel detection from measured seconds per value (one per calling thread)."""
 
     def __init__(self) -> None:
         self.cost: dict[tuple[str, bool], float] = {}
@@ -279,7 +279,26 @@ class _AdaptiveChoice:
         self.cost[key] = per_value if old is None else 0.75 * old + 0.25 * per_value
 
 
-_choice = _AdaptiveChoice()
+class _PerThreadChoice(threading.local):
+    """One estimate per calling thread: the CCP worker (1 numba thread, next to a busy main thread) and
+    the main thread see different costs and must not steer each other's choice."""
+
+    def __init__(self) -> None:
+        self.choice = _AdaptiveChoice()
+
+
+_per_thread = _PerThreadChoice()
+
+
+class _ChoiceProxy:
+    def choose(self, kind: str, numel: int) -> bool:
+        return _per_thread.choice.choose(kind, numel)
+
+    def record(self, kind: str, parallel: bool, numel: int, seconds: float) -> None:
+        _per_thread.choice.record(kind, parallel, numel, seconds)
+
+
+_choice = _ChoiceProxy()
 
 
 def _detect_parallel(kind: str = "hash", numel: int = 1 << 30) -> bool:

@@ -373,15 +373,16 @@ def pack_sign_mantissa(bits, is_fp16, out):
         return
     for i in range(numel):
         out[i] = bits[i] & 0xFF
+    plane_end = numel + (3 * numel + 7) // 8
     for group in range((numel + 7) // 8):
         packed = 0
         base = group * 8
         for j in range(min(8, numel - base)):
             value = bits[base + j]
             packed |= np.int64(((value >> 13) & 0x4) | ((value >> 8) & 0x3)) << (3 * j)
-        out[numel + 3 * group] = packed & 0xFF
-        out[numel + 3 * group + 1] = (packed >> 8) & 0xFF
-        out[numel + 3 * group + 2] = (packed >> 16) & 0xFF
+        # A partial last group owns only ceil(3 * count / 8) bytes: never write past the plane.
+        for k in range(min(3, plane_end - numel - 3 * group)):
+            out[numel + 3 * group + k] = (packed >> (8 * k)) & 0xFF
 
 
 @njit(cache=True, nogil=True)
@@ -395,13 +396,12 @@ def merge_planes(exp, sign_mantissa, exp_shift, is_fp16, out):
         return
     for i in range(numel):
         out[i] = (np.int64(exp[i]) << exp_shift) | np.int64(sign_mantissa[i])
+    plane_end = numel + (3 * numel + 7) // 8
     for group in range((numel + 7) // 8):
         base = group * 8
-        packed = (
-            np.int64(sign_mantissa[numel + 3 * group])
-            | (np.int64(sign_mantissa[numel + 3 * group + 1]) << 8)
-            | (np.int64(sign_mantissa[numel + 3 * group + 2]) << 16)
-        )
+        packed = np.int64(0)
+        for k in range(min(3, plane_end - numel - 3 * group)):  # partial last group: fewer bytes
+            packed |= np.int64(sign_mantissa[numel + 3 * group + k]) << (8 * k)
         for j in range(min(8, numel - base)):
             high = (packed >> (3 * j)) & 0x7
             out[base + j] = np.int64(out[base + j]) | ((high & 0x4) << 13) | ((high & 0x3) << 8)

@@ -197,3 +197,19 @@ def test_hash_flags_every_single_word_change() -> None:
         block = position // 512
         assert changed.nonzero()[0].tolist() == [block]
         assert (hashes[block] != before[block]).all()
+
+
+@pytest.mark.parametrize("numel", range(1, 18))
+def test_fp16_sign_mantissa_plane_never_writes_past_its_end(numel: int) -> None:
+    """A partial last group of 8 owns only ceil(3 * count / 8) packed bytes (it used to write 3)."""
+    from ciera_runtime import kernels
+
+    bits = np.random.default_rng(numel).integers(0, 1 << 16, numel).astype(np.uint16)
+    size = sign_mantissa_bytes(numel, True)
+    buffer = np.full(size + 8, 0xAB, dtype=np.uint8)
+    kernels.pack_sign_mantissa(bits, True, buffer[:size])
+    assert (buffer[size:] == 0xAB).all()
+    exp = ((bits >> 10) & 0x1F).astype(np.uint8)
+    merged = np.empty_like(bits)
+    kernels.merge_planes(exp, buffer[:size], 10, True, merged)
+    np.testing.assert_array_equal(merged, bits)

@@ -143,6 +143,8 @@ def _rank_main(args) -> None:
             ccp_engine, list(enumerate(shards)), compute=consume, overlap=True, output=output
         )
         ccp_s, ccp_bytes = report.total_s - check_s[0], ccp_engine.stats.bytes_sent - sent_before
+        if iteration == args.warmup - 1:
+            breakdown_before = (engine.stats.encode_s, engine.stats.wait_s, engine.stats.decode_s)
         if measured:
             for mode, seconds, sent in (
                 ("raw", raw_s, numel * 2 * n_shards),
@@ -155,7 +157,18 @@ def _rank_main(args) -> None:
             overlapped = report.overlapped
 
     stats = engine.stats
+    measured_gathers = args.iters * n_shards
+    breakdown = {
+        f"{name}_s_per_gather": (now - before) / measured_gathers
+        for name, now, before in zip(
+            ("encode", "wait", "decode"),
+            (stats.encode_s, stats.wait_s, stats.decode_s),
+            breakdown_before,
+            strict=True,
+        )
+    }
     result = {
+        "compressed_breakdown": breakdown,
         "rank": rank,
         "s_per_gather": times,
         "bytes_sent_per_gather": bytes_sent,
@@ -367,6 +380,14 @@ def _report(args, link: Link, ranks: list[dict], load_before, load_after, wall_s
             ranks[0]["compressed_second_rounds"] / ranks[0]["compressed_gathers"], 3
         ),
         "compressed_resyncs": sum(r["compressed_resyncs"] for r in ranks),
+        # Plain compressed loop, per gather, mean of the ranks: encode (detect + split + rANS), wait (both
+        # rounds on the link), decode (+ merge of the other rank's shard).
+        "compressed_breakdown_ms": {
+            name.replace("_s_per_gather", "_ms"): round(
+                float(np.mean([r["compressed_breakdown"][name] for r in ranks])) * 1e3, 3
+            )
+            for name in ranks[0]["compressed_breakdown"]
+        },
         "wall_s": round(wall_s, 1),
     }
 

@@ -6,8 +6,10 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -125,117 +127,168 @@ def _check_values(origin: str, name: str, frame: pd.DataFrame) -> None:
             )
 
 
-def _check_consistency(origin: str, bundle: TraceBundle) -> None:
-    """Cross-table rules of docs/trace-format.md."""
-    runs = bundle.runs
-    duplicated = runs["run_id"][runs["run_id"].duplicated()]
-    if len(duplicated):
-        raise _fail(
-            origin, "runs", "run_id", f"value {_describe(duplicated.iloc[0])} appears twice, expected unique"
-        )
-    if (runs["full_layers"] < runs["layers"]).any():
-        row = runs[runs["full_layers"] < runs["layers"]].iloc[0]
-        raise _fail(
-            origin,
-            "runs",
-            "full_layers",
-            f"value {row.full_layers} < layers {row.layers} in run {row.run_id!r}",
-        )
-    known_runs = set(runs["run_id"])
-    for name in ("layers", "iterations", "exponents"):
-        unknown = bundle.table(name).loc[~bundle.table(name)["run_id"].isin(known_runs), "run_id"]
-        if len(unknown):
-            raise _fail(origin, name, "run_id", f"value {_describe(unknown.iloc[0])} is not in table 'runs'")
+def _raise_first(
+    origin: str,
+    table: str,
+    column: str,
+    frame: pd.DataFrame,
+    violates: pd.Series | np.ndarray,
+    message: Callable[[Any], str],
+) -> None:
+    """Fail on the first row of `frame` for which `violates` holds; `message` describes that row."""
+    violates = np.asarray(violates, dtype=bool)
+    if violates.any():
+        raise _fail(origin, table, column, message(frame[violates].iloc[0]))
 
-    layers_by_run = runs.set_index("run_id")["layers"]
-    layers = bundle.layers
-    if len(layers):
-        traced_l = layers["run_id"].map(layers_by_run)
-        out_of_range = (layers["layer"] > traced_l + 1).to_numpy()
-        if out_of_range.any():
-            row = layers[out_of_range].iloc[0]
-            raise _fail(
-                origin,
-                "layers",
-                "layer",
-                f"value {row.layer} in run {row.run_id!r}, expected 0..{int(layers_by_run[row.run_id]) + 1} (runs.layers + 1)",
-            )
-        counts = layers.groupby(["run_id", "iteration"])["layer"].nunique()
-        for (run_id, iteration), count in counts.items():
-            expected = int(layers_by_run[run_id]) + 2
-            if count != expected:
-                raise _fail(
-                    origin,
-                    "layers",
-                    "layer",
-                    f"run {run_id!r} iteration {iteration} has {count} distinct layers, runs.layers={expected - 2} implies {expected}",
-                )
-        expected_kind = np.where(
-            layers["layer"] == 0, "embedding", np.where(layers["layer"] == traced_l + 1, "head", "block")
+
+def _check_runs(origin: str, bundle: TraceBundle) -> None:
+    runs = bundle.runs
+    _raise_first(
+        origin,
+        "runs",
+        "run_id",
+        runs,
+        runs["run_id"].duplicated(),
+        lambda row: f"value {row.run_id!r} appears twice, expected unique",
+    )
+    _raise_first(
+        origin,
+        "runs",
+        "full_layers",
+        runs,
+        runs["full_layers"] < runs["layers"],
+        lambda row: f"value {row.full_layers} < layers {row.layers} in run {row.run_id!r}",
+    )
+    for name in ("layers", "iterations", "exponents"):
+        frame = bundle.table(name)
+        _raise_first(
+            origin,
+            name,
+            "run_id",
+            frame,
+            ~frame["run_id"].isin(runs["run_id"]),
+            lambda row: f"value {row.run_id!r} is not in table 'runs'",
         )
-        wrong_kind = layers["layer_kind"].to_numpy() != expected_kind
-        if wrong_kind.any():
-            row = layers[wrong_kind].iloc[0]
-            raise _fail(
-                origin,
-                "layers",
-                "layer_kind",
-                f"value {row.layer_kind!r} for layer {row.layer} of run {row.run_id!r}",
-            )
-    layer_iters = set(map(tuple, layers[["run_id", "iteration"]].drop_duplicates().to_numpy().tolist()))
+
+
+def _check_layers(origin: str, bundle: TraceBundle) -> None:
+    layers = bundle.layers
+    if not len(layers):
+        return
+    traced_l = layers["run_id"].map(bundle.runs.set_index("run_id")["layers"])
+    _raise_first(
+        origin,
+        "layers",
+        "layer",
+        layers,
+        layers["layer"] > traced_l + 1,
+        lambda row: (
+            f"value {row.layer} in run {row.run_id!r}, expected 0..{int(traced_l[row.name]) + 1} (runs.layers + 1)"
+        ),
+    )
+    counts = (
+        layers.assign(traced_l=traced_l)
+        .groupby(["run_id", "iteration"])
+        .agg(distinct=("layer", "nunique"), traced_l=("traced_l", "first"))
+    )
+    _raise_first(
+        origin,
+        "layers",
+        "layer",
+        counts.reset_index(),
+        counts["distinct"] != counts["traced_l"] + 2,
+        lambda row: (
+            f"run {row.run_id!r} iteration {row.iteration} has {row.distinct} distinct layers, "
+            f"runs.layers={row.traced_l} implies {row.traced_l + 2}"
+        ),
+    )
+    expected_kind = np.where(
+        layers["layer"] == 0, "embedding", np.where(layers["layer"] == traced_l + 1, "head", "block")
+    )
+    _raise_first(
+        origin,
+        "layers",
+        "layer_kind",
+        layers,
+        layers["layer_kind"].to_numpy() != expected_kind,
+        lambda row: f"value {row.layer_kind!r} for layer {row.layer} of run {row.run_id!r}",
+    )
+
+
+def _check_iterations(origin: str, bundle: TraceBundle) -> None:
+    layer_iters = set(
+        map(tuple, bundle.layers[["run_id", "iteration"]].drop_duplicates().to_numpy().tolist())
+    )
     iter_rows = set(map(tuple, bundle.iterations[["run_id", "iteration"]].to_numpy().tolist()))
     if layer_iters != iter_rows:
-        odd = sorted(layer_iters ^ iter_rows)[0]
+        run_id, iteration = sorted(layer_iters ^ iter_rows)[0]
         raise _fail(
             origin,
             "iterations",
             "iteration",
-            f"run {odd[0]!r} iteration {odd[1]} is in only one of 'layers' and 'iterations'",
+            f"run {run_id!r} iteration {iteration} is in only one of 'layers' and 'iterations'",
         )
 
-    exps = bundle.exponents
-    if len(exps):
-        over = (exps["layer"] > exps["run_id"].map(layers_by_run) + 1).to_numpy()
-        if over.any():
-            row = exps[over].iloc[0]
-            raise _fail(
-                origin,
-                "exponents",
-                "layer",
-                f"value {row.layer} beyond runs.layers + 1 of run {row.run_id!r}",
-            )
 
+def _check_exponents(origin: str, bundle: TraceBundle) -> None:
+    exps = bundle.exponents
+    if not len(exps):
+        return
+    traced_l = exps["run_id"].map(bundle.runs.set_index("run_id")["layers"])
+    _raise_first(
+        origin,
+        "exponents",
+        "layer",
+        exps,
+        exps["layer"] > traced_l + 1,
+        lambda row: f"value {row.layer} beyond runs.layers + 1 of run {row.run_id!r}",
+    )
+
+
+def _check_collectives(origin: str, bundle: TraceBundle) -> None:
     coll = bundle.collectives
-    if len(coll) and len(runs):
-        # Collectives of a cluster that runs were captured on must span the nodes those runs imply.
-        gpus_per_node = runs.groupby("cluster")["gpus_per_node"].first()
-        on_known = coll[coll["cluster"].isin(gpus_per_node.index)]
-        implied_nodes = -(-on_known["world_size"] // on_known["cluster"].map(gpus_per_node))
-        mismatch = on_known["nodes"] != implied_nodes
-        if mismatch.any():
-            row = on_known[mismatch].iloc[0]
-            raise _fail(
-                origin,
-                "collectives",
-                "nodes",
-                f"value {row.nodes} for world_size {row.world_size} on cluster {row.cluster!r}, runs there have "
-                f"gpus_per_node {int(gpus_per_node[row.cluster])} so expected {int(implied_nodes[mismatch].iloc[0])}",
-            )
-    if len(coll):
-        too_many = coll["nodes"] > coll["world_size"]
-        if too_many.any():
-            row = coll[too_many].iloc[0]
-            raise _fail(origin, "collectives", "nodes", f"value {row.nodes} > world_size {row.world_size}")
-        expected_algbw = coll["bytes"] / coll["time_s"].where(coll["time_s"] > 0)
-        off = ~np.isclose(coll["algbw_Bps"], expected_algbw, rtol=1e-3)
-        if off.any():
-            row = coll[off].iloc[0]
-            raise _fail(
-                origin,
-                "collectives",
-                "algbw_Bps",
-                f"value {row.algbw_Bps:.6g}, expected bytes/time_s = {row.bytes / row.time_s if row.time_s else math.inf:.6g}",
-            )
+    if not len(coll):
+        return
+    _raise_first(
+        origin,
+        "collectives",
+        "nodes",
+        coll,
+        coll["nodes"] > coll["world_size"],
+        lambda row: f"value {row.nodes} > world_size {row.world_size}",
+    )
+    # Collectives of a cluster that runs were captured on must span the nodes those runs imply.
+    gpus_per_node = coll["cluster"].map(bundle.runs.groupby("cluster")["gpus_per_node"].first())
+    implied_nodes = -(-coll["world_size"] // gpus_per_node)
+    _raise_first(
+        origin,
+        "collectives",
+        "nodes",
+        coll,
+        gpus_per_node.notna() & (coll["nodes"] != implied_nodes),
+        lambda row: (
+            f"value {row.nodes} for world_size {row.world_size} on cluster {row.cluster!r}, runs there "
+            f"have gpus_per_node {int(gpus_per_node[row.name])} so expected {int(implied_nodes[row.name])}"
+        ),
+    )
+    expected_algbw = coll["bytes"] / coll["time_s"].where(coll["time_s"] > 0)
+    _raise_first(
+        origin,
+        "collectives",
+        "algbw_Bps",
+        coll,
+        ~np.isclose(coll["algbw_Bps"], expected_algbw, rtol=1e-3),
+        lambda row: (
+            f"value {row.algbw_Bps:.6g}, expected bytes/time_s = "
+            f"{row.bytes / row.time_s if row.time_s else math.inf:.6g}"
+        ),
+    )
+
+
+def _check_consistency(origin: str, bundle: TraceBundle) -> None:
+    """Cross-table rules of docs/trace-format.md."""
+    for check in (_check_runs, _check_layers, _check_iterations, _check_exponents, _check_collectives):
+        check(origin, bundle)
 
 
 def validate_bundle(bundle: TraceBundle, origin: str = "<bundle>") -> None:

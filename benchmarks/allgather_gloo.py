@@ -14,12 +14,13 @@ codec cost; bytes are what a real link would carry.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
 import time
 from pathlib import Path
+
+from _output import emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -164,11 +165,7 @@ def main() -> None:
         / max(r["raw_s_per_gather"] for r in ranks),
         "ranks": ranks,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _output import emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO_ROOT))
 
@@ -457,11 +459,7 @@ def _main(args) -> int:
             result = _report(args, link, ranks, load_before, load_after, time.perf_counter() - start_s)
     finally:
         link.close()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
     if not result["bit_exact"]:
         print("allgather_netns: FAILED: a compressed gather was not bit-exact", file=sys.stderr)
         return 1

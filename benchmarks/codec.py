@@ -11,7 +11,6 @@ Throughputs are in shard bytes (2 per value) per second, best of ``repeats``, nu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,11 +20,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _output import emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 from ciera_runtime import (  # noqa: E402
     CodecConfig,
     ShardDecoder,
     ShardEncoder,
-    kernels,  # noqa: E402
+    kernels,
     rans,
 )
 from ciera_runtime.selection import perturb_blocks  # noqa: E402
@@ -192,11 +193,7 @@ def main() -> None:
         },
         "payload": payload_rows,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
 
 
 if __name__ == "__main__":

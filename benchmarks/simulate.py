@@ -13,13 +13,14 @@ records plus one timeline, without writing files.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _output import emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 import traces  # noqa: E402
 from sim import DEFAULT_GPUS, SYSTEMS, Simulator, load_cluster, simulate, timeline  # noqa: E402
@@ -100,11 +101,7 @@ def main() -> None:
             "note": report_note,
         },
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -356,6 +356,14 @@ def read_bundle(path: str | os.PathLike[str]) -> TraceBundle:
     return bundle
 
 
+def _is_replaceable_bundle(root: Path) -> bool:
+    """A directory that holds nothing but bundle table files (possibly some of them)."""
+    if root.is_symlink() or not root.is_dir():
+        return False
+    expected = {f"{name}.parquet" for name in TABLE_NAMES}
+    return all(entry.name in expected and entry.is_file() for entry in root.iterdir())
+
+
 def write_bundle(bundle: TraceBundle, path: str | os.PathLike[str], overwrite: bool = False) -> Path:
     """Validate `bundle`, then write it to `path` atomically: a temporary sibling directory is filled
     and renamed into place, so readers never see a partial bundle."""
@@ -364,6 +372,12 @@ def write_bundle(bundle: TraceBundle, path: str | os.PathLike[str], overwrite: b
     tables = {name: _arrow_of(name, bundle.table(name), str(root)) for name in TABLE_NAMES}
     if root.exists() and not overwrite:
         raise TraceError(f"{root}: already exists (pass overwrite to replace it)")
+    if root.exists() and not _is_replaceable_bundle(root):
+        # overwrite replaces a bundle, never a file or a directory holding anything else (it is deleted).
+        raise TraceError(
+            f"{root}: not a trace bundle directory (expected only {', '.join(n + '.parquet' for n in TABLE_NAMES)}), "
+            "refusing to replace it"
+        )
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".partial", dir=root.parent))
     umask = os.umask(0)

@@ -45,6 +45,21 @@ def test_writer_refuses_to_overwrite_unless_asked(tiny_bundle, tmp_path):
     assert traces.read_bundle(tmp_path / "b")
 
 
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_overwrite_never_replaces_something_that_is_not_a_bundle(kind, tiny_bundle, tmp_path):
+    target = tmp_path / "precious"
+    if kind == "directory":
+        target.mkdir()
+        (target / "notes.txt").write_text("keep me")
+    else:
+        target.write_text("keep me")
+    with pytest.raises(traces.TraceError, match="not a trace bundle"):
+        traces.write_bundle(tiny_bundle, target, overwrite=True)
+    kept = target / "notes.txt" if kind == "directory" else target
+    assert kept.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"]
+
+
 def test_writer_leaves_nothing_behind_when_it_fails(tiny_bundle, tmp_path, monkeypatch):
     original = pq.write_table
     calls = {"n": 0}

@@ -19,6 +19,7 @@ from .simulate import (
     DEFAULT_GPUS,
     DTYPES,
     SimRecord,
+    check_output_path,
     records_to_json,
     simulate,
     timeline,
@@ -141,6 +142,9 @@ def simulate_command(
         raise SimInputError(f"--dtype: value {dtype!r}, expected one of {list(DTYPES)}")
     dtypes = [dtype] if dtype else list(DTYPES)
     world_sizes = parse_gpus(gpus)
+    for option, path in (("--json", json_path), ("--timeline", timeline_path)):
+        if path is not None:
+            check_output_path(path, option)
     notes = []
     skipped = [s for s in system_names if s in FP16_ONLY_SYSTEMS]
     if skipped and "bf16" in dtypes:
@@ -183,12 +187,13 @@ def simulate_command(
             progress=report,
         )
     if json_path is not None:
-        write_json_atomic(records_to_json(records, preset), json_path)
+        write_json_atomic(records_to_json(records, preset), json_path, "--json")
     if timeline_path is not None:
         first = records[0]
         write_json_atomic(
             timeline(loaded, preset, first.model, first.dtype, max(world_sizes), systems=system_names),
             timeline_path,
+            "--timeline",
         )
     out = Console()
     _print_table(records, out if out.is_terminal else Console(width=150), notes)

@@ -307,17 +307,38 @@ def records_to_json(records: Sequence[SimRecord], cluster: ClusterPreset | None 
     return document
 
 
-def write_json_atomic(document: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write JSON next to `path` and rename it into place: readers never see a partial file."""
+def check_output_path(path: str | os.PathLike[str], option: str) -> Path:
+    """Fail before any work when `path` can never be written as a file (a directory, or under a file)."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    if target.is_dir():
+        raise SimInputError(f"{option} {target}: is a directory, expected a file path")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise SimInputError(f"{option} {target}: {parent} is not a directory")
+            break
+    return target
+
+
+def write_json_atomic(document: dict[str, Any], path: str | os.PathLike[str], option: str = "output") -> Path:
+    """Write JSON next to `path` and rename it into place: readers never see a partial file."""
+    target = check_output_path(path, option)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, staging = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    except OSError as error:
+        raise SimInputError(f"{option} {target}: cannot write ({error.strerror or error})") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o666 & ~umask)  # mkstemp makes it private; an output file should not be
         with os.fdopen(handle, "w", encoding="utf-8") as stream:
             json.dump(document, stream, indent=1, allow_nan=False)
             stream.write("\n")
         os.replace(staging, target)
-    except BaseException:
+    except BaseException as error:
         Path(staging).unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise SimInputError(f"{option} {target}: cannot write ({error.strerror or error})") from None
         raise
     return target

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -167,6 +169,38 @@ def test_bad_input_exits_2_with_one_line(
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and fragment in lines[0], stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("option", ["--json", "--timeline"])
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_unwritable_output_exits_2_with_one_line(
+    bundle_dir: Path, tmp_path: Path, option: str, where: str, capsys, monkeypatch
+) -> None:
+    (tmp_path / "plain").write_text("")
+    target = tmp_path if where == "a directory" else tmp_path / "plain" / "out.json"
+    args = ["simulate", "--bundle", str(bundle_dir), "--models", "OLMoE-1B-7B", "--gpus", "8"]
+    code, _, stderr = run_ciera([*args, option, str(target)], capsys, monkeypatch)
+    assert code == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and option in lines[0] and str(target) in lines[0], stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]
+
+
+def test_outputs_are_readable_like_any_file_the_user_creates(
+    bundle_dir: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    old_umask = os.umask(0o022)
+    try:
+        out, timeline_file = tmp_path / "out.json", tmp_path / "timeline.json"
+        args = ["simulate", "--bundle", str(bundle_dir), "--models", "OLMoE-1B-7B", "--gpus", "8"]
+        code, _, _ = run_ciera(
+            [*args, "--json", str(out), "--timeline", str(timeline_file)], capsys, monkeypatch
+        )
+    finally:
+        os.umask(old_umask)
+    assert code == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    assert stat.S_IMODE(timeline_file.stat().st_mode) == 0o644
 
 
 def test_bad_bundle_exits_2(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -157,6 +157,8 @@ def report_command(
     started_s = time.perf_counter()
     if dtype is not None and dtype not in DTYPES:
         raise ReportInputError(f"--dtype: {dtype!r}, expected one of {', '.join(DTYPES)}")
+    if html_path.is_dir():  # fail before a sweep that could take seconds, not after it
+        raise ReportInputError(f"{html_path}: is a directory, expected a file path for the HTML report")
     model_names = _split_list(models)
     gpu_counts = _parse_gpus(gpus)
     if timeline_path is not None and records_path is None:

@@ -219,6 +219,8 @@ def write_text_atomically(path: str | os.PathLike[str], text: str) -> Path:
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
         raise ReportInputError(f"{path}: directory {directory} does not exist")
+    if path.is_dir():
+        raise ReportInputError(f"{path}: is a directory, expected a file path for the HTML report")
     file_descriptor, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(file_descriptor, "w", encoding="utf-8") as handle:

@@ -181,6 +181,15 @@ def test_output_directory_must_exist(monkeypatch, capsys, tmp_path, records_file
     assert code == 2 and "does not exist" in err
 
 
+def test_output_that_is_a_directory_is_one_line_exit_2(monkeypatch, capsys, tmp_path, records_file):
+    target = tmp_path / "out"
+    target.mkdir()
+    code, _, err = _run(monkeypatch, capsys, "report", "--html", str(target), "--records", str(records_file))
+    assert code == 2 and "is a directory" in err and len(err.strip().splitlines()) == 1, err
+    assert list(target.iterdir()) == []
+    assert not list(tmp_path.glob(".out.*"))
+
+
 def test_report_simulates_when_no_records_are_given(monkeypatch, capsys, tmp_path):
     # A small slice of the default sweep through the sim API, on the shipped bundle.
     pytest.importorskip("sim.simulate")

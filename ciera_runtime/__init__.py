@@ -6,7 +6,8 @@ Public surface (see docs/runtime.md):
 - ``ShardEncoder`` / ``ShardDecoder``: the per-shard codec (sender HashCache, receiver ExpCache).
 - ``CompressedAllGather`` (engine per process group) and ``compressed_all_gather`` -> ``AllGatherHandle``.
 - ``gather_pipelined``: CCP, encode of gather i+1 overlapped with gather i.
-- ``profile_comm``, ``measure_codec_times``, ``select_shards``: benefit-driven selection (BSC).
+- ``profile_comm``, ``measure_codec_times``, ``select_shards``, ``broadcast_decisions``: benefit-driven
+  selection (BSC); broadcast rank 0's table so every rank compresses the same shards.
 - ``get_backend``, ``available_backends``, ``register_backend``, ``CodecBackend``: codec backends.
 - Errors: ``CieraError``, ``PayloadError``, ``OutOfStepError``, ``ChecksumMismatchError``,
   ``BackendUnavailableError``.
@@ -30,6 +31,7 @@ from ciera_runtime.selection import (
     CommProfile,
     Decision,
     ShardInfo,
+    broadcast_decisions,
     measure_codec_times,
     profile_comm,
     select_shards,
@@ -59,6 +61,7 @@ __all__ = [
     "measure_codec_times",
     "profile_comm",
     "register_backend",
+    "broadcast_decisions",
     "select_shards",
 ]
 

@@ -189,3 +189,18 @@ def select_shards(
         Decision(shard.shard_id, shard.category, shard.block_change_rate, gain_s, memory, k in selected)
         for k, (shard, gain_s, memory) in enumerate(rows)
     ]
+
+
+def broadcast_decisions(decisions: Sequence[Decision], group=None, src: int = 0) -> list[Decision]:
+    """Make every rank of ``group`` use rank ``src``'s decision table.
+
+    Codec times are measured on each rank and differ a little, so tables computed independently can
+    disagree at the margin; a shard compressed on one rank and raw on another would break the gather
+    protocol. Call this collectively after ``select_shards`` and register shards from its result."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return list(decisions)
+    holder = [[decision.as_dict() for decision in decisions]]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, src) if group else src, group=group)
+    return [Decision(**row) for row in holder[0]]

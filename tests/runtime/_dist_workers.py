@@ -69,6 +69,7 @@ def pipeline_and_selection_worker(rank: int, world_size: int, port: int, result_
         CodecConfig,
         CompressedAllGather,
         ShardInfo,
+        broadcast_decisions,
         gather_pipelined,
         measure_codec_times,
         profile_comm,
@@ -106,7 +107,12 @@ def pipeline_and_selection_worker(rank: int, world_size: int, port: int, result_
                 times[shard.shard_id] = measure_codec_times(shard.numel, shard.dtype, shard.block_change_rate)
             return times[shard.shard_id]
 
-        table = select_shards(shards, profile.comm_s, world_size, 2 * 65536, codec_times)
-        result_queue.put((rank, mismatches, report.as_dict(), [row.as_dict() for row in table]))
+        local_table = select_shards(shards, profile.comm_s, world_size, 2 * 65536, codec_times)
+        table = broadcast_decisions(local_table)
+        agreed = [row.as_dict() for row in table]
+        # Everyone holds rank 0's table; rank 0's own table is unchanged by the broadcast.
+        if rank == 0:
+            assert agreed == [row.as_dict() for row in local_table]
+        result_queue.put((rank, mismatches, report.as_dict(), agreed))
     finally:
         dist.destroy_process_group()

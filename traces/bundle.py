@@ -283,6 +283,21 @@ def _check_collectives(origin: str, bundle: TraceBundle) -> None:
             f"{row.bytes / row.time_s if row.time_s else math.inf:.6g}"
         ),
     )
+    # nccl-tests: busbw = algbw·(n−1)/n for all_gather and reduce_scatter, algbw·2(n−1)/n for all_reduce.
+    ranks = coll["world_size"].astype(float)
+    factor = np.where(coll["op"] == "all_reduce", 2.0, 1.0) * (ranks - 1) / ranks
+    expected_busbw = coll["algbw_Bps"] * factor
+    _raise_first(
+        origin,
+        "collectives",
+        "busbw_Bps",
+        coll,
+        ~np.isclose(coll["busbw_Bps"], expected_busbw, rtol=1e-3),
+        lambda row: (
+            f"value {row.busbw_Bps:.6g} for {row.op} over {row.world_size} ranks, expected "
+            f"algbw_Bps·{'2' if row.op == 'all_reduce' else ''}(n−1)/n = {expected_busbw[row.name]:.6g}"
+        ),
+    )
 
 
 def _check_consistency(origin: str, bundle: TraceBundle) -> None:

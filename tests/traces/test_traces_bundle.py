@@ -116,6 +116,11 @@ BAD_INPUTS = {
     "negative time": ("iterations", lambda f: f.assign(iteration_s=-0.5), "column 'iteration_s': value -0.5"),
     "infinite time": ("layers", lambda f: f.assign(compute_s=math.inf), "column 'compute_s': value inf"),
     "unknown phase": ("layers", lambda f: f.assign(phase="sideways"), "column 'phase': value 'sideways'"),
+    "busbw not nccl-tests": (
+        "collectives",
+        lambda f: f.assign(busbw_Bps=f["algbw_Bps"]),
+        "column 'busbw_Bps': value 1.04858e+09 for all_gather over 4 ranks",
+    ),
     "rate above one": (
         "exponents",
         lambda f: f.assign(block_change_rate=1.5),

@@ -45,6 +45,8 @@ class CodecBackend(Protocol):
 
     def scatter_blocks(self, packed, changed_blocks, block_offsets, block_size: int, exp) -> None: ...
 
+    def checksum64(self, plane) -> int: ...
+
     def ans_encode(self, data) -> bytes: ...
 
     def ans_decode(self, stream, out) -> None: ...
@@ -89,6 +91,9 @@ class CpuBackend:
 
     def scatter_blocks(self, packed, changed_blocks, block_offsets, block_size, exp):
         self._kernels.scatter_blocks(packed, changed_blocks, block_offsets, block_size, exp)
+
+    def checksum64(self, plane: np.ndarray) -> int:
+        return self._kernels.checksum64(plane)
 
     def ans_encode(self, data: np.ndarray) -> bytes:
         return self._rans.encode(data)

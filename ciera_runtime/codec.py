@@ -27,9 +27,10 @@ from ciera_runtime.rans import RansFormatError
 
 MAGIC = b"CIER"
 # 2: rANS streams use 8 interleaved lanes (8 lane states per chunk; version 1 had 4).
-FORMAT_VERSION = 2
+# 3: the last header field carries a 64-bit checksum of the sign+mantissa plane (was reserved).
+FORMAT_VERSION = 3
 # magic, version, dtype, flags, shard_id, source_rank, generation, numel, block_size, changed_blocks,
-# exp_bytes, shard_crc32, meta_crc32, reserved
+# exp_bytes, shard_crc32, meta_crc32, sign_mantissa_checksum64
 HEADER_FORMAT = "<4sHBBIIQQIIQIIQ"
 HEADER_BYTES = 64
 _META_CRC_OFFSET = struct.calcsize("<4sHBBIIQQIIQI")
@@ -127,6 +128,7 @@ class PayloadHeader:
     exp_bytes: int
     shard_crc32: int
     meta_crc32: int
+    sign_mantissa_checksum64: int
 
     @property
     def full(self) -> bool:
@@ -147,12 +149,12 @@ def parse_header(payload: np.ndarray, shard_id: int, source_rank: int) -> Payloa
         )
     if dtype_code not in (DType.BF16, DType.FP16):
         raise PayloadError(shard_id, source_rank, f"unknown dtype code {dtype_code}")
-    return PayloadHeader(DType(dtype_code), *fields[3:13])
+    return PayloadHeader(DType(dtype_code), *fields[3:14])
 
 
 def _meta_crc(payload: np.ndarray, layout: PayloadLayout, exp_section: np.ndarray) -> int:
-    """CRC-32 over header (CRC field zeroed), bitmap and exponent section; sign+mantissa is not covered
-    (it would cost a pass over half the shard; verify mode covers it)."""
+    """CRC-32 over header (CRC field zeroed), bitmap and exponent section. The sign+mantissa plane has
+    its own checksum in the header (kernels.checksum64: a faster pass than CRC-32 over half the shard)."""
     header = bytearray(payload[:HEADER_BYTES].tobytes())
     header[_META_CRC_OFFSET : _META_CRC_OFFSET + 4] = b"\0\0\0\0"
     crc = zlib.crc32(header)
@@ -260,9 +262,8 @@ class ShardEncoder:
                 changed, bitorder="little"
             )
         sm_end = layout.sign_mantissa_offset + layout.sign_mantissa_bytes
-        self.backend.pack_sign_mantissa(
-            bits, self.dtype == DType.FP16, payload[layout.sign_mantissa_offset : sm_end]
-        )
+        sign_mantissa = payload[layout.sign_mantissa_offset : sm_end]
+        self.backend.pack_sign_mantissa(bits, self.dtype == DType.FP16, sign_mantissa)
         payload[layout.fixed_bytes :] = exp_view
         shard_crc = 0
         verify_every = self.config.verify_every
@@ -284,7 +285,7 @@ class ShardEncoder:
             exp_view.size,
             shard_crc,
             0,
-            0,
+            self.backend.checksum64(sign_mantissa),
         )
         payload[: len(header)] = np.frombuffer(header, dtype=np.uint8)
         meta_crc = _meta_crc(payload, layout, exp_view)
@@ -346,6 +347,11 @@ class ShardDecoder:
             )
         if _meta_crc(payload, layout, exp_section) != header.meta_crc32:
             raise self._fail("header/bitmap/exponent CRC mismatch: payload corrupted in transit")
+        sign_mantissa = payload[
+            layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
+        ]
+        if self.backend.checksum64(sign_mantissa) != header.sign_mantissa_checksum64:
+            raise self._fail("sign+mantissa checksum mismatch: payload corrupted in transit")
         bitmap = payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes]
         changed = np.unpackbits(bitmap, count=layout.n_blocks, bitorder="little")
         changed_blocks = np.flatnonzero(changed)
@@ -386,9 +392,6 @@ class ShardDecoder:
         if out is None:
             out = np.empty(self.numel, dtype=np.uint16)
         shift, _ = _EXP_LAYOUT[self.dtype]
-        sign_mantissa = payload[
-            layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
-        ]
         self.backend.merge_planes(self.exp_cache, sign_mantissa, shift, self.dtype == DType.FP16, out)
         self.generation = header.generation
         if header.flags & FLAG_CHECKSUM and zlib.crc32(out) != header.shard_crc32:

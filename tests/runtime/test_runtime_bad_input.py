@@ -33,12 +33,17 @@ def _names_shard_and_rank(error: pytest.ExceptionInfo) -> None:
     assert error.value.shard_id == SHARD_ID and error.value.source_rank == SOURCE_RANK
 
 
-@pytest.mark.parametrize("where", ["header", "bitmap", "exponents"])
+@pytest.mark.parametrize("where", ["header", "bitmap", "sign_mantissa", "exponents"])
 def test_corrupted_payload_is_rejected(where: str) -> None:
     encoder, decoder, bits = _codec()
     payload = encoder.encode(bits).copy()
     layout = encoder.layout
-    offset = {"header": 40, "bitmap": layout.bitmap_offset, "exponents": layout.fixed_bytes + 20}[where]
+    offset = {
+        "header": 40,
+        "bitmap": layout.bitmap_offset,
+        "sign_mantissa": layout.sign_mantissa_offset + 123,
+        "exponents": layout.fixed_bytes + 20,
+    }[where]
     payload[offset] ^= 0x5A
     with pytest.raises(PayloadError) as error:
         decoder.decode(payload)
@@ -103,11 +108,36 @@ def test_restarted_receiver_with_empty_cache_is_out_of_step() -> None:
         restarted.decode(encoder.encode(bits))
 
 
-def test_verify_mode_detects_a_corrupted_sign_mantissa_plane() -> None:
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_bit_flip_anywhere_in_a_payload_never_gives_wrong_weights(dtype: str) -> None:
+    """Header, bitmap and exponents are covered by the CRC-32, the sign+mantissa plane by its 64-bit
+    checksum; only alignment padding carries nothing, and flipping it changes no weight."""
+    config = CodecConfig(block_size=256)
+    encoder = ShardEncoder(SHARD_ID, 3001, dtype, SOURCE_RANK, config)
+    bits = np.random.default_rng(1).integers(0, 1 << 16, 3001, dtype=np.uint16)
+    payload = encoder.encode(bits)
+    expected = ShardDecoder(SHARD_ID, SOURCE_RANK, 3001, dtype, config).decode(payload)
+    rng = np.random.default_rng(2)
+    rejected = 0
+    for position in rng.choice(payload.size, size=300, replace=False):
+        corrupted = payload.copy()
+        corrupted[position] ^= np.uint8(1 << int(rng.integers(0, 8)))
+        try:
+            rebuilt = ShardDecoder(SHARD_ID, SOURCE_RANK, 3001, dtype, config).decode(corrupted)
+        except PayloadError:
+            rejected += 1
+            continue
+        assert np.array_equal(rebuilt, expected), f"flip at byte {position} rebuilt different weights"
+    assert rejected >= 290  # all but the few padding bytes the draw may hit
+
+
+def test_verify_mode_detects_a_wrong_rebuild_from_a_stale_cache() -> None:
+    """What verify mode is for: a rebuild that every payload check passes but is still wrong, as a
+    hash collision in the sender's change detection would cause (the receiver's cache is stale)."""
     encoder, decoder, bits = _codec(verify_every=2)
     decoder.decode(encoder.encode(bits))  # generation 1: no checksum
-    payload = encoder.encode(bits).copy()  # generation 2: checksum
-    payload[encoder.layout.sign_mantissa_offset + 123] ^= 0x01  # not covered by the header CRC
+    decoder.exp_cache[123] ^= 0x01  # stale exponent that the next delta does not resend
+    payload = encoder.encode(bits)  # generation 2: checksum, no changed blocks
     with pytest.raises(ChecksumMismatchError) as error:
         decoder.decode(payload)
     _names_shard_and_rank(error)

@@ -612,6 +612,41 @@ def timeline_figure(timeline_events: list[dict[str, Any]]) -> Figure:
 # ------------------------------------------------------------------------------------------- exponents
 
 
+def _weighted_rate_lines(
+    rows: pd.DataFrame,
+    categories: list[str],
+    x_column: str,
+    x_hover: str,
+    axis: str,
+    marker_size: int,
+    showlegend: bool = True,
+) -> list[dict[str, Any]]:
+    """One line per category: block change rate weighted by parameter count, against `x_column`."""
+    weighted = rows.assign(weighted_rate=rows["block_change_rate"] * rows["numel"])
+    grouped = weighted.groupby(["category", x_column])[["weighted_rate", "numel"]].sum().reset_index()
+    grouped["block_change_rate"] = grouped["weighted_rate"] / grouped["numel"].clip(lower=1)
+    lines = []
+    for category in categories:
+        series = grouped[grouped["category"] == category].sort_values(x_column)
+        lines.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": category,
+                "legendgroup": category,
+                "showlegend": showlegend,
+                "x": series[x_column].tolist(),
+                "y": series["block_change_rate"].tolist(),
+                "line": {"color": CATEGORY_COLOURS.get(category, "#333333"), "width": 2},
+                "marker": {"size": marker_size},
+                "hovertemplate": f"{category} · {x_hover}<br>block change rate %{{y:.4f}}<extra></extra>",
+                "xaxis": f"x{axis}",
+                "yaxis": f"y{axis}",
+            }
+        )
+    return lines
+
+
 def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
     """Per-category distribution of exponent and block change rates (box from precomputed quartiles, so
     the page stays small however many shards the bundle has) and the numel-weighted block change rate over
@@ -654,53 +689,10 @@ def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
                 "yaxis": "y",
             }
         )
-    weighted = rows.assign(weighted_rate=rows["block_change_rate"] * rows["numel"])
-    per_iteration = (
-        weighted.groupby(["category", "iteration"])[["weighted_rate", "numel"]].sum().reset_index()
+    data += _weighted_rate_lines(rows, categories, "iteration", "iteration %{x}", "2", marker_size=5)
+    data += _weighted_rate_lines(
+        all_rows, categories, "block_size", "B=%{x}", "3", marker_size=6, showlegend=False
     )
-    per_iteration["block_change_rate"] = per_iteration["weighted_rate"] / per_iteration["numel"].clip(lower=1)
-    for category in categories:
-        series = per_iteration[per_iteration["category"] == category].sort_values("iteration")
-        data.append(
-            {
-                "type": "scatter",
-                "mode": "lines+markers",
-                "name": category,
-                "legendgroup": category,
-                "x": series["iteration"].tolist(),
-                "y": series["block_change_rate"].tolist(),
-                "line": {"color": CATEGORY_COLOURS.get(category, "#333333"), "width": 2},
-                "marker": {"size": 5},
-                "hovertemplate": f"{category} · iteration %{{x}}<br>block change rate %{{y:.4f}}<extra></extra>",
-                "xaxis": "x2",
-                "yaxis": "y2",
-            }
-        )
-    weighted_all = all_rows.assign(weighted_rate=all_rows["block_change_rate"] * all_rows["numel"])
-    per_block_size = (
-        weighted_all.groupby(["category", "block_size"])[["weighted_rate", "numel"]].sum().reset_index()
-    )
-    per_block_size["block_change_rate"] = per_block_size["weighted_rate"] / per_block_size["numel"].clip(
-        lower=1
-    )
-    for category in categories:
-        series = per_block_size[per_block_size["category"] == category].sort_values("block_size")
-        data.append(
-            {
-                "type": "scatter",
-                "mode": "lines+markers",
-                "name": category,
-                "legendgroup": category,
-                "showlegend": False,
-                "x": series["block_size"].tolist(),
-                "y": series["block_change_rate"].tolist(),
-                "line": {"color": CATEGORY_COLOURS.get(category, "#333333"), "width": 2},
-                "marker": {"size": 6},
-                "hovertemplate": f"{category} · B=%{{x}}<br>block change rate %{{y:.4f}}<extra></extra>",
-                "xaxis": "x3",
-                "yaxis": "y3",
-            }
-        )
     sources = sorted(set(rows["source"].dropna()))
     provenance = (
         " + ".join("analytic traces" if s == "analytic" else f"{s} traces" for s in sources)

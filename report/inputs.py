@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from sim import DTYPES, SYSTEMS  # the simulator's vocabulary (data flows sim -> report)
+
 from .errors import ReportInputError
 
 RECORDS_SCHEMA = "ciera.simulate/1"
-SYSTEMS = ("zero3", "fsdp", "zeropp", "ciera-er", "ciera-er-bsc", "ciera")
-DTYPES = ("bf16", "fp16")
 # Where the record's traces came from; `mixed` when a model's traces mix measured and analytic runs.
 SOURCES = ("measured", "analytic", "mixed")
 PERCENTILE_KEYS = ("p5", "p50", "p95")

@@ -38,9 +38,11 @@ def _split(values: list[str] | None) -> list[str]:
 
 
 def parse_gpus(values: list[str] | None) -> list[int]:
-    parts = _split(values)
-    if not parts:
+    if not values:
         return list(DEFAULT_GPUS)
+    parts = _split(values)
+    if not parts:  # `--gpus ""` is a mistake, not a request for the default sweep
+        raise SimInputError("--gpus: empty, expected positive integers >= 2, e.g. 4,8,16")
     gpus = []
     for part in parts:
         try:

@@ -154,6 +154,7 @@ def test_filters(bundle_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
         (["--gpus", "8,x"], "--gpus: value 'x'"),
         (["--gpus", "0"], "--gpus: value '0'"),
         (["--gpus", "-4"], "--gpus: value '-4'"),
+        (["--gpus", ""], "--gpus: empty"),
         (["--dtype", "fp8"], "--dtype: value 'fp8'"),
         (["--systems", "zeropp", "--dtype", "bf16"], "fp16 only"),
     ],

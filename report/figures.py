@@ -134,6 +134,22 @@ def _dropdown(
     }
 
 
+def _view_menus(
+    data: list[dict[str, Any]],
+    owners: Sequence[int],
+    views: Sequence[tuple[str, str]],
+    view_layouts: Sequence[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Show view 0 (and the always-visible traces) at load; return the dropdown that switches views,
+    none when there is only one."""
+    for trace, owner in zip(data, owners, strict=True):
+        trace["visible"] = owner in (0, ALWAYS_VISIBLE)
+    if len(views) < 2:
+        return []
+    visibility = [[owner in (view, ALWAYS_VISIBLE) for owner in owners] for view in range(len(views))]
+    return [_dropdown([f"{m} · {d}" for m, d in views], visibility, view_layouts)]
+
+
 def _views(records: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
     """(model, dtype) pairs in a stable order: models as they first appear, bf16 before fp16."""
     models = list(dict.fromkeys(r["model"] for r in records))
@@ -362,9 +378,7 @@ def speedup_figure(records: list[dict[str, Any]]) -> Figure:
     parity_traces = [_parity_trace(all_gpus, ""), _parity_trace(all_gpus, "2")]
     data += parity_traces
     owners += [ALWAYS_VISIBLE] * len(parity_traces)
-    for trace, owner in zip(data, owners, strict=True):
-        trace["visible"] = owner in (0, ALWAYS_VISIBLE)
-    visibility = [[owner in (view, ALWAYS_VISIBLE) for owner in owners] for view in range(len(views))]
+    menus = _view_menus(data, owners, views, view_layouts)
     layout = _base_layout(600)
     layout["margin"] = {"l": 70, "r": 30, "t": 110, "b": 120}
     layout.update(view_layouts[0] if view_layouts else {})
@@ -376,11 +390,7 @@ def speedup_figure(records: list[dict[str, Any]]) -> Figure:
                 "GPUs (world size W, log₂ scale)", domain=[0.55, 1], anchor="y2", **_gpu_ticks(all_gpus)
             ),
             "yaxis2": _axis("speedup (× ZeRO++ iteration time)", anchor="x2"),
-            "updatemenus": [
-                _dropdown([f"{m} · {d}" for m, d in views], visibility, view_layouts),
-            ]
-            if len(views) > 1
-            else [],
+            "updatemenus": menus,
             "hovermode": "closest",
         }
     )
@@ -491,9 +501,7 @@ def breakdown_figure(records: list[dict[str, Any]]) -> Figure:
         )
         owners.append(view_index)
         view_layouts.append({"title": {"text": f"<b>{model}</b> · {dtype.upper()}", "x": 0.5, "y": 0.98}})
-    for trace, owner in zip(data, owners, strict=True):
-        trace["visible"] = owner == 0
-    visibility = [[owner == view for owner in owners] for view in range(len(views))]
+    menus = _view_menus(data, owners, views, view_layouts)
     layout = _base_layout(560)
     layout.update(view_layouts[0] if view_layouts else {})
     layout.update(
@@ -511,9 +519,7 @@ def breakdown_figure(records: list[dict[str, Any]]) -> Figure:
                 "xanchor": "right",
                 "font": {"size": 12},
             },
-            "updatemenus": [_dropdown([f"{m} · {d}" for m, d in views], visibility, view_layouts)]
-            if len(views) > 1
-            else [],
+            "updatemenus": menus,
             "hovermode": "closest",
         }
     )

@@ -33,7 +33,7 @@ def _worker(
     import torch
     import torch.distributed as dist
 
-    from ciera_runtime import CodecConfig, CompressedAllGather, gather_pipelined
+    from ciera_runtime import CodecConfig, CompressedAllGather, gather_pipelined, profile_comm
     from ciera_runtime.selection import perturb_blocks
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -50,15 +50,8 @@ def _worker(
         versions.append(torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16))
 
     output = torch.empty(world_size * numel, dtype=torch.bfloat16)
-    tiny = torch.zeros(8, dtype=torch.uint8)
-    tiny_out = torch.empty(world_size * 8, dtype=torch.uint8)
-    for _ in range(3):
-        gather(tiny_out, tiny)
-    dist.barrier()
-    start_s = time.perf_counter()
-    for _ in range(50):
-        gather(tiny_out, tiny)
-    small_round_s = (time.perf_counter() - start_s) / 50
+    # Latency of a small all-gather: what round 2 of a changed shard adds (median over 50).
+    small_round_s = profile_comm(sizes_bytes=(8,), repeats=50).time_s[0]
 
     gather(output, versions[0])
     dist.barrier()

@@ -57,7 +57,7 @@ def _rank_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from ciera_runtime import CodecConfig, CompressedAllGather, gather_pipelined
+    from ciera_runtime import CodecConfig, CompressedAllGather, gather_pipelined, profile_comm
     from ciera_runtime.selection import perturb_blocks
 
     torch.set_num_threads(1)
@@ -87,15 +87,8 @@ def _rank_main(args) -> None:
                 "differs from the raw all-gather"
             )
 
-    # Small-message round (what round 2 adds as latency).
-    tiny, tiny_out = torch.zeros(8, dtype=torch.uint8), torch.empty(16, dtype=torch.uint8)
-    for _ in range(5):
-        gather(tiny_out, tiny)
-    dist.barrier()
-    start_s = time.perf_counter()
-    for _ in range(20):
-        gather(tiny_out, tiny)
-    small_round_s = (time.perf_counter() - start_s) / 20
+    # Latency of a small all-gather: what round 2 of a changed shard adds (median over 20).
+    small_round_s = profile_comm(sizes_bytes=(8,), repeats=20).time_s[0]
 
     engine = CompressedAllGather(config=CodecConfig())
     ccp_engine = CompressedAllGather(config=CodecConfig())

@@ -8,9 +8,9 @@ from typing import Any
 import pandas as pd
 import pytest
 
+from sim import SYSTEMS
 from traces import TraceBundle, empty_table
 
-SYSTEMS = ("zero3", "fsdp", "zeropp", "ciera-er", "ciera-er-bsc", "ciera")
 STREAMS = ("compute", "allgather", "reduce_scatter", "codec_sender", "codec_receiver")
 GPUS = (4, 8, 16, 32, 64, 128)
 

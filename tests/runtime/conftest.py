@@ -1,13 +1,6 @@
-"""Let plain `pytest` import ciera_runtime from a source checkout (no install needed)."""
+"""Session set-up for the runtime tests (pyproject's `pythonpath` makes the checkout importable)."""
 
-import sys
-from pathlib import Path
-
-_REPO_ROOT = str(Path(__file__).resolve().parents[2])
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)

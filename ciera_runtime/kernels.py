@@ -301,11 +301,6 @@ class _ChoiceProxy:
 _choice = _ChoiceProxy()
 
 
-def _detect_parallel(kind: str = "hash", numel: int = 1 << 30) -> bool:
-    """The variant the next detection of ``kind`` on ``numel`` values would use."""
-    return _choice.choose(kind, numel)
-
-
 # Seed of the payload checksum over the sign+mantissa plane (unrelated to the block-hash seeds).
 CHECKSUM_SEED = np.uint64(0x452821E638D01377)
 

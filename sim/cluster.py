@@ -339,11 +339,3 @@ def load_cluster(name_or_path: str, overrides: dict[str, str] | None = None) -> 
     preset = dataclasses.replace(preset, origin=origin)
     _check_ranges(preset)
     return preset
-
-
-def preset_to_dict(preset: ClusterPreset) -> dict[str, Any]:
-    """The preset as plain data (JSON-friendly), for records and reports."""
-    data = dataclasses.asdict(preset)
-    data.pop("origin", None)
-    data["calibration"] = [dict(point) for point in data["calibration"]]
-    return data

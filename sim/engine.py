@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+# The per-rank streams, in the order timelines list them.
 STREAMS = ("compute", "allgather", "reduce_scatter", "codec_sender", "codec_receiver")
 # What an operation's time is when it holds up the compute stream (see `attribute`).
 CATEGORY_TO_BREAKDOWN = {

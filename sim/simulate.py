@@ -18,11 +18,20 @@ import traces
 
 from .cluster import ClusterPreset
 from .collectives import CollectiveModel
-from .engine import BREAKDOWN_KEYS, Replay, attribute, busy_s, replay, sample_durations, sample_iteration_s
+from .engine import (
+    BREAKDOWN_KEYS,
+    STREAMS,
+    Replay,
+    attribute,
+    busy_s,
+    replay,
+    sample_durations,
+    sample_iteration_s,
+)
 from .engine import timeline_events as engine_timeline_events
 from .errors import SimInputError
 from .profile import BundleIndex, ModelProfile, available_models, build_profile, compute_world_size_for
-from .systems import FP16_ONLY_SYSTEMS, STREAMS_ORDER, SYSTEMS, BuiltSystem, build_system, noise_slots
+from .systems import FP16_ONLY_SYSTEMS, SYSTEMS, BuiltSystem, build_system, noise_slots
 
 SCHEMA = "ciera.simulate/1"
 DEFAULT_GPUS = (4, 8, 16, 32, 64, 128)
@@ -274,14 +283,14 @@ def timeline(
         events.append(
             {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
         )
-        for tid, stream in enumerate(STREAMS_ORDER, start=1):
+        for tid, stream in enumerate(STREAMS, start=1):
             events.append(
                 {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": stream}}
             )
             events.append(
                 {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
             )
-        tids = {stream: tid for tid, stream in enumerate(STREAMS_ORDER, start=1)}
+        tids = {stream: tid for tid, stream in enumerate(STREAMS, start=1)}
         for event in engine_timeline_events(outcome.built.graph, outcome.replay):
             duration_us = (event["end_s"] - event["start_s"]) * 1e6  # type: ignore[operator]
             if duration_us <= 0:

@@ -485,6 +485,3 @@ def _add_reduce_scatter(
             noise_index=noise_index(step.layer, step.phase, "codec"),
         )
     )
-
-
-STREAMS_ORDER = ("compute", "allgather", "reduce_scatter", "codec_sender", "codec_receiver")

@@ -43,9 +43,6 @@ class TraceBundle:
     def table(self, name: str) -> pd.DataFrame:
         return getattr(self, name)
 
-    def measured_run_ids(self) -> set[str]:
-        return set(self.runs.loc[self.runs["source"] == "measured", "run_id"])
-
 
 def empty_table(name: str) -> pd.DataFrame:
     return TABLE_SCHEMAS[name].empty_table().to_pandas()

@@ -9,8 +9,9 @@ Public surface (see docs/runtime.md):
 - ``profile_comm``, ``measure_codec_times``, ``select_shards``, ``broadcast_decisions``: benefit-driven
   selection (BSC); broadcast rank 0's table so every rank compresses the same shards.
 - ``get_backend``, ``available_backends``, ``register_backend``, ``CodecBackend``: codec backends.
-- Errors: ``CieraError``, ``PayloadError``, ``OutOfStepError``, ``ChecksumMismatchError``,
-  ``BackendUnavailableError``.
+- Errors: ``CieraError``, ``PayloadError``, ``OutOfStepError``, ``StalePayloadError``,
+  ``ChecksumMismatchError``, ``BackendUnavailableError``; from a gather, on every rank alike:
+  ``GatherError``, ``ConfigMismatchError``, ``GatherTimeoutError``.
 
 torch is imported only by the all-gather, CCP and comm-profiling parts.
 """
@@ -23,8 +24,12 @@ from ciera_runtime.errors import (
     BackendUnavailableError,
     ChecksumMismatchError,
     CieraError,
+    ConfigMismatchError,
+    GatherError,
+    GatherTimeoutError,
     OutOfStepError,
     PayloadError,
+    StalePayloadError,
 )
 from ciera_runtime.selection import (
     CodecTimes,
@@ -45,6 +50,10 @@ __all__ = [
     "CodecBackend",
     "CodecConfig",
     "CodecTimes",
+    "ConfigMismatchError",
+    "GatherError",
+    "GatherTimeoutError",
+    "StalePayloadError",
     "CommProfile",
     "CompressedAllGather",
     "DType",

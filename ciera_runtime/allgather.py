@@ -1,52 +1,69 @@
-"""Compressed all-gather over torch.distributed (gloo and NCCL).
+"""Compressed all-gather over torch.distributed (gloo; NCCL needs a GPU codec backend, not in this build).
 
-Wire scheme ("fixed part + variable part", two rounds, no padding in the common case):
+Every gather is the same short protocol on every rank (``protocol.py`` has the wire details):
 
-round 1  every rank sends  [fixed part of its payload | its ExpCache generation for every source rank].
-         The fixed part (header, bitmap, sign+mantissa) has a size set by (dtype, numel, block size), equal
-         on every rank because all-gather shards have equal numel: a plain all_gather_into_tensor.
-round 2  only if some rank has a non-empty variable part: every rank sends its variable part (rANS-coded
-         exponents of changed blocks) padded to the largest one, whose size everybody read in round 1.
+control  all-gather of one fixed-size row per rank (size depends only on the world size): what the rank
+         gathers and how, whether its caller-supplied tensors are valid, its payload's epoch, generation
+         and exponent bytes, and its cache state for every source. Every rank derives the same plan from
+         the same rows — the same error, or the same bulk size and resync decisions.
+bulk     compressed: one all-gather of payload rows (header, bitmap, sign+mantissa, exponents), padded
+         to the largest; a sender whose receivers are not all in step sends full raw exponents instead.
+         raw: the plain all_gather_into_tensor.
+status   compressed only: whether every rank rebuilt every source. If one did not, every rank raises the
+         same GatherError; never wrong weights on one rank and an exception on another.
 
-Resync: the generations in round 1 tell every rank, before round 2, whether some receiver's cache is not
-at ``generation - 1`` of a sender's delta (restarted or lagging rank, a skipped gather). Such a sender puts
-a full raw-exponent payload in round 2 instead (size fixed_bytes + numel, known to all), every receiver
-rebuilds that source from it, and nobody ever merges against a wrong cache.
-
-Shards that are not selected for compression, or do not fit the cache budget, use the plain
-all_gather_into_tensor of the raw shard. The result is bit for bit that of all_gather_into_tensor.
+Every wait has the engine's timeout; a rank that never arrives makes the others raise GatherTimeoutError
+instead of hanging. The result is bit for bit that of all_gather_into_tensor of the raw shards.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ciera_runtime.codec import CodecConfig, ShardDecoder, ShardEncoder, dtype_from_name, shard_bits
+from ciera_runtime import protocol
+from ciera_runtime.codec import (
+    CodecConfig,
+    DType,
+    PayloadLayout,
+    ShardDecoder,
+    ShardEncoder,
+    dtype_from_name,
+    parse_header,
+    shard_bits,
+)
+from ciera_runtime.errors import CieraError, GatherError, GatherTimeoutError
 
-_GENERATION_BYTES = 8
-
+logger = logging.getLogger("ciera_runtime")
 
 # torch >= 2.13 names all_gather_into_tensor all_gather_single (the old name warns); same collective.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_TORCH_DTYPES = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
+# Send buffers kept per engine: one for the gather in flight, one for the next one CCP prepares.
+_SEND_BUFFERS = 2
 
-
-def _all_gather_bytes(output: torch.Tensor, send: torch.Tensor, group, async_op: bool):
-    return _all_gather_single(output, send, group=group, async_op=async_op)
+# A testing hook (fault injection): called with (point, shard_id, array) where point is "control" (this
+# rank's control row before it is sent), "send" (its bulk row before it is sent) or "receive" (every
+# received bulk row, W x row_bytes, before decoding); it may modify the array in place.
+FaultInjector = Callable[[str, int, np.ndarray], None]
 
 
 @dataclass
 class GatherStats:
-    """What the last gathers cost; times in seconds, bytes sent by this rank."""
+    """What the gathers cost; times in seconds, bytes sent by this rank."""
 
     gathers: int = 0
     raw_gathers: int = 0
     resyncs: int = 0
-    second_rounds: int = 0
+    failed_gathers: int = 0
+    rounds: int = 0
     bytes_sent: int = 0
     raw_bytes_equivalent: int = 0
     encode_s: float = 0.0
@@ -57,20 +74,37 @@ class GatherStats:
 
 @dataclass
 class PreparedShard:
-    """A shard encoded ahead of its gather (CCP): the payload and the tensor it was made from."""
+    """A shard encoded ahead of its gather (CCP). ``error`` holds a local failure (bad tensor, encode
+    error): it travels to every rank in the control round instead of being raised on this rank alone."""
 
     shard_id: int
-    shard: torch.Tensor
-    payload: np.ndarray | None  # None: raw path
-    encode_s: float
+    shard: torch.Tensor | None
+    bits: np.ndarray | None = None
+    payload: np.ndarray | None = None  # None: raw path (or failed)
+    buffer: np.ndarray | None = None  # the send buffer the payload lives in
+    generation: int = 0
+    encode_s: float = 0.0
+    error: str | None = None
+    exception: BaseException | None = None
+
+
+@dataclass
+class Registration:
+    """The engine's decision for one shard, as every rank with the same configuration makes it."""
+
+    shard_id: int
+    numel: int
+    dtype: str
+    category: str
+    compressed: bool
+    reason: str
+    memory_bytes: int
 
 
 class AllGatherHandle:
     """Async result of :meth:`CompressedAllGather.all_gather`; ``wait()`` returns the gathered tensor.
 
-    Round 1 (the bulk: sign+mantissa planes) is in flight when the handle is returned. ``wait()`` finishes
-    it, runs round 2 if needed, decodes every source into the output and returns it.
-    """
+    The control round is in flight when the handle is returned; ``wait()`` finishes the protocol."""
 
     def __init__(self, finish) -> None:
         self._finish = finish
@@ -78,8 +112,10 @@ class AllGatherHandle:
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            self._result = self._finish()
-            self._finish = None
+            finish, self._finish = self._finish, None
+            if finish is None:
+                raise CieraError("this gather already failed; its handle has no result")
+            self._result = finish()
         return self._result
 
     def is_completed(self) -> bool:
@@ -89,48 +125,112 @@ class AllGatherHandle:
 @dataclass
 class _ShardState:
     numel: int
-    dtype: torch.dtype
+    dtype: DType
     category: str
     compressed: bool
     encoder: ShardEncoder | None = None
     decoders: dict[int, ShardDecoder] = field(default_factory=dict)
     memory_bytes: int = 0
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.dtype]
+
+
+def _check_int(name: str, value, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+        raise ValueError(f"{name}={value!r}: expected an integer in [{low}, {high})")
+
 
 class CompressedAllGather:
     """Per-group engine: the codec state of every registered shard, the cache budget, gather stats.
 
-    Every rank must register the same shards in the same order with the same arguments (the budget
-    decision then matches everywhere) and gather them in the same order, as with any collective.
+    ``cache_budget_bytes`` bounds everything the engine keeps between gathers (receiver caches, sender
+    state and scratch, the send buffers); ``timeout_s`` bounds every wait of a gather. Every rank must
+    construct its engine with the same configuration and gather the same shards in the same order, as
+    with any collective — a rank that does not is detected and every rank raises the same error.
     """
 
     def __init__(
-        self, group=None, config: CodecConfig | None = None, cache_budget_bytes: int | None = None
+        self,
+        group=None,
+        config: CodecConfig | None = None,
+        cache_budget_bytes: int | None = None,
+        timeout_s: float = 300.0,
     ) -> None:
+        if cache_budget_bytes is not None:
+            _check_int("cache_budget_bytes", cache_budget_bytes, 0, 1 << 62)
+        if not isinstance(timeout_s, int | float) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         self.group = group
         self.config = config or CodecConfig()
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.cache_budget_bytes = cache_budget_bytes
+        self.timeout_s = float(timeout_s)
         self.cache_used_bytes = 0
         self.stats = GatherStats()
+        self.registrations: dict[int, Registration] = {}
+        self.fault_injector: FaultInjector | None = None
         self._shards: dict[int, _ShardState] = {}
+        self._send_buffer_bytes = 0  # size of each kept send buffer: the largest compressed payload
+        self._free_buffers: list[np.ndarray] = []
 
-    def memory_for(self, numel: int) -> int:
-        """Cache bytes a compressed shard costs this rank: (W-1)*S_e receiver caches + sender state."""
-        n_blocks = (numel + self.config.block_size - 1) // self.config.block_size
-        sender = 16 * n_blocks if self.config.detector == "hash" else numel
-        return (self.world_size - 1) * numel + sender
+    # ----------------------------------------------------------------- registration and the budget
+
+    def memory_for(self, numel: int, dtype="bf16") -> int:
+        """Bytes a compressed shard keeps on this rank between gathers: (W-1)·numel receiver caches plus
+        the encoder's state (see ShardEncoder.state_bytes_for), plus any growth of the send buffers."""
+        per_shard = (self.world_size - 1) * numel + ShardEncoder.state_bytes_for(
+            numel, self.config.block_size, self.config.detector
+        )
+        payload_bytes = PayloadLayout.of(numel, dtype_from_name(dtype), self.config.block_size)
+        growth = _SEND_BUFFERS * max(0, payload_bytes.max_payload_bytes - self._send_buffer_bytes)
+        return per_shard + growth
+
+    def memory_bytes(self) -> int:
+        """Bytes actually held between gathers, counted from the arrays (equals ``cache_used_bytes``
+        once every send buffer has been used)."""
+        held = sum(buffer.nbytes for buffer in self._free_buffers)
+        for state in self._shards.values():
+            if state.compressed:
+                held += state.encoder.state_bytes + sum(d.cache_bytes for d in state.decoders.values())
+        return held
 
     def register(self, shard_id: int, numel: int, dtype, category: str = "", compress: bool = True) -> bool:
-        """Declare a shard; returns whether it will be compressed (False beyond the cache budget)."""
+        """Declare a shard; returns whether it will be compressed. A shard that does not fit the cache
+        budget is gathered raw, and the engine logs that decision (``registrations`` keeps it)."""
+        _check_int("shard_id", shard_id, 0, 1 << 32)
+        _check_int("numel", numel, 0, 1 << 40)
+        dtype = dtype_from_name(dtype)
         if shard_id in self._shards:
-            return self._shards[shard_id].compressed
-        torch_dtype = torch.bfloat16 if dtype_from_name(dtype).name == "BF16" else torch.float16
-        memory = self.memory_for(numel)
-        fits = self.cache_budget_bytes is None or self.cache_used_bytes + memory <= self.cache_budget_bytes
-        state = _ShardState(numel, torch_dtype, category, compress and fits and self.world_size > 1)
-        if state.compressed:
+            state = self._shards[shard_id]
+            if (state.numel, state.dtype) != (numel, dtype):
+                raise ValueError(
+                    f"shard {shard_id} is registered as {state.numel} x {state.dtype.name.lower()}, "
+                    f"not {numel} x {dtype.name.lower()}"
+                )
+            return state.compressed
+        memory = self.memory_for(numel, dtype)
+        left = None if self.cache_budget_bytes is None else self.cache_budget_bytes - self.cache_used_bytes
+        if self.world_size == 1:
+            compressed, reason = False, "world size 1: nothing to gather"
+        elif not compress:
+            compressed, reason = False, "registered with compress=False"
+        elif left is not None and memory > left:
+            compressed = False
+            reason = f"needs {memory} bytes, {left} of the {self.cache_budget_bytes}-byte cache budget left"
+            logger.warning(
+                "ciera_runtime: shard %d (%d values, %s) is gathered raw: %s",
+                shard_id,
+                numel,
+                category,
+                reason,
+            )
+        else:
+            compressed, reason = True, "compressed"
+        state = _ShardState(numel, dtype, category, compressed)
+        if compressed:
             state.encoder = ShardEncoder(shard_id, numel, dtype, self.rank, self.config)
             state.decoders = {
                 source: ShardDecoder(shard_id, source, numel, dtype, self.config)
@@ -139,28 +239,78 @@ class CompressedAllGather:
             }
             state.memory_bytes = memory
             self.cache_used_bytes += memory
+            max_payload = state.encoder.layout.max_payload_bytes
+            if max_payload > self._send_buffer_bytes:
+                self._send_buffer_bytes = max_payload
+                self._free_buffers.clear()  # reallocated at the new size on first use
         self._shards[shard_id] = state
-        return state.compressed
+        self.registrations[shard_id] = Registration(
+            shard_id, numel, dtype.name.lower(), category, compressed, reason, state.memory_bytes
+        )
+        return compressed
 
     def is_compressed(self, shard_id: int) -> bool:
         return self._shards[shard_id].compressed
 
-    def _state_for(self, shard_id: int, shard: torch.Tensor) -> _ShardState:
-        if shard_id not in self._shards:
-            self.register(shard_id, shard.numel(), shard.dtype)
-        state = self._shards[shard_id]
-        if shard.numel() != state.numel or shard.dtype != state.dtype:
-            raise ValueError(
-                f"shard {shard_id}: got {shard.numel()} x {shard.dtype}, registered {state.numel} x {state.dtype}"
-            )
-        return state
+    # ----------------------------------------------------------------- send buffers
+
+    def _take_buffer(self) -> np.ndarray:
+        if self._free_buffers:
+            return self._free_buffers.pop()
+        return np.empty(self._send_buffer_bytes, dtype=np.uint8)
+
+    def release(self, prepared: PreparedShard) -> None:
+        """Return a prepared shard's send buffer without gathering it (a gather does this itself)."""
+        buffer, prepared.buffer, prepared.payload = prepared.buffer, None, None
+        if buffer is not None and buffer.size == self._send_buffer_bytes:
+            if len(self._free_buffers) < _SEND_BUFFERS:
+                self._free_buffers.append(buffer)
+
+    # ----------------------------------------------------------------- the gather
 
     def prepare(self, shard: torch.Tensor, shard_id: int) -> PreparedShard:
-        """Encode ``shard`` for its next gather (change detection + rANS); safe to run on a worker thread."""
-        state = self._state_for(shard_id, shard)
+        """Validate and encode ``shard`` for its next gather (change detection + rANS); safe to run on a
+        worker thread. It never raises for bad input: the error travels with the PreparedShard to the
+        gather, where every rank raises it."""
+        prepared = PreparedShard(shard_id, shard)
         start_s = time.perf_counter()
-        payload = state.encoder.encode(shard) if state.compressed else None
-        return PreparedShard(shard_id, shard, payload, time.perf_counter() - start_s)
+        try:
+            _check_int("shard_id", shard_id, 0, 1 << 32)
+            if not isinstance(shard, torch.Tensor):
+                raise ValueError(f"shard is {type(shard).__name__}, expected a torch.Tensor")
+            if shard_id not in self._shards:
+                self.register(shard_id, shard.numel(), shard.dtype)
+            state = self._shards[shard_id]
+            prepared.bits = shard_bits(shard, state.dtype, f"shard {shard_id}")
+            if prepared.bits.size != state.numel:
+                raise ValueError(
+                    f"shard {shard_id} has {prepared.bits.size} values, registered with {state.numel}"
+                )
+            if state.compressed:
+                prepared.buffer = self._take_buffer()
+                prepared.payload = state.encoder.encode(prepared.bits, out=prepared.buffer)
+                prepared.generation = state.encoder.generation
+        except Exception as error:  # noqa: BLE001 — reported to every rank by the control round
+            self.release(prepared)
+            prepared.error, prepared.exception = str(error), error
+        prepared.encode_s = time.perf_counter() - start_s
+        return prepared
+
+    def _check_output(self, output, state: _ShardState) -> str | None:
+        if output is None:
+            return None
+        if not isinstance(output, torch.Tensor):
+            return f"output is {type(output).__name__}, expected a torch.Tensor"
+        if output.device.type != "cpu":
+            return f"output is on {output.device}: the codec backends in this build work on CPU tensors"
+        if output.dtype != state.torch_dtype:
+            return f"output has dtype {output.dtype}, expected {state.torch_dtype}"
+        if output.numel() != self.world_size * state.numel:
+            return (
+                f"output has {output.numel()} elements (shape {tuple(output.shape)}), expected "
+                f"world_size x numel = {self.world_size * state.numel}"
+            )
+        return None
 
     def all_gather(
         self,
@@ -169,117 +319,191 @@ class CompressedAllGather:
         output: torch.Tensor | None = None,
         prepared: PreparedShard | None = None,
     ) -> AllGatherHandle:
-        """Start gathering ``shard`` (or a :class:`PreparedShard`) from every rank into ``output``
-        (shape (W * numel,), like all_gather_into_tensor); returns an :class:`AllGatherHandle`."""
+        """Start gathering ``shard`` (or a :class:`PreparedShard`) from every rank into ``output`` (any
+        shape with world_size·numel elements, contiguous or not, like all_gather_into_tensor); returns an
+        :class:`AllGatherHandle`. Every failure — here or on any other rank — is raised by ``wait()`` on
+        every rank as the same GatherError."""
         if prepared is None:
             prepared = self.prepare(shard, shard_id)
-        shard, shard_id = prepared.shard, prepared.shard_id
-        state = self._shards[shard_id]
-        flat = shard.detach().reshape(-1).contiguous()
-        if output is None:
-            output = torch.empty(self.world_size * state.numel, dtype=state.dtype)
-        stats = self.stats
-        stats.gathers += 1
-        stats.encode_s += prepared.encode_s
-        stats.raw_bytes_equivalent += flat.numel() * 2
+        state = self._shards.get(prepared.shard_id) if prepared.error is None else None
+        if state is not None and prepared.error is None:
+            problem = self._check_output(output, state)
+            if problem:
+                self.release(prepared)
+                prepared.error = problem
+        row = self._control_row(prepared, state)
+        self.stats.gathers += 1
+        self.stats.encode_s += prepared.encode_s
         if self.world_size == 1:
-            output.copy_(flat)
-            return AllGatherHandle(lambda: output)
-        if not state.compressed:
-            stats.raw_gathers += 1
-            stats.bytes_sent += flat.numel() * 2
-            work = _all_gather_bytes(output, flat, self.group, async_op=True)
-
-            def finish_raw() -> torch.Tensor:
-                wait_start_s = time.perf_counter()
-                work.wait()
-                stats.wait_s += time.perf_counter() - wait_start_s
-                return output
-
-            return AllGatherHandle(finish_raw)
-        return self._start_compressed(state, prepared, flat, output)
-
-    def _start_compressed(self, state: _ShardState, prepared: PreparedShard, flat, output) -> AllGatherHandle:
-        world_size, rank, group, stats = self.world_size, self.rank, self.group, self.stats
-        encoder = state.encoder
-        layout = encoder.layout
-        fixed_bytes = layout.fixed_bytes
-        payload = prepared.payload
-        generations = np.zeros(world_size, dtype=np.int64)
-        for source, decoder in state.decoders.items():
-            generations[source] = decoder.generation
-        row_bytes = fixed_bytes + _GENERATION_BYTES * world_size
-        send_round1 = torch.empty(row_bytes, dtype=torch.uint8)
-        send_view = send_round1.numpy()
-        send_view[:fixed_bytes] = payload[:fixed_bytes]
-        send_view[fixed_bytes:] = generations.view(np.uint8)
-        recv_round1 = torch.empty(world_size * row_bytes, dtype=torch.uint8)
-        work = _all_gather_bytes(recv_round1, send_round1, group, async_op=True)
-        stats.bytes_sent += row_bytes
+            return AllGatherHandle(lambda: self._finish_alone(prepared, state, output))
+        control_send = torch.from_numpy(row.pack(self.world_size).copy())
+        if self.fault_injector is not None:
+            self.fault_injector("control", prepared.shard_id, control_send.numpy())
+        control_recv = torch.empty(self.world_size * control_send.numel(), dtype=torch.uint8)
+        work = _all_gather_single(control_recv, control_send, group=self.group, async_op=True)
+        self.stats.rounds += 1
+        self.stats.bytes_sent += control_send.numel()
 
         def finish() -> torch.Tensor:
-            from ciera_runtime.codec import parse_header
-
-            wait_start_s = time.perf_counter()
-            work.wait()
-            rows = recv_round1.numpy().reshape(world_size, row_bytes)
-            cache_generations = rows[:, fixed_bytes:].copy().view(np.int64)  # [receiver, source]
-            headers = {}
-            variable_bytes = np.zeros(world_size, dtype=np.int64)
-            needs_resync = np.zeros(world_size, dtype=bool)
-            for source in range(world_size):
-                header = parse_header(rows[source, :fixed_bytes], prepared.shard_id, source)
-                headers[source] = header
-                receivers = [r for r in range(world_size) if r != source]
-                in_step = all(cache_generations[r, source] == header.generation - 1 for r in receivers)
-                needs_resync[source] = not header.full and not in_step
-                variable_bytes[source] = (
-                    encoder.resync_payload_bytes() if needs_resync[source] else header.exp_bytes
-                )
-            round2_bytes = int(variable_bytes.max())
-            recv_rows2 = None
-            if round2_bytes:
-                stats.second_rounds += 1
-                if needs_resync[rank]:
-                    stats.resyncs += 1
-                    mine = encoder.encode_resync(flat)
-                else:
-                    mine = payload[fixed_bytes:]
-                send_round2 = torch.zeros(round2_bytes, dtype=torch.uint8)
-                send_round2.numpy()[: mine.size] = mine
-                recv_round2 = torch.empty(world_size * round2_bytes, dtype=torch.uint8)
-                _all_gather_bytes(recv_round2, send_round2, group, async_op=False)
-                stats.bytes_sent += round2_bytes
-                recv_rows2 = recv_round2.numpy().reshape(world_size, round2_bytes)
-            stats.wait_s += time.perf_counter() - wait_start_s
-            decode_start_s = time.perf_counter()
-            out_bits = shard_bits(output)
-            numel = state.numel
-            for source in range(world_size):
-                target = out_bits[source * numel : (source + 1) * numel]
-                if source == rank:
-                    target[:] = shard_bits(flat)
-                    continue
-                decoder = state.decoders[source]
-                size = int(variable_bytes[source])
-                if needs_resync[source]:
-                    decoder.decode(recv_rows2[source, :size], out=target)
-                else:
-                    exp_section = recv_rows2[source, :size] if recv_rows2 is not None else rows[source, :0]
-                    decoder.decode(rows[source, :fixed_bytes], out=target, exp_section=exp_section)
-            stats.decode_s += time.perf_counter() - decode_start_s
-            stats.history.append(
-                {
-                    "shard_id": prepared.shard_id,
-                    "round2_bytes": round2_bytes,
-                    "resync": bool(needs_resync.any()),
-                }
-            )
-            if len(stats.history) > 1024:
-                del stats.history[:512]
-            return output
+            try:
+                return self._finish(prepared, state, output, work, control_recv)
+            except GatherError:
+                self.stats.failed_gathers += 1
+                raise
+            finally:
+                self.release(prepared)
 
         return AllGatherHandle(finish)
+
+    def _control_row(self, prepared: PreparedShard, state: _ShardState | None) -> protocol.ControlRow:
+        config = self.config
+        row = protocol.ControlRow(
+            shard_id=prepared.shard_id if isinstance(prepared.shard_id, int) else -1,
+            block_size=config.block_size,
+            detector=config.detector_code,
+            verify_every=config.verify_every,
+            cache_budget_bytes=-1 if self.cache_budget_bytes is None else self.cache_budget_bytes,
+            world_size=self.world_size,
+        )
+        if prepared.error is not None or state is None:
+            row.failed = 1
+            row.reason = prepared.error or "shard not registered"
+            return row
+        row.dtype, row.numel = int(state.dtype), state.numel
+        row.mode = protocol.MODE_COMPRESSED if state.compressed else protocol.MODE_RAW
+        if state.compressed:
+            header = parse_header(prepared.payload, prepared.shard_id, self.rank)
+            row.epoch, row.generation = header.epoch, header.generation
+            row.full, row.exp_bytes = int(header.full), header.exp_bytes
+            row.fixed_bytes = state.encoder.layout.fixed_bytes
+            epochs = [0] * self.world_size
+            generations = [0] * self.world_size
+            for source, decoder in state.decoders.items():
+                epochs[source], generations[source] = decoder.epoch, decoder.generation
+            row.cache_epochs, row.cache_generations = tuple(epochs), tuple(generations)
+        return row
+
+    def _finish_alone(self, prepared: PreparedShard, state, output) -> torch.Tensor:
+        self.release(prepared)
+        if prepared.error is not None:
+            self.stats.failed_gathers += 1
+            raise GatherError(
+                prepared.shard_id, {0: prepared.error}, "gather aborted"
+            ) from prepared.exception
+        flat = torch.from_numpy(prepared.bits.view(np.int16)).view(state.torch_dtype)
+        if output is None:
+            return flat.clone()
+        output.view(-1).copy_(flat) if output.is_contiguous() else output.copy_(flat.view(output.shape))
+        return output
+
+    def _wait(self, work, round_name: str, shard_id: int) -> None:
+        start_s = time.perf_counter()
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as error:
+            if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+                raise GatherTimeoutError(
+                    shard_id,
+                    {self.rank: f"waited {self.timeout_s:g} s in the {round_name} round"},
+                    "a rank did not reach the gather (crashed, restarted, or gathering another shard)",
+                ) from None
+            raise GatherError(
+                shard_id, {self.rank: f"{round_name} round failed: {str(error).splitlines()[0]}"}
+            ) from error
+        finally:
+            self.stats.wait_s += time.perf_counter() - start_s
+
+    def _finish(self, prepared: PreparedShard, state, output, work, control_recv) -> torch.Tensor:
+        world_size = self.world_size
+        shard_id = prepared.shard_id
+        self._wait(work, "control", shard_id)
+        row_bytes = control_recv.numel() // world_size
+        rows = [
+            protocol.ControlRow.unpack(row, world_size)
+            for row in control_recv.numpy().reshape(world_size, row_bytes)
+        ]
+        try:
+            plan = protocol.make_plan(rows, world_size)
+        except GatherError as error:
+            raise error from prepared.exception
+        # From here on every rank holds the same plan: same rounds, same sizes.
+        # A non-contiguous output is filled through a contiguous buffer, as gloo's raw all-gather does.
+        contiguous = output is not None and output.is_contiguous()
+        result = output if contiguous else torch.empty(world_size * plan.numel, dtype=state.torch_dtype)
+        flat_result = result.view(-1)
+        own = torch.from_numpy(prepared.bits.view(np.int16)).view(state.torch_dtype)
+        if plan.mode == protocol.MODE_RAW:
+            self.stats.raw_gathers += 1
+            self.stats.raw_bytes_equivalent += 2 * plan.numel
+            self.stats.bytes_sent += 2 * plan.numel
+            raw_work = _all_gather_single(flat_result, own, group=self.group, async_op=True)
+            self.stats.rounds += 1
+            self._wait(raw_work, "raw all-gather", shard_id)
+        else:
+            self._gather_compressed(prepared, state, plan, flat_result, own)
+        if output is not None and not contiguous:
+            output.copy_(result.view(output.shape))
+        return output if output is not None else result
+
+    def _gather_compressed(self, prepared, state: _ShardState, plan, flat_result, own) -> None:
+        world_size, rank, stats = self.world_size, self.rank, self.stats
+        shard_id, encoder, numel = prepared.shard_id, state.encoder, plan.numel
+        stats.raw_bytes_equivalent += 2 * numel
+        send = prepared.buffer
+        if plan.resync[rank]:
+            stats.resyncs += 1
+            payload = encoder.encode_resync(prepared.bits, generation=prepared.generation, out=send)
+        else:
+            payload = prepared.payload
+        send[payload.size : plan.row_bytes] = 0
+        if self.fault_injector is not None:
+            self.fault_injector("send", shard_id, send[: plan.row_bytes])
+        send_tensor = torch.from_numpy(send[: plan.row_bytes])
+        recv = torch.empty(world_size * plan.row_bytes, dtype=torch.uint8)
+        bulk_work = _all_gather_single(recv, send_tensor, group=self.group, async_op=True)
+        stats.rounds += 1
+        stats.bytes_sent += plan.row_bytes
+        self._wait(bulk_work, "bulk", shard_id)
+        received = recv.numpy().reshape(world_size, plan.row_bytes)
+        if self.fault_injector is not None:
+            self.fault_injector("receive", shard_id, received)
+        decode_start_s = time.perf_counter()
+        out_bits = flat_result.view(torch.int16).numpy().view(np.uint16)
+        out_bits[rank * numel : (rank + 1) * numel] = prepared.bits
+        failure = ""
+        for source in range(world_size):
+            if source == rank:
+                continue
+            target = out_bits[source * numel : (source + 1) * numel]
+            row = received[source, : plan.fixed_bytes + plan.variable_bytes[source]]
+            try:
+                header = parse_header(row, shard_id, source)
+                if plan.resync[source] and not header.full:
+                    raise CieraError(f"shard {shard_id} from rank {source}: resync payload is not full")
+                state.decoders[source].decode(row, out=target, expected=plan.expected[source])
+            except (CieraError, ValueError) as error:
+                failure = f"rebuilding rank {source}'s shard: {error}"
+                break
+        stats.decode_s += time.perf_counter() - decode_start_s
+        status_send = torch.from_numpy(protocol.pack_status(bool(failure), failure).copy())
+        status_recv = torch.empty(world_size * status_send.numel(), dtype=torch.uint8)
+        status_work = _all_gather_single(status_recv, status_send, group=self.group, async_op=True)
+        stats.rounds += 1
+        stats.bytes_sent += status_send.numel()
+        self._wait(status_work, "status", shard_id)
+        failures = protocol.status_failures(status_recv.numpy().reshape(world_size, -1))
+        stats.history.append(
+            {
+                "shard_id": shard_id,
+                "row_bytes": plan.row_bytes,
+                "resync": any(plan.resync),
+                "ok": not failures,
+            }
+        )
+        if len(stats.history) > 1024:
+            del stats.history[:512]
+        if failures:
+            raise GatherError(shard_id, failures, "gather failed, no rank returns weights")
 
 
 def compressed_all_gather(
@@ -289,5 +513,5 @@ def compressed_all_gather(
     output: torch.Tensor | None = None,
 ) -> AllGatherHandle:
     """Gather ``shard`` from every rank of ``engine.group``; ``.wait()`` on the handle gives a tensor equal
-    bit for bit to ``all_gather_into_tensor`` of the raw shards."""
+    bit for bit to ``all_gather_into_tensor`` of the raw shards, or raises the same error on every rank."""
     return engine.all_gather(shard, shard_id, output=output)

@@ -57,7 +57,7 @@ def _prepare_on_worker(engine: CompressedAllGather, tensor: torch.Tensor, shard_
     # a second team of numba threads next to the main thread's, oversubscribing small machines.
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
-    return engine.prepare(tensor, shard_id)
+    return engine.prepare(tensor, shard_id)  # never raises: errors travel to the gather
 
 
 def gather_pipelined(
@@ -100,7 +100,14 @@ def gather_pipelined(
                     prepared = engine.prepare(next_tensor, next_id)
                     encode_s += prepared.encode_s
                     exposed_s += prepared.encode_s
-            gathered = handle.wait()
+            try:
+                gathered = handle.wait()
+            except BaseException:
+                # Every rank raises the same error here; the shard prepared meanwhile is never gathered
+                # (its receivers resync at its next gather).
+                if next_future is not None:
+                    engine.release(next_future.result())
+                raise
             if compute is not None:
                 compute(index, gathered)
             outputs.append(gathered)

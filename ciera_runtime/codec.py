@@ -2,7 +2,7 @@
 
 Payload (little-endian; sections start on 8-byte boundaries)::
 
-    header      64 bytes, see HEADER_FORMAT
+    header      80 bytes, see HEADER_FORMAT; its own CRC-32 is checked before any field is used
     bitmap      ceil(n_blocks / 8) bytes, bit k (LSB first) set = block k carries exponents
     sign+mant   BF16: n bytes; FP16: n bytes + ceil(3n / 8) bytes (see kernels.pack_sign_mantissa)
     exponents   exp_bytes: rANS stream of the changed blocks' exponents, or them raw (FLAG_RAW_EXPONENTS)
@@ -13,6 +13,7 @@ all-gather sends it in its first round and the variable part in a second one.
 
 from __future__ import annotations
 
+import secrets
 import struct
 import zlib
 from dataclasses import dataclass
@@ -22,19 +23,24 @@ import numpy as np
 
 from ciera_runtime import kernels
 from ciera_runtime.backend import CodecBackend, get_backend
-from ciera_runtime.errors import ChecksumMismatchError, OutOfStepError, PayloadError
+from ciera_runtime.errors import ChecksumMismatchError, OutOfStepError, PayloadError, StalePayloadError
 from ciera_runtime.rans import RansFormatError
 
 MAGIC = b"CIER"
 # 2: rANS streams use 8 interleaved lanes (8 lane states per chunk; version 1 had 4).
 # 3: the last header field carries a 64-bit checksum of the sign+mantissa plane (was reserved).
-FORMAT_VERSION = 3
-# magic, version, dtype, flags, shard_id, source_rank, generation, numel, block_size, changed_blocks,
-# exp_bytes, shard_crc32, meta_crc32, sign_mantissa_checksum64
-HEADER_FORMAT = "<4sHBBIIQQIIQIIQ"
-HEADER_BYTES = 64
-_META_CRC_OFFSET = struct.calcsize("<4sHBBIIQQIIQI")
-assert struct.calcsize(HEADER_FORMAT) <= HEADER_BYTES
+# 4: 80-byte header: the sender's epoch (replay protection), a configuration fingerprint and a CRC-32
+#    of the header itself, checked before any field steers the decoder; meta_crc32 covers bitmap and
+#    exponent section only.
+FORMAT_VERSION = 4
+# magic, version, dtype, flags, shard_id, source_rank, generation, epoch, numel, block_size,
+# changed_blocks, exp_bytes, shard_crc32, meta_crc32, sign_mantissa_checksum64, config_fingerprint,
+# header_crc32
+HEADER_FORMAT = "<4sHBBIIQQQIIQIIQII"
+HEADER_BYTES = 80
+_HEADER_CRC_OFFSET = HEADER_BYTES - 4
+_META_CRC_OFFSET = struct.calcsize("<4sHBBIIQQQIIQI")
+assert struct.calcsize(HEADER_FORMAT) == HEADER_BYTES
 
 FLAG_FULL_EXPONENTS = 1  # every block carries exponents: decodable without any cache
 FLAG_RAW_EXPONENTS = 2  # exponent section is raw bytes (rANS did not pay off, or a resync payload)
@@ -64,6 +70,9 @@ def dtype_from_name(name: object) -> DType:
     raise ValueError(f"dtype {name!r} is not supported: expected bfloat16 or float16")
 
 
+_DETECTOR_CODES = {"hash": 1, "exact": 2}
+
+
 @dataclass(frozen=True)
 class CodecConfig:
     """Codec settings shared by senders and receivers of one group.
@@ -80,12 +89,29 @@ class CodecConfig:
     backend: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size={self.block_size}: expected a positive integer")
-        if self.detector not in ("hash", "exact"):
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size!r}: expected a positive integer")
+        if self.block_size >= 1 << 31:
+            raise ValueError(f"block_size={self.block_size}: expected < 2**31 (a u32 header field)")
+        if self.detector not in _DETECTOR_CODES:
             raise ValueError(f"detector={self.detector!r}: expected 'hash' or 'exact'")
-        if self.verify_every < 0:
-            raise ValueError(f"verify_every={self.verify_every}: expected >= 0")
+        if (
+            isinstance(self.verify_every, bool)
+            or not isinstance(self.verify_every, int)
+            or self.verify_every < 0
+        ):
+            raise ValueError(f"verify_every={self.verify_every!r}: expected an integer >= 0")
+
+    @property
+    def detector_code(self) -> int:
+        return _DETECTOR_CODES[self.detector]
+
+    @property
+    def fingerprint(self) -> int:
+        """32-bit fingerprint of everything sender and receivers must agree on (the backend may differ:
+        every backend writes the same bytes)."""
+        text = f"ciera/{FORMAT_VERSION}/{self.block_size}/{self.detector}/{self.verify_every}"
+        return zlib.crc32(text.encode())
 
 
 def _align8(n: int) -> int:
@@ -114,6 +140,11 @@ class PayloadLayout:
             numel, n_blocks, HEADER_BYTES, bitmap_bytes, sm_offset, sm_bytes, sm_offset + _align8(sm_bytes)
         )
 
+    @property
+    def max_payload_bytes(self) -> int:
+        """Largest payload this shard can have: the fixed part plus every exponent raw (a resync)."""
+        return self.fixed_bytes + self.numel
+
 
 @dataclass(frozen=True)
 class PayloadHeader:
@@ -122,6 +153,7 @@ class PayloadHeader:
     shard_id: int
     source_rank: int
     generation: int
+    epoch: int
     numel: int
     block_size: int
     changed_blocks: int
@@ -129,64 +161,113 @@ class PayloadHeader:
     shard_crc32: int
     meta_crc32: int
     sign_mantissa_checksum64: int
+    config_fingerprint: int
 
     @property
     def full(self) -> bool:
         return bool(self.flags & FLAG_FULL_EXPONENTS)
 
 
+_KNOWN_FLAGS = FLAG_FULL_EXPONENTS | FLAG_RAW_EXPONENTS | FLAG_CHECKSUM
+
+
+def as_payload_bytes(payload, shard_id: int, source_rank: int) -> np.ndarray:
+    """``payload`` as a 1-D contiguous uint8 array (bytes-likes are viewed, not copied)."""
+    if isinstance(payload, np.ndarray):
+        if payload.dtype != np.uint8 or payload.ndim != 1 or not payload.flags.c_contiguous:
+            raise PayloadError(
+                shard_id,
+                source_rank,
+                f"payload is a {payload.dtype} array of shape {payload.shape}: expected contiguous 1-D uint8",
+            )
+        return payload
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return np.frombuffer(payload, dtype=np.uint8)
+    raise PayloadError(
+        shard_id, source_rank, f"payload is {type(payload).__name__}: expected bytes or uint8 array"
+    )
+
+
 def parse_header(payload: np.ndarray, shard_id: int, source_rank: int) -> PayloadHeader:
-    """Header of ``payload`` (uint8 array); errors name the shard and rank the caller expected."""
+    """Header of ``payload`` (uint8 array); errors name the shard and rank the caller expected.
+
+    The header's own CRC-32 is checked first, so no corrupted field can steer what happens next; then
+    magic, version, dtype and flags."""
     if payload.size < HEADER_BYTES:
         raise PayloadError(shard_id, source_rank, f"payload truncated: {payload.size} bytes < header")
-    fields = struct.unpack_from(HEADER_FORMAT, payload.data)
-    magic, version, dtype_code = fields[0], fields[1], fields[2]
+    header_bytes = payload[:HEADER_BYTES].tobytes()
+    magic, version = header_bytes[:4], struct.unpack_from("<H", header_bytes, 4)[0]
     if magic != MAGIC:
         raise PayloadError(shard_id, source_rank, f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise PayloadError(
             shard_id, source_rank, f"format version {version}, this build reads {FORMAT_VERSION}"
         )
+    (stored_crc,) = struct.unpack_from("<I", header_bytes, _HEADER_CRC_OFFSET)
+    if zlib.crc32(header_bytes[:_HEADER_CRC_OFFSET]) != stored_crc:
+        raise PayloadError(shard_id, source_rank, "header CRC mismatch: payload header corrupted")
+    fields = struct.unpack(HEADER_FORMAT, header_bytes)
+    dtype_code, flags = fields[2], fields[3]
     if dtype_code not in (DType.BF16, DType.FP16):
         raise PayloadError(shard_id, source_rank, f"unknown dtype code {dtype_code}")
-    return PayloadHeader(DType(dtype_code), *fields[3:14])
+    if flags & ~_KNOWN_FLAGS:
+        raise PayloadError(shard_id, source_rank, f"unknown flags {flags:#x}")
+    return PayloadHeader(DType(dtype_code), *fields[3:16])
 
 
 def _meta_crc(payload: np.ndarray, layout: PayloadLayout, exp_section: np.ndarray) -> int:
-    """CRC-32 over header (CRC field zeroed), bitmap and exponent section. The sign+mantissa plane has
-    its own checksum in the header (kernels.checksum64: a faster pass than CRC-32 over half the shard)."""
-    header = bytearray(payload[:HEADER_BYTES].tobytes())
-    header[_META_CRC_OFFSET : _META_CRC_OFFSET + 4] = b"\0\0\0\0"
-    crc = zlib.crc32(header)
-    crc = zlib.crc32(payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes], crc)
+    """CRC-32 over bitmap and exponent section (the header has its own CRC, the sign+mantissa plane its
+    own checksum in the header: kernels.checksum64, a faster pass than CRC-32 over half the shard)."""
+    crc = zlib.crc32(payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes])
     return zlib.crc32(exp_section, crc)
 
 
-def shard_bits(shard) -> np.ndarray:
-    """The shard as a flat uint16 numpy view (torch bf16/fp16 tensor or any 16-bit numpy array)."""
+def shard_bits(shard, expected_dtype: DType | None = None, what: str = "shard") -> np.ndarray:
+    """The shard as a flat uint16 numpy view (torch bf16/fp16 CPU tensor or any 16-bit numpy array).
+
+    Raises ValueError (one line) for a tensor of another dtype, on another device, or not 16-bit."""
     if hasattr(shard, "numpy") and hasattr(shard, "view"):  # torch.Tensor without importing torch here
         import torch
 
+        if shard.device.type != "cpu":
+            raise ValueError(
+                f"{what} is on {shard.device}: the codec backends in this build work on CPU tensors"
+            )
+        if shard.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{what} has dtype {shard.dtype}: expected torch.bfloat16 or torch.float16")
+        if expected_dtype is not None and dtype_from_name(shard.dtype) != expected_dtype:
+            raise ValueError(f"{what} has dtype {shard.dtype}, expected {expected_dtype.name.lower()}")
         return shard.detach().reshape(-1).contiguous().view(torch.int16).numpy().view(np.uint16)
-    array = np.asarray(shard)
-    if array.dtype.itemsize != 2:
-        raise ValueError(f"shard dtype {array.dtype}: expected 16-bit values")
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint16)
+    if not isinstance(shard, np.ndarray):
+        raise ValueError(f"{what} is {type(shard).__name__}: expected a torch tensor or a numpy array")
+    if shard.dtype.itemsize != 2 or shard.dtype.kind not in "uif":
+        raise ValueError(f"{what} dtype {shard.dtype}: expected 16-bit values")
+    return np.ascontiguousarray(shard).reshape(-1).view(np.uint16)
+
+
+def new_epoch() -> int:
+    """Random non-zero 63-bit identity of one encoder instance (a restarted sender gets a new one)."""
+    return secrets.randbits(63) | 1
 
 
 class ShardEncoder:
-    """Sender side of one shard: keeps the HashCache (or last-sent exponents) and the generation."""
+    """Sender side of one shard: keeps the HashCache (or last-sent exponents), its epoch and generation.
+
+    ``epoch`` is random per instance: receivers tell a restarted sender (new epoch) from a replayed old
+    payload (an epoch they have retired, or a generation they have already applied)."""
 
     def __init__(
         self, shard_id: int, numel: int, dtype, source_rank: int = 0, config: CodecConfig | None = None
     ) -> None:
         self.config = config or CodecConfig()
+        _check_ids(shard_id, source_rank, numel)
         self.shard_id = shard_id
         self.numel = numel
         self.dtype = dtype_from_name(dtype)
         self.source_rank = source_rank
         self.layout = PayloadLayout.of(numel, self.dtype, self.config.block_size)
         self.backend: CodecBackend = get_backend(self.config.backend)
+        self.epoch = new_epoch()
         self.generation = 0  # generation of the last payload made; 0 = none yet (next one is full)
         n_blocks = self.layout.n_blocks
         self._exp_scratch = np.empty(numel, dtype=np.uint8)
@@ -197,17 +278,31 @@ class ShardEncoder:
         self._changed = np.zeros(n_blocks, dtype=np.uint8)
         self.last_changed_blocks = 0
 
+    @staticmethod
+    def state_bytes_for(numel: int, block_size: int, detector: str) -> int:
+        """Memory an encoder keeps between gathers: change-detection state (16 B per block for hash, 1 B
+        per value for exact), the exponent-plane scratch (1 B per value) and the changed flags (1 B per
+        block)."""
+        n_blocks = (numel + block_size - 1) // block_size
+        detection = 16 * n_blocks if detector == "hash" else numel
+        return detection + numel + n_blocks
+
     @property
     def state_bytes(self) -> int:
-        """Persistent sender memory: 16 B per block (hash) or 1 B per value (exact)."""
-        return self._hash_cache.nbytes if self.config.detector == "hash" else self._last_exp.nbytes
+        """Persistent sender memory, counted from the arrays themselves."""
+        detection = self._hash_cache if self.config.detector == "hash" else self._last_exp
+        return detection.nbytes + self._exp_scratch.nbytes + self._changed.nbytes
 
-    def encode(self, shard, force_full: bool = False) -> np.ndarray:
-        """Payload for this gather (uint8 array); advances the generation and the change-detection state."""
-        bits = shard_bits(shard)
+    def encode(self, shard, out: np.ndarray | None = None) -> np.ndarray:
+        """Payload for this gather (uint8 array); advances the generation and the change-detection state.
+
+        ``out``: a contiguous uint8 buffer of at least ``layout.max_payload_bytes``; the payload is
+        written at its start and a view of it returned (no fresh buffer per gather)."""
+        bits = shard_bits(shard, self.dtype, f"shard {self.shard_id}")
         if bits.size != self.numel:
             raise ValueError(f"shard {self.shard_id}: {bits.size} values, encoder was built for {self.numel}")
-        full = force_full or self.generation == 0
+        _check_out_buffer(out, self.layout, self.shard_id)
+        full = self.generation == 0
         shift, mask = _EXP_LAYOUT[self.dtype]
         block_size = self.config.block_size
         exp_source = self._exp_scratch
@@ -232,31 +327,48 @@ class ShardEncoder:
             if len(exp_section) >= changed_values:
                 exp_section, flags = packed_exp, flags | FLAG_RAW_EXPONENTS
         self.generation += 1
-        return self._assemble(bits, flags, self._changed, changed_blocks.size, exp_section)
+        return self._assemble(
+            bits, flags, self._changed, changed_blocks.size, exp_section, self.generation, out
+        )
 
-    def encode_resync(self, shard) -> np.ndarray:
-        """Full-exponent payload (raw exponents, known size) for the generation last encoded.
-
-        Used when a receiver is out of step; it does not touch the change-detection state.
-        """
-        bits = shard_bits(shard)
+    def encode_resync(
+        self, shard, generation: int | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Full-exponent payload (raw exponents, ``layout.max_payload_bytes``) stamped ``generation``
+        (default: the last one encoded) — what an out-of-step receiver rebuilds from. It does not touch
+        the change-detection state. The all-gather passes the generation of the gather it replaces, which
+        under CCP is not the last one encoded (the next gather may already be prepared)."""
+        generation = self.generation if generation is None else generation
+        if not 1 <= generation <= self.generation:
+            raise ValueError(
+                f"shard {self.shard_id}: resync for generation {generation}, encoder made 1..{self.generation}"
+            )
+        bits = shard_bits(shard, self.dtype, f"shard {self.shard_id}")
+        if bits.size != self.numel:
+            raise ValueError(f"shard {self.shard_id}: {bits.size} values, encoder was built for {self.numel}")
+        _check_out_buffer(out, self.layout, self.shard_id)
         shift, mask = _EXP_LAYOUT[self.dtype]
         exps = np.empty(self.numel, dtype=np.uint8)
         self.backend.extract_exponents(bits, shift, mask, exps)
         all_blocks = np.ones(self.layout.n_blocks, dtype=np.uint8)
         return self._assemble(
-            bits, FLAG_FULL_EXPONENTS | FLAG_RAW_EXPONENTS, all_blocks, all_blocks.size, exps
+            bits, FLAG_FULL_EXPONENTS | FLAG_RAW_EXPONENTS, all_blocks, all_blocks.size, exps, generation, out
         )
 
     def resync_payload_bytes(self) -> int:
-        return self.layout.fixed_bytes + self.numel
+        return self.layout.max_payload_bytes
 
-    def _assemble(self, bits, flags, changed, changed_count, exp_section) -> np.ndarray:
+    def _assemble(self, bits, flags, changed, changed_count, exp_section, generation, out) -> np.ndarray:
         layout = self.layout
         exp_view = (
             np.frombuffer(exp_section, dtype=np.uint8) if isinstance(exp_section, bytes) else exp_section
         )
-        payload = np.zeros(layout.fixed_bytes + exp_view.size, dtype=np.uint8)
+        size = layout.fixed_bytes + exp_view.size
+        if out is None:
+            payload = np.zeros(size, dtype=np.uint8)
+        else:
+            payload = out[:size]
+            payload[: layout.fixed_bytes] = 0  # alignment padding: deterministic bytes on the wire
         if changed.size:
             payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes] = np.packbits(
                 changed, bitorder="little"
@@ -267,41 +379,78 @@ class ShardEncoder:
         payload[layout.fixed_bytes :] = exp_view
         shard_crc = 0
         verify_every = self.config.verify_every
-        if verify_every and self.generation % verify_every == 0:
+        if verify_every and generation % verify_every == 0:
             flags |= FLAG_CHECKSUM
             shard_crc = zlib.crc32(bits)
-        header = struct.pack(
-            HEADER_FORMAT,
-            MAGIC,
-            FORMAT_VERSION,
-            int(self.dtype),
-            flags,
-            self.shard_id,
-            self.source_rank,
-            self.generation,
-            self.numel,
-            self.config.block_size,
-            changed_count,
-            exp_view.size,
-            shard_crc,
-            0,
-            self.backend.checksum64(sign_mantissa),
-        )
-        payload[: len(header)] = np.frombuffer(header, dtype=np.uint8)
         meta_crc = _meta_crc(payload, layout, exp_view)
-        payload[_META_CRC_OFFSET : _META_CRC_OFFSET + 4] = np.frombuffer(
-            struct.pack("<I", meta_crc), np.uint8
+        header = bytearray(
+            struct.pack(
+                HEADER_FORMAT,
+                MAGIC,
+                FORMAT_VERSION,
+                int(self.dtype),
+                flags,
+                self.shard_id,
+                self.source_rank,
+                generation,
+                self.epoch,
+                self.numel,
+                self.config.block_size,
+                changed_count,
+                exp_view.size,
+                shard_crc,
+                meta_crc,
+                self.backend.checksum64(sign_mantissa),
+                self.config.fingerprint,
+                0,
+            )
         )
+        struct.pack_into("<I", header, _HEADER_CRC_OFFSET, zlib.crc32(header[:_HEADER_CRC_OFFSET]))
+        payload[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
         return payload
 
 
+def _check_ids(shard_id, source_rank, numel) -> None:
+    for name, value, limit in (("shard_id", shard_id, 1 << 32), ("source_rank", source_rank, 1 << 32)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+            raise ValueError(f"{name}={value!r}: expected an integer in [0, 2**32)")
+    if isinstance(numel, bool) or not isinstance(numel, int) or not 0 <= numel < 1 << 40:
+        raise ValueError(f"numel={numel!r}: expected an integer in [0, 2**40)")
+
+
+def _check_out_buffer(out, layout: PayloadLayout, shard_id: int) -> None:
+    if out is None:
+        return
+    if (
+        not isinstance(out, np.ndarray)
+        or out.dtype != np.uint8
+        or out.ndim != 1
+        or not out.flags.c_contiguous
+    ):
+        raise ValueError(f"shard {shard_id}: payload buffer must be a contiguous 1-D uint8 array")
+    if out.size < layout.max_payload_bytes:
+        raise ValueError(
+            f"shard {shard_id}: payload buffer holds {out.size} bytes, a payload can take "
+            f"{layout.max_payload_bytes}"
+        )
+
+
 class ShardDecoder:
-    """Receiver side of one (shard, source rank): the ExpCache and the generation it reflects."""
+    """Receiver side of one (shard, source rank): the ExpCache, and the sender epoch and generation it
+    reflects.
+
+    A delta payload applies only to a cache at (same epoch, generation - 1). A full payload applies to an
+    empty cache, to the same epoch at a newer generation, or to a new epoch (a restarted sender: the old
+    epoch is retired). An old payload — a generation already applied, or a retired epoch — is rejected
+    (StalePayloadError), so a replay can never roll the cache back."""
+
+    _RETIRED_EPOCHS_KEPT = 64
 
     def __init__(
         self, shard_id: int, source_rank: int, numel: int, dtype, config: CodecConfig | None = None
     ) -> None:
         self.config = config or CodecConfig()
+        _check_ids(shard_id, source_rank, numel)
         self.shard_id = shard_id
         self.source_rank = source_rank
         self.numel = numel
@@ -309,7 +458,9 @@ class ShardDecoder:
         self.layout = PayloadLayout.of(numel, self.dtype, self.config.block_size)
         self.backend: CodecBackend = get_backend(self.config.backend)
         self.exp_cache = np.zeros(numel, dtype=np.uint8)
-        self.generation = 0  # generation of the last payload applied; 0 = cache empty
+        self.epoch = 0  # epoch of the sender whose payloads the cache reflects; 0 = cache empty
+        self.generation = 0  # generation of the last payload applied; 0 = cache empty, -1 = untrusted
+        self.retired_epochs: list[int] = []
 
     @property
     def cache_bytes(self) -> int:
@@ -318,35 +469,102 @@ class ShardDecoder:
     def _fail(self, reason: str, error: type[PayloadError] = PayloadError) -> PayloadError:
         return error(self.shard_id, self.source_rank, reason)
 
+    def _check_out(self, out) -> np.ndarray:
+        if out is None:
+            return np.empty(self.numel, dtype=np.uint16)
+        if not isinstance(out, np.ndarray):
+            raise ValueError(f"shard {self.shard_id}: out is {type(out).__name__}, expected a numpy array")
+        if out.dtype.itemsize != 2 or out.dtype.kind not in "uif" or out.ndim != 1:
+            raise ValueError(
+                f"shard {self.shard_id}: out has dtype {out.dtype} and shape {out.shape}, "
+                f"expected 1-D 16-bit values"
+            )
+        if out.size != self.numel:
+            raise ValueError(f"shard {self.shard_id}: out holds {out.size} values, expected {self.numel}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"shard {self.shard_id}: out must be contiguous and writeable")
+        return out.view(np.uint16)
+
+    def check_sequence(self, header: PayloadHeader) -> None:
+        """Raise unless ``header``'s (epoch, generation) may be applied to this cache (see the class)."""
+        if header.epoch == 0:
+            raise self._fail("payload carries epoch 0: not made by an encoder")
+        if header.epoch in self.retired_epochs:
+            raise self._fail(
+                f"payload from a retired sender epoch {header.epoch:#x} (the sender restarted since): "
+                "replayed or delayed payload",
+                StalePayloadError,
+            )
+        same_epoch = header.epoch == self.epoch
+        if same_epoch and 0 < header.generation <= self.generation:
+            raise self._fail(
+                f"payload generation {header.generation} is not newer than the cache's {self.generation}: "
+                "replayed or delayed payload",
+                StalePayloadError,
+            )
+        if not header.full and not (same_epoch and self.generation == header.generation - 1):
+            cache_at = f"epoch {self.epoch:#x} generation {self.generation}" if self.epoch else "empty"
+            raise self._fail(
+                f"cache is at {cache_at}, payload {header.generation} (epoch {header.epoch:#x}) is a delta "
+                f"on {header.generation - 1}: receiver out of step, needs full exponents",
+                OutOfStepError,
+            )
+
     def decode(
-        self, payload, out: np.ndarray | None = None, exp_section: np.ndarray | None = None
+        self,
+        payload,
+        out: np.ndarray | None = None,
+        exp_section: np.ndarray | None = None,
+        expected: tuple[int, int] | None = None,
     ) -> np.ndarray:
         """Rebuild the shard (uint16 patterns) from ``payload``.
 
-        ``payload`` is the whole payload, or only its fixed part when ``exp_section`` is passed separately
-        (the all-gather receives them in two rounds). Raises PayloadError (corrupt, truncated, foreign),
-        OutOfStepError (cache not at generation - 1 for a delta payload) or ChecksumMismatchError.
+        ``payload`` is the whole payload, or only its fixed part when ``exp_section`` is passed separately.
+        ``out``: a contiguous 1-D 16-bit array of exactly numel values (anything else raises ValueError).
+        ``expected``: the (epoch, generation) the caller was told to expect (the all-gather's control
+        round); a payload that carries others is rejected. Raises PayloadError (corrupt, truncated,
+        foreign), StalePayloadError (replayed), OutOfStepError (delta on another cache state) or
+        ChecksumMismatchError. A failed decode leaves the cache untouched.
         """
-        payload = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload
+        out = self._check_out(out)
+        payload = as_payload_bytes(payload, self.shard_id, self.source_rank)
         layout = self.layout
         header = parse_header(payload, self.shard_id, self.source_rank)
-        expected = (self.shard_id, self.source_rank, self.dtype, self.numel, self.config.block_size)
+        expected_ids = (self.shard_id, self.source_rank, self.dtype, self.numel, self.config.block_size)
         found = (header.shard_id, header.source_rank, header.dtype, header.numel, header.block_size)
-        if found != expected:
-            raise self._fail(f"header (shard, rank, dtype, numel, block) = {found}, expected {expected}")
+        if found != expected_ids:
+            raise self._fail(f"header (shard, rank, dtype, numel, block) = {found}, expected {expected_ids}")
+        if header.config_fingerprint != self.config.fingerprint:
+            raise self._fail(
+                f"sender's codec configuration (fingerprint {header.config_fingerprint:#010x}) differs from "
+                f"this receiver's ({self.config.fingerprint:#010x}: {self.config})"
+            )
+        if expected is not None and (header.epoch, header.generation) != tuple(expected):
+            raise self._fail(
+                f"payload is epoch {header.epoch:#x} generation {header.generation}, the gather announced "
+                f"epoch {expected[0]:#x} generation {expected[1]}: swapped or replayed payload"
+            )
+        if header.changed_blocks > layout.n_blocks or header.exp_bytes > self.numel:
+            raise self._fail(
+                f"header claims {header.changed_blocks} changed blocks and {header.exp_bytes} exponent bytes; "
+                f"a shard of {self.numel} values has {layout.n_blocks} blocks and at most {self.numel} bytes"
+            )
         if exp_section is None:
             if payload.size != layout.fixed_bytes + header.exp_bytes:
                 raise self._fail(
                     f"payload is {payload.size} bytes, header describes {layout.fixed_bytes + header.exp_bytes}"
                 )
             exp_section = payload[layout.fixed_bytes :]
-        elif payload.size < layout.fixed_bytes or exp_section.size != header.exp_bytes:
-            raise self._fail(
-                f"parts are {payload.size}+{exp_section.size} bytes, expected "
-                f"{layout.fixed_bytes}+{header.exp_bytes}"
-            )
+        else:
+            exp_section = as_payload_bytes(exp_section, self.shard_id, self.source_rank)
+            if payload.size < layout.fixed_bytes or exp_section.size != header.exp_bytes:
+                raise self._fail(
+                    f"parts are {payload.size}+{exp_section.size} bytes, expected "
+                    f"{layout.fixed_bytes}+{header.exp_bytes}"
+                )
+        self.check_sequence(header)
         if _meta_crc(payload, layout, exp_section) != header.meta_crc32:
-            raise self._fail("header/bitmap/exponent CRC mismatch: payload corrupted in transit")
+            raise self._fail("bitmap/exponent CRC mismatch: payload corrupted in transit")
         sign_mantissa = payload[
             layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
         ]
@@ -361,12 +579,6 @@ class ShardDecoder:
             )
         if header.full and changed_blocks.size != layout.n_blocks:
             raise self._fail("full-exponent payload does not flag every block")
-        if not header.full and self.generation != header.generation - 1:
-            raise self._fail(
-                f"cache is at generation {self.generation}, payload {header.generation} is a delta on "
-                f"{header.generation - 1}: receiver out of step, needs full exponents",
-                OutOfStepError,
-            )
         offsets, changed_values = kernels.changed_block_offsets(
             changed_blocks, self.config.block_size, self.numel
         )
@@ -389,11 +601,11 @@ class ShardDecoder:
             self.backend.scatter_blocks(
                 packed_exp, changed_blocks, offsets, self.config.block_size, self.exp_cache
             )
-        if out is None:
-            out = np.empty(self.numel, dtype=np.uint16)
         shift, _ = _EXP_LAYOUT[self.dtype]
         self.backend.merge_planes(self.exp_cache, sign_mantissa, shift, self.dtype == DType.FP16, out)
-        self.generation = header.generation
+        if header.epoch != self.epoch and self.epoch:
+            self.retired_epochs = [*self.retired_epochs, self.epoch][-self._RETIRED_EPOCHS_KEPT :]
+        self.epoch, self.generation = header.epoch, header.generation
         if header.flags & FLAG_CHECKSUM and zlib.crc32(out) != header.shard_crc32:
             self.generation = -1  # cache no longer trusted: the next delta fails as out of step
             raise self._fail("rebuilt shard does not match the sender's checksum", ChecksumMismatchError)

@@ -27,3 +27,27 @@ class OutOfStepError(PayloadError):
 
 class ChecksumMismatchError(PayloadError):
     """Verify mode: the rebuilt shard does not match the checksum the sender computed."""
+
+
+class StalePayloadError(PayloadError):
+    """A payload older than what the cache already reflects (replayed, delayed, or from a retired epoch)."""
+
+
+class GatherError(CieraError, RuntimeError):
+    """A compressed all-gather failed. Raised on every rank of the group with the same message, naming
+    the shard and, per rank, what that rank found (``failures``: rank -> reason)."""
+
+    def __init__(self, shard_id: int | None, failures: dict[int, str], summary: str = "") -> None:
+        self.shard_id = shard_id
+        self.failures = dict(sorted(failures.items()))
+        shard = f"shard {shard_id}" if shard_id is not None else "all-gather"
+        parts = "; ".join(f"rank {rank}: {reason}" for rank, reason in self.failures.items())
+        super().__init__(f"{shard}: {summary}{': ' if summary and parts else ''}{parts}")
+
+
+class ConfigMismatchError(GatherError):
+    """Ranks disagree on what is being gathered or how (shard, mode, dtype, numel, codec settings)."""
+
+
+class GatherTimeoutError(GatherError):
+    """A round of the gather did not complete within the engine's timeout (a rank never arrived)."""

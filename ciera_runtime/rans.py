@@ -233,6 +233,8 @@ def decode(stream: bytes | memoryview | np.ndarray, out: np.ndarray | None = Non
     freqs_present = (table & 0xFFFF).astype(np.int64)
     if symbols.max() > 255 or freqs_present.min() < 1 or freqs_present.sum() != PROB_SCALE:
         raise RansFormatError("rANS frequency table does not sum to the probability scale")
+    if present_count > 1 and (np.diff(symbols) <= 0).any():
+        raise RansFormatError("rANS frequency table lists a symbol twice or out of order: corrupted data")
     freqs = np.zeros(256, dtype=np.int64)
     freqs[symbols] = freqs_present
     cums = np.zeros(256, dtype=np.int64)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ciera_runtime import BackendUnavailableError, CodecConfig, ShardDecoder, ShardEncoder, get_backend, rans
-from ciera_runtime.codec import PayloadLayout, parse_header
+from ciera_runtime.codec import HEADER_BYTES, PayloadLayout, parse_header
 from ciera_runtime.kernels import sign_mantissa_bytes
 
 ALL_PATTERNS = np.arange(1 << 16, dtype=np.uint16)
@@ -64,8 +64,8 @@ def test_unchanged_regather_sends_no_exponents_and_payload_meets_the_bound() -> 
         header = parse_header(payload, 5, 1)
         assert header.changed_blocks == 0 and header.exp_bytes == 0
         np.testing.assert_array_equal(decoder.decode(payload), bits)
-        # r(0) = 0.5 + 1/(16B) (+ 64-byte header here)
-        assert payload.size <= numel * 2 * (0.5 + 1 / (16 * block_size)) + 64 + 8
+        # r(0) = 0.5 + 1/(16B) (+ the header)
+        assert payload.size <= numel * 2 * (0.5 + 1 / (16 * block_size)) + HEADER_BYTES + 8
 
 
 def test_fp16_sign_mantissa_is_packed_in_11_bits_per_value() -> None:

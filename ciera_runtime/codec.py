@@ -530,10 +530,14 @@ class ShardDecoder:
         payload = as_payload_bytes(payload, self.shard_id, self.source_rank)
         layout = self.layout
         header = parse_header(payload, self.shard_id, self.source_rank)
-        expected_ids = (self.shard_id, self.source_rank, self.dtype, self.numel, self.config.block_size)
-        found = (header.shard_id, header.source_rank, header.dtype, header.numel, header.block_size)
+        expected_ids = (self.shard_id, self.source_rank, self.dtype.name, self.numel, self.config.block_size)
+        found = (header.shard_id, header.source_rank, header.dtype.name, header.numel, header.block_size)
         if found != expected_ids:
-            raise self._fail(f"header (shard, rank, dtype, numel, block) = {found}, expected {expected_ids}")
+            raise self._fail(
+                "header (shard, rank, dtype, numel, block_size) = ({}), expected ({}): foreign payload".format(
+                    ", ".join(map(str, found)), ", ".join(map(str, expected_ids))
+                )
+            )
         if header.config_fingerprint != self.config.fingerprint:
             raise self._fail(
                 f"sender's codec configuration (fingerprint {header.config_fingerprint:#010x}) differs from "

@@ -56,13 +56,13 @@ CONTROL_FIELDS = (
 _AGREED_FIELDS = (
     ("shard_id", "shard id (ranks are gathering different shards in the same call)"),
     ("world_size", "world size"),
-    ("mode", "mode (compressed on some ranks, raw on others: registered differently, or over budget)"),
+    ("block_size", "codec block_size"),
+    ("detector", "codec detector"),
+    ("verify_every", "codec verify_every"),
+    ("cache_budget_bytes", "cache budget"),
     ("dtype", "dtype"),
     ("numel", "numel"),
-    ("block_size", "block_size"),
-    ("detector", "detector"),
-    ("verify_every", "verify_every"),
-    ("cache_budget_bytes", "cache_budget_bytes"),
+    ("mode", "mode (compressed on some ranks, raw on others: registered differently, or over budget)"),
 )
 
 

@@ -1,0 +1,118 @@
+"""Fault injection over real gloo groups: every gather under an injected fault ends with exact weights or
+the same clear error on every rank — never wrong weights, never a hang, never one rank alone failing.
+
+The CI-sized runs draw ~100 faults per world size; ``-m slow`` draws thousands. Each run prints its
+counts (``pytest -s`` shows them).
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.multiprocessing as mp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _fault_workers as workers  # noqa: E402
+
+MUST_ERROR = {
+    "control_flip",
+    "output_float32",
+    "output_short",
+    "shard_float32",
+    "shard_wrong_numel",
+    "shard_not_tensor",
+    *workers.CONFIG_FAULTS,
+}
+MUST_BE_EXACT = {"output_noncontiguous", "output_2d", "shard_noncontiguous", "restart", "none"}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _spawn(worker, world_size: int, *args, timeout_s: float = 600) -> list:
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    processes = mp.start_processes(
+        worker,
+        args=(world_size, _free_port(), *args, results),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    # A hang is a failure, not a stuck CI job: join with a deadline.
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not processes.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in processes.processes:
+                process.kill()
+            pytest.fail(f"ranks still running after {timeout_s} s: a hang")
+    return sorted(results.get() for _ in range(world_size))
+
+
+def _run_and_check(
+    world_size: int, injections: int, seed: int, faults=workers.ALL_FAULTS
+) -> collections.Counter:
+    results = _spawn(workers.fault_injection_worker, world_size, injections, seed, tuple(faults))
+    counts: collections.Counter = collections.Counter()
+    by_injection = collections.defaultdict(list)
+    for rank, records, final, _, _ in results:
+        assert final == ["exact"] * len(workers.SHAPES), f"rank {rank}: engine unusable after the faults"
+        for index, fault, target, outcome, message, elapsed_s in records:
+            by_injection[index].append((rank, fault, target, outcome, message, elapsed_s))
+    for index, per_rank in sorted(by_injection.items()):
+        fault = per_rank[0][1]
+        outcomes = {outcome for _, _, _, outcome, _, _ in per_rank}
+        messages = {message for *_, message, _ in per_rank}
+        where = f"injection {index} ({fault} on rank {per_rank[0][2]})"
+        assert "wrong" not in outcomes, f"{where}: silently wrong weights: {per_rank}"
+        assert len(outcomes) == 1, f"{where}: ranks ended differently: {per_rank}"
+        assert len(messages) == 1, f"{where}: ranks raised different errors: {messages}"
+        outcome = outcomes.pop()
+        if fault in MUST_ERROR:
+            assert outcome == "error", f"{where}: expected an error on every rank, got {outcome}"
+        if fault in MUST_BE_EXACT:
+            assert outcome == "exact", f"{where}: expected exact weights, got {messages}"
+        if outcome == "error":
+            message = messages.pop()
+            assert message.startswith("shard ") or message.startswith("all-gather"), message
+            assert "\n" not in message
+        counts[(fault, outcome)] += 1
+    summary = {f"{fault}:{outcome}": n for (fault, outcome), n in sorted(counts.items())}
+    print(f"\nW={world_size}: {len(by_injection)} injections, outcomes {summary}")
+    return counts
+
+
+@pytest.mark.parametrize("world_size, injections", [(2, 160), (3, 90)])
+def test_every_fault_ends_exact_or_in_the_same_error_on_every_rank(world_size: int, injections: int) -> None:
+    counts = _run_and_check(world_size, injections, seed=world_size)
+    assert sum(counts.values()) == injections
+    assert sum(n for (_, outcome), n in counts.items() if outcome == "wrong") == 0
+    # The draw covers every fault, and corrupted payloads really were caught (not only padding hit).
+    assert {fault for fault, _ in counts} == set(workers.ALL_FAULTS)
+    assert counts[("send_flip", "error")] > 0 and counts[("recv_garbage", "error")] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size, injections", [(2, 3000), (3, 1500)])
+def test_many_faults_slow(world_size: int, injections: int) -> None:
+    counts = _run_and_check(world_size, injections, seed=100 + world_size)
+    assert sum(counts.values()) == injections
+
+
+def test_a_rank_that_never_arrives_makes_the_others_raise_within_the_timeout() -> None:
+    results = _spawn(workers.missing_rank_worker, 3, 3.0, timeout_s=120)
+    for rank, outcome, elapsed_s in results[:-1]:
+        assert outcome.startswith("timeout: shard 0"), (rank, outcome)
+        assert 2.5 < elapsed_s < 30
+    assert results[-1][1] == "absent"

@@ -188,9 +188,14 @@ class CompressedAllGather:
         growth = _SEND_BUFFERS * max(0, payload_bytes.max_payload_bytes - self._send_buffer_bytes)
         return per_shard + growth
 
+    @property
+    def send_buffer_bytes(self) -> int:
+        """Size of each of the (up to two) send buffers the engine keeps: the largest possible payload."""
+        return self._send_buffer_bytes
+
     def memory_bytes(self) -> int:
-        """Bytes actually held between gathers, counted from the arrays (equals ``cache_used_bytes``
-        once every send buffer has been used)."""
+        """Bytes actually held between gathers, counted from the arrays. At most ``cache_used_bytes``;
+        equal once both send buffers exist (one is allocated per gather in flight: CCP uses two)."""
         held = sum(buffer.nbytes for buffer in self._free_buffers)
         for state in self._shards.values():
             if state.compressed:

@@ -116,3 +116,77 @@ def pipeline_and_selection_worker(rank: int, world_size: int, port: int, result_
         result_queue.put((rank, mismatches, report.as_dict(), agreed))
     finally:
         dist.destroy_process_group()
+
+
+def budget_and_pipelined_resync_worker(rank: int, world_size: int, port: int, result_queue) -> None:
+    """(a) The cache budget counts every byte the engine keeps, and a shard over it is a logged, visible
+    decision. (b) Under gather_pipelined a resync is stamped with the generation of the gather it
+    replaces, so a shard gathered again and again after one restart resyncs once, then sends the fixed
+    part only (it used to resync on every gather)."""
+    import logging
+
+    from ciera_runtime import CodecConfig, CompressedAllGather, gather_pipelined
+    from ciera_runtime.protocol import control_row_bytes, status_row_bytes
+
+    init_gloo(rank, world_size, port)
+    try:
+        warnings: list[str] = []
+
+        class _Collect(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                warnings.append(record.getMessage())
+
+        logging.getLogger("ciera_runtime").addHandler(_Collect(level=logging.WARNING))
+        numel = 20_000
+        scratch = CompressedAllGather(config=CodecConfig())
+        scratch.register(0, numel, "bf16")
+        scratch.register(1, numel, "bf16")
+        budget = scratch.cache_used_bytes + 10  # room for two shards, not three
+        engine = CompressedAllGather(config=CodecConfig(), cache_budget_bytes=budget)
+        generator = torch.Generator().manual_seed(rank)
+        weights = [(torch.randn(numel, generator=generator) * 0.02).to(torch.bfloat16) for _ in range(3)]
+        decisions = [engine.register(shard_id, numel, "bf16", category="expert_ffn") for shard_id in range(3)]
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        mismatches = 0
+        for _ in range(3):
+            for shard_id, weight in enumerate(weights):
+                weight[:7] = weight[:7] * 1.9
+                expected = torch.empty(world_size * numel, dtype=torch.bfloat16)
+                gather(expected, weight)
+                got = engine.all_gather(weight, shard_id).wait()
+                mismatches += int(not torch.equal(got.view(torch.int16), expected.view(torch.int16)))
+        budget_result = {
+            "decisions": decisions,
+            "reason": engine.registrations[2].reason,
+            "warnings": warnings,
+            "memory_bytes": engine.memory_bytes(),
+            "send_buffer_bytes": engine.send_buffer_bytes,
+            "cache_used_bytes": engine.cache_used_bytes,
+            "budget": budget,
+        }
+
+        pipeline_engine = CompressedAllGather(config=CodecConfig())
+        weight = weights[0]
+        gather_pipelined(pipeline_engine, [(0, weight)] * 3)
+        if rank == world_size - 1:  # restart: empty caches, a new epoch
+            pipeline_engine = CompressedAllGather(config=CodecConfig())
+        sent_before = pipeline_engine.stats.bytes_sent
+        outputs, _ = gather_pipelined(pipeline_engine, [(0, weight)] * 6)
+        expected = torch.empty(world_size * numel, dtype=torch.bfloat16)
+        gather(expected, weight)
+        mismatches += sum(
+            int(not torch.equal(o.view(torch.int16), expected.view(torch.int16))) for o in outputs
+        )
+        fixed_bytes = pipeline_engine._shards[0].encoder.layout.fixed_bytes
+        pipeline_result = {
+            "resyncs": pipeline_engine.stats.resyncs,
+            "row_bytes": [entry["row_bytes"] for entry in pipeline_engine.stats.history[-6:]],
+            "bytes_sent": pipeline_engine.stats.bytes_sent - sent_before,
+            "fixed_bytes": fixed_bytes,
+            "round_overhead_bytes": control_row_bytes(world_size) + status_row_bytes(),
+            "memory_bytes": pipeline_engine.memory_bytes(),
+            "cache_used_bytes": pipeline_engine.cache_used_bytes,
+        }
+        result_queue.put((rank, mismatches, budget_result, pipeline_result))
+    finally:
+        dist.destroy_process_group()

@@ -12,7 +12,11 @@ torch = pytest.importorskip("torch")
 import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _dist_workers import changing_weights_worker, pipeline_and_selection_worker  # noqa: E402
+from _dist_workers import (  # noqa: E402
+    budget_and_pipelined_resync_worker,
+    changing_weights_worker,
+    pipeline_and_selection_worker,
+)
 
 
 def _free_port() -> int:
@@ -67,3 +71,27 @@ def test_world_size_one_without_process_group() -> None:
     got = compressed_all_gather(shard, 0, engine).wait()
     assert torch.equal(got.view(torch.int16), shard.view(torch.int16))
     assert not engine.is_compressed(0)
+
+
+def test_budget_is_honest_and_pipelined_resync_happens_once() -> None:
+    numel = 20_000
+    for rank, mismatches, budget, pipeline in _run(budget_and_pipelined_resync_worker, 2):
+        assert mismatches == 0
+        # Budget: two shards fit, the third is gathered raw — a visible, logged decision.
+        assert budget["decisions"] == [True, True, False]
+        assert "cache budget" in budget["reason"]
+        assert any("shard 2" in warning and "gathered raw" in warning for warning in budget["warnings"])
+        # Everything kept between gathers is counted, and within the budget: a plain gather loop has
+        # allocated one of the two send buffers counted; CCP (below) uses both, and counts match exactly.
+        assert budget["cache_used_bytes"] <= budget["budget"]
+        assert budget["cache_used_bytes"] - budget["memory_bytes"] == budget["send_buffer_bytes"]
+        assert pipeline["memory_bytes"] == pipeline["cache_used_bytes"]
+        # Pipelined after a restart: one resync (the restarted rank's empty cache), then the fixed part.
+        fixed = pipeline["fixed_bytes"]
+        if rank == 0:
+            assert pipeline["resyncs"] == 1
+            assert pipeline["row_bytes"] == [fixed + numel] + [fixed] * 5
+            expected_bytes = 6 * pipeline["round_overhead_bytes"] + (fixed + numel) + 5 * fixed
+            assert pipeline["bytes_sent"] == expected_bytes
+        else:
+            assert pipeline["resyncs"] == 0

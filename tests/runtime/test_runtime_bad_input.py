@@ -14,6 +14,7 @@ from ciera_runtime import (
     PayloadError,
     ShardDecoder,
     ShardEncoder,
+    StalePayloadError,
 )
 from ciera_runtime.codec import HEADER_BYTES
 
@@ -149,3 +150,134 @@ def test_encoder_rejects_a_shard_of_the_wrong_size() -> None:
     encoder, _, bits = _codec()
     with pytest.raises(ValueError, match="shard 11"):
         encoder.encode(bits[:-1])
+
+
+# ---- caller-supplied buffers (issue: a larger out read past the cache, a smaller FP16 out was wrong)
+
+
+@pytest.mark.parametrize(
+    "make_out",
+    [
+        lambda n: np.empty(n + 1, np.uint16),
+        lambda n: np.empty(n - 1, np.uint16),
+        lambda n: np.empty(n, np.float32),
+        lambda n: np.empty(2 * n, np.uint16)[::2],
+        lambda n: np.empty((1, n), np.uint16),
+        lambda n: [0] * n,
+    ],
+    ids=["larger", "smaller", "float32", "noncontiguous", "2d", "list"],
+)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_decode_rejects_an_out_buffer_that_is_not_numel_contiguous_16_bit(make_out, dtype: str) -> None:
+    config = CodecConfig(block_size=256)
+    encoder = ShardEncoder(SHARD_ID, NUMEL, dtype, SOURCE_RANK, config)
+    decoder = ShardDecoder(SHARD_ID, SOURCE_RANK, NUMEL, dtype, config)
+    payload = encoder.encode(np.random.default_rng(0).integers(0, 1 << 16, NUMEL, dtype=np.uint16))
+    with pytest.raises(ValueError, match=f"shard {SHARD_ID}: out"):
+        decoder.decode(payload, out=make_out(NUMEL))
+    assert decoder.generation == 0  # nothing applied
+
+
+def test_encode_into_a_reused_buffer_checks_its_size_and_type() -> None:
+    encoder, decoder, bits = _codec()
+    with pytest.raises(ValueError, match="payload buffer holds"):
+        encoder.encode(bits, out=np.empty(encoder.layout.max_payload_bytes - 1, np.uint8))
+    with pytest.raises(ValueError, match="contiguous 1-D uint8"):
+        encoder.encode(bits, out=np.empty(encoder.layout.max_payload_bytes, np.uint16))
+    buffer = np.full(encoder.layout.max_payload_bytes, 0xAB, np.uint8)  # stale bytes from a last gather
+    payload = encoder.encode(bits, out=buffer)
+    assert payload.base is buffer or np.shares_memory(payload, buffer)
+    np.testing.assert_array_equal(decoder.decode(payload), bits)
+
+
+def test_encoder_rejects_a_tensor_of_another_dtype_or_device() -> None:
+    torch = pytest.importorskip("torch")
+    encoder, _, bits = _codec()
+    as_fp16 = torch.from_numpy(bits.view(np.int16).copy()).view(torch.float16)
+    with pytest.raises(ValueError, match="dtype torch.float16, expected bf16"):
+        encoder.encode(as_fp16)
+    with pytest.raises(ValueError, match="dtype torch.float32"):
+        encoder.encode(torch.zeros(NUMEL))
+    with pytest.raises(ValueError, match="is on meta"):
+        encoder.encode(torch.empty(NUMEL, dtype=torch.bfloat16, device="meta"))
+
+
+# ---- header fields are checked before they are used
+
+
+def test_a_flipped_size_field_is_caught_by_the_header_crc_before_it_sizes_anything() -> None:
+    from ciera_runtime.codec import HEADER_FORMAT
+
+    encoder, decoder, bits = _codec()
+    payload = encoder.encode(bits).copy()
+    exp_bytes_offset = struct.calcsize(HEADER_FORMAT[: HEADER_FORMAT.index("IIQIIQII") + 2])
+    payload[exp_bytes_offset + 3] ^= 0x10  # exp_bytes += 2**28
+    with pytest.raises(PayloadError, match="header CRC mismatch"):
+        decoder.decode(payload)
+
+
+def test_a_header_with_a_valid_crc_but_impossible_sizes_is_rejected() -> None:
+    """A sender bug (not corruption): the CRC matches, the sizes are out of bounds."""
+    import zlib
+
+    from ciera_runtime.codec import HEADER_FORMAT
+
+    encoder, decoder, bits = _codec()
+    payload = encoder.encode(bits).copy()
+    fields = list(struct.unpack_from(HEADER_FORMAT, payload.tobytes()))
+    fields[11] = NUMEL + 1  # exp_bytes beyond what raw exponents cost
+    header = bytearray(struct.pack(HEADER_FORMAT, *fields))
+    struct.pack_into("<I", header, HEADER_BYTES - 4, zlib.crc32(header[: HEADER_BYTES - 4]))
+    payload[:HEADER_BYTES] = np.frombuffer(bytes(header), np.uint8)
+    with pytest.raises(PayloadError, match="at most"):
+        decoder.decode(payload)
+
+
+# ---- replay protection: sender epoch + generation
+
+
+def test_a_replayed_old_full_payload_is_rejected_and_the_cache_does_not_go_back() -> None:
+    encoder, decoder, bits = _codec()
+    first = encoder.encode(bits).copy()  # generation 1, full
+    decoder.decode(first)
+    bits[3] ^= 0x0100
+    np.testing.assert_array_equal(decoder.decode(encoder.encode(bits)), bits)
+    with pytest.raises(StalePayloadError, match="not newer"):
+        decoder.decode(first)
+    resync = encoder.encode_resync(bits, generation=1)  # an old resync: full, generation 1
+    with pytest.raises(StalePayloadError):
+        decoder.decode(resync)
+    assert decoder.generation == 2
+    bits[4000] ^= 0x0100
+    np.testing.assert_array_equal(decoder.decode(encoder.encode(bits)), bits)  # still in step
+
+
+def test_a_restarted_sender_is_accepted_and_its_old_incarnation_retired() -> None:
+    encoder, decoder, bits = _codec()
+    old_payload = encoder.encode(bits).copy()
+    decoder.decode(old_payload)
+    restarted = ShardEncoder(SHARD_ID, NUMEL, "bf16", SOURCE_RANK, encoder.config)  # new epoch, generation 0
+    assert restarted.epoch != encoder.epoch
+    np.testing.assert_array_equal(decoder.decode(restarted.encode(bits)), bits)
+    assert decoder.epoch == restarted.epoch and encoder.epoch in decoder.retired_epochs
+    later_from_old = encoder.encode(bits)  # a delayed payload of the old incarnation
+    with pytest.raises(StalePayloadError, match="retired"):
+        decoder.decode(later_from_old)
+
+
+def test_a_payload_from_a_differently_configured_sender_is_rejected() -> None:
+    encoder, _, bits = _codec()
+    other = ShardDecoder(SHARD_ID, SOURCE_RANK, NUMEL, "bf16", CodecConfig(block_size=256, verify_every=3))
+    with pytest.raises(PayloadError, match="codec configuration"):
+        other.decode(encoder.encode(bits))
+
+
+def test_rans_rejects_a_frequency_table_that_lists_a_symbol_twice() -> None:
+    from ciera_runtime import rans
+
+    stream = bytearray(rans.encode(np.array([1, 2, 2, 3] * 50, np.uint8)))
+    entries = np.frombuffer(bytes(stream[12:24]), np.uint32).copy()  # (symbol << 16) | freq, 3 entries
+    entries[1] = (entries[0] & 0xFFFF0000) | (entries[1] & 0xFFFF)  # second entry names symbol 1 again
+    stream[12:24] = entries.tobytes()
+    with pytest.raises(rans.RansFormatError, match="twice"):
+        rans.decode(bytes(stream), np.empty(200, np.uint8))

@@ -6,9 +6,9 @@ Each rank holds a BF16 N(0, 0.02) shard; before every "iteration" a share q of i
 exponent changed, then the shard is gathered three times (forward, recompute, backward: the last two
 carry no exponents). Reported per gather: wall time (raw all_gather_single vs compressed, both measured
 in this run), bytes sent per rank, and the compressed engine's breakdown (encode, wait, decode). Also
-the cost of the extra (second) round, measured as an all-gather of a few bytes. On one machine over
-loopback the link is fast and the 2 cores are shared by both ranks, so the time column mostly shows
-codec cost; bytes are what a real link would carry.
+the cost of one small round (each compressed gather has two: control and status), measured as an
+all-gather of a few bytes. On one machine over loopback the link is fast and the 2 cores are shared by
+both ranks, so the time column mostly shows codec cost; bytes are what a real link would carry.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _worker(
             "compressed_s_per_gather": float(np.median(compressed_s)),
             "raw_bytes_sent_per_gather": numel * 2,
             "compressed_bytes_sent_per_gather": stats.bytes_sent / gathers,
-            "second_round_share": stats.second_rounds / gathers,
+            "rounds_per_gather": stats.rounds / gathers,
             "small_round_s": small_round_s,
             "encode_s_per_gather": stats.encode_s / gathers,
             "wait_s_per_gather": stats.wait_s / gathers,

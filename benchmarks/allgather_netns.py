@@ -170,7 +170,7 @@ def _rank_main(args) -> None:
         "small_round_s": small_round_s,
         "ccp_overlapped": overlapped,
         "ccp_overlap_fraction": overlap_fraction,
-        "compressed_second_rounds": stats.second_rounds,
+        "compressed_rounds": stats.rounds,
         "compressed_resyncs": stats.resyncs,
         "compressed_gathers": stats.gathers,
         "bit_exact": not mismatches,
@@ -371,8 +371,8 @@ def _report(args, link: Link, ranks: list[dict], load_before, load_after, wall_s
         "ccp_overlap_fraction_median": round(
             float(np.median([f for r in ranks for f in r["ccp_overlap_fraction"]])), 3
         ),
-        "compressed_second_round_share": round(
-            ranks[0]["compressed_second_rounds"] / ranks[0]["compressed_gathers"], 3
+        "compressed_rounds_per_gather": round(
+            ranks[0]["compressed_rounds"] / ranks[0]["compressed_gathers"], 3
         ),
         "compressed_resyncs": sum(r["compressed_resyncs"] for r in ranks),
         # Plain compressed loop, per gather, mean of the ranks: encode (detect + split + rANS), wait (both

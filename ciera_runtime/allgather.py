@@ -260,9 +260,10 @@ class CompressedAllGather:
     # ----------------------------------------------------------------- send buffers
 
     def _take_buffer(self) -> np.ndarray:
-        if self._free_buffers:
+        try:  # pop is atomic; the CCP worker may take a buffer while the main thread gives one back
             return self._free_buffers.pop()
-        return np.empty(self._send_buffer_bytes, dtype=np.uint8)
+        except IndexError:
+            return np.empty(self._send_buffer_bytes, dtype=np.uint8)
 
     def release(self, prepared: PreparedShard) -> None:
         """Return a prepared shard's send buffer without gathering it (a gather does this itself)."""

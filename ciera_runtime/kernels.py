@@ -606,6 +606,29 @@ def _tail_tasks(numel: int, plane_bytes: int) -> int:
 
 
 @njit(inline="always")
+def _block_words_hash_checksum(exp_words, sm_words, start, stop):
+    """``_block_words_hash`` and ``_block_checksum`` of a block whose ends are multiples of 8."""
+    block_exp = exp_words[start // 8 : stop // 8]
+    block_sm = sm_words[start // 8 : stop // 8]
+    acc_a = np.uint64(0)
+    acc_b = np.uint64(0)
+    total = np.uint64(0)
+    state_a = HASH_SEED_A
+    state_b = HASH_SEED_B
+    key = CHECKSUM_SEED + np.uint64(start // 8) * _GOLDEN_GAMMA
+    for k in range(block_exp.size):
+        word = block_exp[k]
+        state_a += _GOLDEN_GAMMA
+        state_b += _GOLDEN_GAMMA
+        key += _GOLDEN_GAMMA
+        acc_a += _mix64(state_a ^ word)
+        acc_b += _mix64(state_b ^ word)
+        total += _mix64(key ^ block_sm[k])
+    length = np.uint64(stop - start)
+    return _mix64(acc_a ^ length), _mix64(acc_b ^ length), total
+
+
+@njit(inline="always")
 def _encode_hash_block(
     bits,
     exp_shift,
@@ -625,13 +648,18 @@ def _encode_hash_block(
     start = block * block_size
     stop = min(start + block_size, bits.size)
     _split_block(bits, exp_shift, exp_mask, is_fp16, exp, sm, start, stop)
-    hash_a, hash_b = _block_words_hash(exp, exp_words, start, stop, HASH_SEED_A, HASH_SEED_B)
+    if start % 8 == 0 and stop % 8 == 0:
+        # Word j of the block's exponents and word j of the plane cover the same 8 values: one loop
+        # mixes the three terms (two hash streams, checksum) of every word.
+        hash_a, hash_b, partials[block] = _block_words_hash_checksum(exp_words, sm_words, start, stop)
+    else:
+        hash_a, hash_b = _block_words_hash(exp, exp_words, start, stop, HASH_SEED_A, HASH_SEED_B)
+        partials[block] = _block_checksum(bits, is_fp16, sm_words, start, stop)
     changed = force_all or hash_cache[block, 0] != hash_a or hash_cache[block, 1] != hash_b
     if changed:
         hash_cache[block, 0] = hash_a
         hash_cache[block, 1] = hash_b
     changed_out[block] = changed
-    partials[block] = _block_checksum(bits, is_fp16, sm_words, start, stop)
 
 
 @njit(parallel=True, cache=True, nogil=True)

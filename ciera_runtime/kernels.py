@@ -582,7 +582,7 @@ def _finish_checksum(sm, sm_words, numel, block_partials, tail_partials, paralle
     first = numel // 8
     stop_word = (sm.size + 7) // 8
     n_tasks = tail_partials.size
-    if parallel:
+    if parallel and n_tasks > 1:  # BF16 has no tail task; a region for one task would only cost
         for task in prange(n_tasks):
             lo = first + task * _TAIL_WORDS_PER_TASK
             hi = min(lo + _TAIL_WORDS_PER_TASK, stop_word)

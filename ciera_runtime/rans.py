@@ -23,8 +23,12 @@ encoder for the same chunk size.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from numba import njit, prange
+
+from ciera_runtime import kernels
 
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
@@ -118,6 +122,20 @@ def _encode_chunks(data, bounds, inv_freqs, cums, cmpl_freqs, chunk_symbols, wor
     """Chunk c owns words[start:stop] (at most one word per symbol), filled from its end."""
     n = data.size
     for chunk in prange(word_counts.size):
+        start = chunk * chunk_symbols
+        stop = min(start + chunk_symbols, n)
+        word_counts[chunk] = _encode_chunk(
+            data, bounds, inv_freqs, cums, cmpl_freqs, start, stop, words, states[chunk]
+        )
+
+
+@njit(cache=True, nogil=True)
+def _encode_chunks_serial(
+    data, bounds, inv_freqs, cums, cmpl_freqs, chunk_symbols, words, word_counts, states
+):
+    """``_encode_chunks`` on the calling thread only (same chunks, same bytes)."""
+    n = data.size
+    for chunk in range(word_counts.size):
         start = chunk * chunk_symbols
         stop = min(start + chunk_symbols, n)
         word_counts[chunk] = _encode_chunk(
@@ -255,25 +273,24 @@ def _decode_chunks(words, word_starts, word_counts, states, table, chunk_symbols
     return bad.sum()
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _histogram(data):
-    """Byte counts, in slices on all of numba's threads; four interleaved counters per slice so
-    consecutive equal bytes do not wait on each other's increment."""
-    n_parts = max(1, min(64, data.size >> 14))
-    part_size = (data.size + n_parts - 1) // n_parts
-    partial = np.zeros((n_parts, 4, 256), dtype=np.int64)
-    for part in prange(n_parts):
-        chunk = data[part * part_size : min((part + 1) * part_size, data.size)]
-        counts = partial[part]
-        quads = chunk.size // 4
-        for k in range(quads):
-            counts[0, chunk[4 * k]] += 1
-            counts[1, chunk[4 * k + 1]] += 1
-            counts[2, chunk[4 * k + 2]] += 1
-            counts[3, chunk[4 * k + 3]] += 1
-        for k in range(4 * quads, chunk.size):
-            counts[0, chunk[k]] += 1
-    return partial.sum(axis=0).sum(axis=0)
+    """Byte counts; four interleaved counters so consecutive equal bytes do not wait on each other's
+    increment. Serial: a parallel region costs more than the few hundred KB it counts (and, on a busy
+    machine, waits for an unscheduled thread)."""
+    counts = np.zeros((4, 256), dtype=np.int64)
+    quads = data.size // 4
+    for k in range(quads):
+        counts[0, data[4 * k]] += 1
+        counts[1, data[4 * k + 1]] += 1
+        counts[2, data[4 * k + 2]] += 1
+        counts[3, data[4 * k + 3]] += 1
+    for k in range(4 * quads, data.size):
+        counts[0, data[k]] += 1
+    total = np.zeros(256, dtype=np.int64)
+    for symbol in range(256):
+        total[symbol] = counts[0, symbol] + counts[1, symbol] + counts[2, symbol] + counts[3, symbol]
+    return total
 
 
 def _pad4(n: int) -> int:
@@ -339,7 +356,14 @@ def encode_into(data: np.ndarray, out: np.ndarray, chunk_symbols: int | None = N
     words = np.empty(n, dtype=np.uint16)
     word_counts = np.zeros(n_chunks, dtype=np.int64)
     states = np.zeros((n_chunks, LANES), dtype=np.int64)
-    _encode_chunks(data, bounds, inv_freqs, cums, cmpl_freqs, chunk_symbols, words, word_counts, states)
+    # Chunks on all threads or on this one, chosen by measured speed like the detectors (a parallel region
+    # waits for every thread, which on a busy machine can cost more than the encode); same bytes either way.
+    parallel = n_chunks > 1 and kernels._choice.choose("ans_encode", n)
+    kernel = _encode_chunks if parallel else _encode_chunks_serial
+    start_s = time.perf_counter()
+    kernel(data, bounds, inv_freqs, cums, cmpl_freqs, chunk_symbols, words, word_counts, states)
+    if n_chunks > 1:
+        kernels._choice.record("ans_encode", parallel, n, time.perf_counter() - start_s)
     return int(_write_stream(out, n, chunk_symbols, freqs, words, word_counts, states))
 
 

@@ -1,4 +1,4 @@
-"""Codec throughput and payload size against a memcpy baseline measured in the same run.
+"""Codec throughput and payload size against copy baselines measured in the same run.
 
     python benchmarks/codec.py --json out/codec.json [--numel 8388608] [--repeats 5]
 
@@ -6,17 +6,29 @@ Weights: BF16 N(0, 0.02). Perturbation at rate q: a share q of the blocks get on
 Throughputs are in shard bytes (2 per value) per second, best of ``repeats``, numba's threads (all cores);
 ``detect*_GBps`` use the adaptive serial/parallel choice of ``kernels.detect_changes_*``;
 ``detect_serial_GBps`` and ``detect_parallel_GBps`` force one variant of the hash detector.
+
+Baselines: ``copy_GBps`` is a numba ``prange`` copy on as many threads as the codec kernels get (the
+baseline of the full-path ratios); ``memcpy_GBps`` is numpy's one-thread copy (reference; ``vs_memcpy``).
+``full_path`` times the fused encode path (one fused pass writing into a reused send buffer,
+flatnonzero, gather_blocks, rANS into that buffer, bitmap, header, CRC) and decode path (CRC, rANS
+decode, scatter, merge_planes_checked) at q = 0.01, built from the kernel calls directly, each sample
+next to a copy sample so both see the same load; ``encode_GBps``/``decode_GBps`` are
+ShardEncoder/ShardDecoder (whatever kernels codec.py calls).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import struct
 import sys
 import time
+import zlib
 from pathlib import Path
 
+import numba
 import numpy as np
+from numba import njit, prange
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -26,10 +38,104 @@ from ciera_runtime import (  # noqa: E402
     CodecConfig,
     ShardDecoder,
     ShardEncoder,
+    codec,
+    get_backend,
     kernels,
     rans,
 )
 from ciera_runtime.selection import perturb_blocks  # noqa: E402
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def parallel_copy(source, target):
+    """The baseline: a copy on all of numba's threads (as many as the codec kernels use)."""
+    for i in prange(source.size):
+        target[i] = source[i]
+
+
+class FusedPath:
+    """Full BF16 encode and decode path from the fused kernels, on reused buffers (hash detector).
+
+    It builds the same payload bytes as ShardEncoder (checked against ShardDecoder) so the figure is that
+    of a real payload; codec.py itself is rewired to these kernels elsewhere.
+    """
+
+    def __init__(self, numel: int, block_size: int) -> None:
+        self.numel, self.block_size = numel, block_size
+        self.layout = codec.PayloadLayout.of(numel, codec.DType.BF16, block_size)
+        self.backend = get_backend("cpu")
+        n_blocks = self.layout.n_blocks
+        self.hash_cache = np.zeros((n_blocks, 2), dtype=np.uint64)
+        self.changed = np.zeros(n_blocks, dtype=np.uint8)
+        self.exp = np.empty(numel, dtype=np.uint8)
+        self.packed = np.empty(numel, dtype=np.uint8)
+        self.send = np.zeros(self.layout.fixed_bytes + numel, dtype=np.uint8)  # reused send buffer
+        self.generation = 0
+        # receiver
+        self.exp_cache = np.zeros(numel, dtype=np.uint8)
+        self.received = np.empty(numel, dtype=np.uint8)
+
+    def encode(self, bits: np.ndarray) -> np.ndarray:
+        layout, block_size, send = self.layout, self.block_size, self.send
+        full = self.generation == 0
+        sm_out = send[layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes]
+        checksum = self.backend.encode_planes_hash(
+            bits, 7, 0xFF, False, block_size, self.hash_cache, self.exp, self.changed, full, sm_out
+        )
+        changed_blocks = np.flatnonzero(self.changed)
+        offsets, changed_values = kernels.changed_block_offsets(changed_blocks, block_size, self.numel)
+        packed = self.packed[:changed_values]
+        exp_area = send[layout.fixed_bytes : layout.fixed_bytes + changed_values]
+        flags = codec.FLAG_FULL_EXPONENTS if full else 0
+        exp_bytes = 0
+        if changed_values:
+            self.backend.gather_blocks(self.exp, changed_blocks, offsets, block_size, packed)
+            exp_bytes = self.backend.ans_encode_into(packed, exp_area)
+            if exp_bytes < 0 or exp_bytes >= changed_values:
+                exp_area[:] = packed
+                exp_bytes, flags = changed_values, flags | codec.FLAG_RAW_EXPONENTS
+        bitmap = send[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes]
+        bitmap[:] = np.packbits(self.changed, bitorder="little")
+        self.generation += 1
+        header = struct.pack(
+            codec.HEADER_FORMAT, codec.MAGIC, codec.FORMAT_VERSION, int(codec.DType.BF16), flags, 0, 1,
+            self.generation, self.numel, block_size, changed_blocks.size, exp_bytes, 0, 0, checksum,
+        )  # fmt: skip
+        send[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+        meta_offset = struct.calcsize("<4sHBBIIQQIIQI")
+        send[meta_offset : meta_offset + 4] = 0
+        crc = zlib.crc32(send[: codec.HEADER_BYTES])
+        crc = zlib.crc32(bitmap, crc)
+        crc = zlib.crc32(send[layout.fixed_bytes : layout.fixed_bytes + exp_bytes], crc)
+        send[meta_offset : meta_offset + 4] = np.frombuffer(struct.pack("<I", crc), np.uint8)
+        return send[: layout.fixed_bytes + exp_bytes]
+
+    def decode(self, payload: np.ndarray, out: np.ndarray) -> None:
+        layout, block_size = self.layout, self.block_size
+        header = codec.parse_header(payload, 0, 1)
+        exp_section = payload[layout.fixed_bytes :]
+        meta_offset = struct.calcsize("<4sHBBIIQQIIQI")
+        head = bytearray(payload[: codec.HEADER_BYTES].tobytes())
+        head[meta_offset : meta_offset + 4] = b"\0\0\0\0"
+        bitmap = payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes]
+        crc = zlib.crc32(exp_section, zlib.crc32(bitmap, zlib.crc32(head)))
+        if crc != header.meta_crc32:
+            raise ValueError("meta CRC mismatch")
+        changed_blocks = np.flatnonzero(np.unpackbits(bitmap, count=layout.n_blocks, bitorder="little"))
+        offsets, changed_values = kernels.changed_block_offsets(changed_blocks, block_size, self.numel)
+        received = self.received[:changed_values]
+        if header.flags & codec.FLAG_RAW_EXPONENTS:
+            received[:] = exp_section
+        elif changed_values:
+            self.backend.ans_decode(exp_section, received)
+        if changed_values:
+            self.backend.scatter_blocks(received, changed_blocks, offsets, block_size, self.exp_cache)
+        sm = payload[layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes]
+        if (
+            self.backend.merge_planes_checked(self.exp_cache, sm, 7, False, out)
+            != header.sign_mantissa_checksum64
+        ):
+            raise ValueError("sign+mantissa checksum mismatch")
 
 
 def best_s(function, repeats: int) -> float:
@@ -65,6 +171,8 @@ def main() -> None:
 
     copy_target = np.empty_like(bits)
     memcpy_s = best_s(lambda: np.copyto(copy_target, bits), repeats)
+    threads = numba.get_num_threads()
+    copy_s = best_s(lambda: parallel_copy(bits, copy_target), repeats)
 
     exp_plane = np.empty(numel, dtype=np.uint8)
     sm_plane = np.empty(numel, dtype=np.uint8)
@@ -125,15 +233,54 @@ def main() -> None:
         decode_samples.append(time.perf_counter() - start_s)
         assert np.array_equal(out, version)
 
+    # The same at q = 0.01 from the fused kernels; every sample next to a copy sample (same load).
+    fused = FusedPath(numel, block_size)
+    checker = ShardDecoder(0, 1, numel, "bf16", config)  # the fused path's payloads are valid payloads
+    for _ in range(2 * kernels.PROBE_EVERY):  # let the adaptive serial/parallel choices settle
+        payload = fused.encode(bits)
+        fused.decode(payload, out)
+        checker.decode(payload)
+    # A chain of versions, each with a share q = 0.01 of its blocks changed from the one before.
+    chain = [bits]
+    for _ in range(2 * repeats + 2):
+        chain.append(perturb_blocks(chain[-1], 0.01, block_size, "bf16", rng))
+    fused_encode, fused_decode, copy_samples = [], [], []
+    for k in range(2 * repeats + 2):
+        version = chain[k + 1]
+        start_s = time.perf_counter()
+        parallel_copy(bits, copy_target)
+        copy_samples.append(time.perf_counter() - start_s)
+        start_s = time.perf_counter()
+        payload = fused.encode(version)
+        fused_encode.append(time.perf_counter() - start_s)
+        start_s = time.perf_counter()
+        fused.decode(payload, out)
+        fused_decode.append(time.perf_counter() - start_s)
+        assert np.array_equal(out, version)
+        np.testing.assert_array_equal(checker.decode(payload), version)
+    copy_s = min(copy_s, *copy_samples)
+    encode_s, decode_s = min(encode_samples[1:]), min(decode_samples[1:])
+    fused_encode_s, fused_decode_s = min(fused_encode[2:]), min(fused_decode[2:])
+    full_path = {
+        "q": 0.01,
+        "changed_blocks": int(fused.changed.sum()),  # of the last sample
+        "copy_threads": threads,
+        "encode_GBps": round(gbps(fused_encode_s), 3),
+        "decode_GBps": round(gbps(fused_decode_s), 3),
+        "encode_vs_copy": round(copy_s / fused_encode_s, 3),
+        "decode_vs_copy": round(copy_s / fused_decode_s, 3),
+        "encode_vs_memcpy_one_thread": round(memcpy_s / fused_encode_s, 3),
+        "decode_vs_memcpy_one_thread": round(memcpy_s / fused_decode_s, 3),
+        "shard_encoder_vs_copy": round(copy_s / encode_s, 3),
+        "shard_decoder_vs_copy": round(copy_s / decode_s, 3),
+    }
+
     exponents = ((weights.view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
     stream = rans.encode(exponents)
     decoded = np.empty_like(exponents)
     ans_encode_s = best_s(lambda: rans.encode(exponents), repeats)
     ans_decode_s = best_s(lambda: rans.decode(stream, decoded), repeats)
     assert np.array_equal(decoded, exponents)
-    import numba
-
-    threads = numba.get_num_threads()
     numba.set_num_threads(1)  # per-core figure: one numba thread
     ans_decode_one_thread_s = best_s(lambda: rans.decode(stream, decoded), repeats)
     numba.set_num_threads(threads)
@@ -163,6 +310,8 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2),  # other processes share these cores
         "memcpy_GBps": round(gbps(memcpy_s), 3),
+        "copy_GBps": round(gbps(copy_s), 3),
+        "copy_threads": threads,
         "split_GBps": round(gbps(split_s), 3),
         "merge_GBps": round(gbps(merge_s), 3),
         "detect_GBps": round(gbps(detect_s), 3),
@@ -180,8 +329,9 @@ def main() -> None:
                 ("detect_parallel", detect_parallel_s),
             )
         },
-        "encode_GBps": round(gbps(min(encode_samples[1:])), 3),
-        "decode_GBps": round(gbps(min(decode_samples[1:])), 3),
+        "encode_GBps": round(gbps(encode_s), 3),
+        "decode_GBps": round(gbps(decode_s), 3),
+        "full_path": full_path,
         "ans": {
             "symbols": int(exponents.size),
             "bits_per_symbol": round(8 * len(stream) / exponents.size, 5),

@@ -35,11 +35,49 @@ class CodecBackend(Protocol):
         self, bits, exp_shift: int, exp_mask: int, block_size: int, exp_out, last_exp, changed_out, force_all
     ) -> None: ...
 
+    def encode_planes_hash(
+        self,
+        bits,
+        exp_shift: int,
+        exp_mask: int,
+        is_fp16: bool,
+        block_size: int,
+        hash_cache,
+        exp_out,
+        changed_out,
+        force_all,
+        sm_out,
+    ) -> int:
+        """``detect_changes_hash`` + ``pack_sign_mantissa`` into ``sm_out`` in one pass; returns
+        ``checksum64(sm_out)``."""
+        ...
+
+    def encode_planes_exact(
+        self,
+        bits,
+        exp_shift: int,
+        exp_mask: int,
+        is_fp16: bool,
+        block_size: int,
+        exp_out,
+        last_exp,
+        changed_out,
+        force_all,
+        sm_out,
+    ) -> int:
+        """``detect_changes_exact`` + ``pack_sign_mantissa`` into ``sm_out`` in one pass; returns
+        ``checksum64(sm_out)``."""
+        ...
+
     def extract_exponents(self, bits, exp_shift: int, exp_mask: int, exp_out) -> None: ...
 
     def pack_sign_mantissa(self, bits, is_fp16: bool, out) -> None: ...
 
     def merge_planes(self, exp, sign_mantissa, exp_shift: int, is_fp16: bool, out) -> None: ...
+
+    def merge_planes_checked(self, exp, sign_mantissa, exp_shift: int, is_fp16: bool, out) -> int:
+        """``merge_planes`` that also returns ``checksum64(sign_mantissa)`` (the caller compares)."""
+        ...
 
     def gather_blocks(self, exp, changed_blocks, block_offsets, block_size: int, out) -> None: ...
 
@@ -48,6 +86,10 @@ class CodecBackend(Protocol):
     def checksum64(self, plane) -> int: ...
 
     def ans_encode(self, data) -> bytes: ...
+
+    def ans_encode_into(self, data, out) -> int:
+        """ANS stream of ``data`` written into ``out``; its length, or -1 when it does not fit."""
+        ...
 
     def ans_decode(self, stream, out) -> None: ...
 
@@ -77,6 +119,49 @@ class CpuBackend:
             bits, exp_shift, exp_mask, block_size, exp_out, last_exp, changed_out, force_all
         )
 
+    def encode_planes_hash(
+        self,
+        bits,
+        exp_shift,
+        exp_mask,
+        is_fp16,
+        block_size,
+        hash_cache,
+        exp_out,
+        changed_out,
+        force_all,
+        sm_out,
+    ):
+        return self._kernels.encode_planes_hash(
+            bits,
+            exp_shift,
+            exp_mask,
+            is_fp16,
+            block_size,
+            hash_cache,
+            exp_out,
+            changed_out,
+            force_all,
+            sm_out,
+        )
+
+    def encode_planes_exact(
+        self,
+        bits,
+        exp_shift,
+        exp_mask,
+        is_fp16,
+        block_size,
+        exp_out,
+        last_exp,
+        changed_out,
+        force_all,
+        sm_out,
+    ):
+        return self._kernels.encode_planes_exact(
+            bits, exp_shift, exp_mask, is_fp16, block_size, exp_out, last_exp, changed_out, force_all, sm_out
+        )
+
     def extract_exponents(self, bits, exp_shift, exp_mask, exp_out):
         self._kernels.extract_exponents(bits, exp_shift, exp_mask, exp_out)
 
@@ -85,6 +170,9 @@ class CpuBackend:
 
     def merge_planes(self, exp, sign_mantissa, exp_shift, is_fp16, out):
         self._kernels.merge_planes(exp, sign_mantissa, exp_shift, is_fp16, out)
+
+    def merge_planes_checked(self, exp, sign_mantissa, exp_shift, is_fp16, out) -> int:
+        return self._kernels.merge_planes_checked(exp, sign_mantissa, exp_shift, is_fp16, out)
 
     def gather_blocks(self, exp, changed_blocks, block_offsets, block_size, out):
         self._kernels.gather_blocks(exp, changed_blocks, block_offsets, block_size, out)
@@ -97,6 +185,9 @@ class CpuBackend:
 
     def ans_encode(self, data: np.ndarray) -> bytes:
         return self._rans.encode(data)
+
+    def ans_encode_into(self, data: np.ndarray, out: np.ndarray) -> int:
+        return self._rans.encode_into(data, out)
 
     def ans_decode(self, stream, out: np.ndarray) -> None:
         self._rans.decode(stream, out)

@@ -463,3 +463,551 @@ def changed_block_offsets(changed_blocks: np.ndarray, block_size: int, numel: in
     if changed_blocks.size > 1:
         np.cumsum(lengths[:-1], out=offsets[1:])
     return offsets, int(lengths.sum())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused passes: one pass per block does everything the payload's fixed part needs from the shard.
+#
+# Encode: exponent plane, change detection (hash or exact), sign+mantissa plane written straight into the
+# caller's buffer (a view into the payload), and the plane's checksum64 from per-block partial sums (the
+# sum is mod 2^64, so adding partials in any order gives the same total). Word j of the plane (bytes
+# 8j .. 8j+7) belongs to the block in which it starts. Words inside the block are read back from the
+# block's freshly written bytes (in L1); a word that starts in the block and runs into the next one is
+# rebuilt from the input patterns, because another thread may not have written the next block yet. Words
+# at or after byte n -- BF16's partial last word, FP16's packed tail -- are summed once every block is
+# written (FP16's tail is 3n/8 bytes; its words do not line up with the blocks).
+# ---------------------------------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _checksum_term(j, word):
+    """Term of word j of the checksum: mix64((seed + (j + 1)·γ) ^ w_j)."""
+    return _mix64((CHECKSUM_SEED + np.uint64(j + 1) * _GOLDEN_GAMMA) ^ word)
+
+
+@njit(inline="always")
+def _checksum_word_run(words, j0, j1):
+    """Σ of the terms of words[j0:j1] (a vectorised loop: the key is an induction variable)."""
+    run = words[j0:j1]
+    total = np.uint64(0)
+    key = CHECKSUM_SEED + np.uint64(j0) * _GOLDEN_GAMMA
+    for k in range(run.size):
+        key += _GOLDEN_GAMMA
+        total += _mix64(key ^ run[k])
+    return total
+
+
+@njit(inline="always")
+def _sm_low_byte(value, is_fp16):
+    """Byte i < n of the sign+mantissa plane, from pattern i."""
+    if is_fp16:
+        return np.uint64(value & 0xFF)
+    return np.uint64(((value >> 8) & 0x80) | (value & 0x7F))
+
+
+@njit(inline="always")
+def _fp16_group_bits(bits, base):
+    """The packed 3-bit fields ``sign << 2 | mantissa >> 8`` of the values base .. base+7 (or fewer)."""
+    packed = np.int64(0)
+    for j in range(min(8, bits.size - base)):
+        value = bits[base + j]
+        packed |= np.int64(((value >> 13) & 0x4) | ((value >> 8) & 0x3)) << (3 * j)
+    return packed
+
+
+@njit(inline="always")
+def _split_block(bits, exp_shift, exp_mask, is_fp16, exp, sm, start, stop):
+    """Exponents and sign+mantissa bytes of values start .. stop-1 (one vectorised loop), plus, for FP16,
+    the packed groups that start in the block (groups never share a byte, so blocks never race)."""
+    block_bits = bits[start:stop]
+    block_exp = exp[start:stop]
+    block_sm = sm[start:stop]
+    if is_fp16:
+        for i in range(block_bits.size):
+            value = block_bits[i]
+            block_exp[i] = (value >> exp_shift) & exp_mask
+            block_sm[i] = value & 0xFF
+        numel = bits.size
+        tail = sm[numel:]
+        for group in range((start + 7) // 8, (stop + 7) // 8):
+            packed = _fp16_group_bits(bits, 8 * group)
+            for k in range(min(3, tail.size - 3 * group)):  # a partial last group owns fewer bytes
+                tail[3 * group + k] = (packed >> (8 * k)) & 0xFF
+    else:
+        for i in range(block_bits.size):
+            value = block_bits[i]
+            block_exp[i] = (value >> exp_shift) & exp_mask
+            block_sm[i] = ((value >> 8) & 0x80) | (value & 0x7F)
+
+
+@njit(inline="always")
+def _block_checksum(bits, is_fp16, sm_words, start, stop):
+    """Partial checksum of the plane words that start in [start, stop) and end by byte n."""
+    numel = bits.size
+    first = (start + 7) // 8
+    inside_end = stop // 8  # words first .. inside_end-1 lie inside the block: read them back
+    total = np.uint64(0)
+    if inside_end > first:
+        total = _checksum_word_run(sm_words, first, inside_end)
+    straddler = stop // 8
+    if stop % 8 != 0 and straddler >= first and 8 * straddler + 8 <= numel:
+        word = np.uint64(0)  # runs into the next block: rebuild it from the patterns
+        for t in range(8):
+            word |= _sm_low_byte(bits[8 * straddler + t], is_fp16) << np.uint64(8 * t)
+        total += _checksum_term(straddler, word)
+    return total
+
+
+@njit(inline="always")
+def _checksum_tail(sm, sm_words, numel, first_word, stop_word):
+    """Terms of the plane words first_word .. stop_word-1 (the last may be partial, zero-filled)."""
+    full_end = min(stop_word, sm.size // 8)
+    total = np.uint64(0)
+    if full_end > first_word:
+        total = _checksum_word_run(sm_words, first_word, full_end)
+    for j in range(max(first_word, full_end), stop_word):
+        word = np.uint64(0)
+        for t in range(min(8, sm.size - 8 * j)):
+            word |= np.uint64(sm[8 * j + t]) << np.uint64(8 * t)
+        total += _checksum_term(j, word)
+    return total
+
+
+_TAIL_WORDS_PER_TASK = 1 << 13
+
+
+@njit(inline="always")
+def _finish_checksum(sm, sm_words, numel, block_partials, tail_partials, parallel):
+    """Plane checksum from the block partials and the words from byte n on (FP16 tail: in parallel)."""
+    first = numel // 8
+    stop_word = (sm.size + 7) // 8
+    n_tasks = tail_partials.size
+    if parallel and n_tasks > 1:  # BF16 has no tail task; a region for one task would only cost
+        for task in prange(n_tasks):
+            lo = first + task * _TAIL_WORDS_PER_TASK
+            hi = min(lo + _TAIL_WORDS_PER_TASK, stop_word)
+            tail_partials[task] = _checksum_tail(sm, sm_words, numel, lo, hi)
+    else:
+        for task in range(n_tasks):
+            lo = first + task * _TAIL_WORDS_PER_TASK
+            hi = min(lo + _TAIL_WORDS_PER_TASK, stop_word)
+            tail_partials[task] = _checksum_tail(sm, sm_words, numel, lo, hi)
+    total = np.uint64(0)
+    for k in range(block_partials.size):
+        total += block_partials[k]
+    for k in range(n_tasks):
+        total += tail_partials[k]
+    return _mix64(total ^ np.uint64(sm.size))
+
+
+def _tail_tasks(numel: int, plane_bytes: int) -> int:
+    words = (plane_bytes + 7) // 8 - numel // 8
+    return (words + _TAIL_WORDS_PER_TASK - 1) // _TAIL_WORDS_PER_TASK
+
+
+@njit(inline="always")
+def _block_words_hash_checksum(exp_words, sm_words, start, stop):
+    """``_block_words_hash`` and ``_block_checksum`` of a block whose ends are multiples of 8."""
+    block_exp = exp_words[start // 8 : stop // 8]
+    block_sm = sm_words[start // 8 : stop // 8]
+    acc_a = np.uint64(0)
+    acc_b = np.uint64(0)
+    total = np.uint64(0)
+    state_a = HASH_SEED_A
+    state_b = HASH_SEED_B
+    key = CHECKSUM_SEED + np.uint64(start // 8) * _GOLDEN_GAMMA
+    for k in range(block_exp.size):
+        word = block_exp[k]
+        state_a += _GOLDEN_GAMMA
+        state_b += _GOLDEN_GAMMA
+        key += _GOLDEN_GAMMA
+        acc_a += _mix64(state_a ^ word)
+        acc_b += _mix64(state_b ^ word)
+        total += _mix64(key ^ block_sm[k])
+    length = np.uint64(stop - start)
+    return _mix64(acc_a ^ length), _mix64(acc_b ^ length), total
+
+
+@njit(inline="always")
+def _encode_hash_block(
+    bits,
+    exp_shift,
+    exp_mask,
+    is_fp16,
+    block_size,
+    hash_cache,
+    exp,
+    exp_words,
+    changed_out,
+    force_all,
+    sm,
+    sm_words,
+    partials,
+    block,
+):
+    start = block * block_size
+    stop = min(start + block_size, bits.size)
+    _split_block(bits, exp_shift, exp_mask, is_fp16, exp, sm, start, stop)
+    if start % 8 == 0 and stop % 8 == 0:
+        # Word j of the block's exponents and word j of the plane cover the same 8 values: one loop
+        # mixes the three terms (two hash streams, checksum) of every word.
+        hash_a, hash_b, partials[block] = _block_words_hash_checksum(exp_words, sm_words, start, stop)
+    else:
+        hash_a, hash_b = _block_words_hash(exp, exp_words, start, stop, HASH_SEED_A, HASH_SEED_B)
+        partials[block] = _block_checksum(bits, is_fp16, sm_words, start, stop)
+    changed = force_all or hash_cache[block, 0] != hash_a or hash_cache[block, 1] != hash_b
+    if changed:
+        hash_cache[block, 0] = hash_a
+        hash_cache[block, 1] = hash_b
+    changed_out[block] = changed
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def encode_planes_hash_blocks(
+    bits,
+    exp_shift,
+    exp_mask,
+    is_fp16,
+    block_size,
+    hash_cache,
+    exp,
+    exp_words,
+    changed_out,
+    force_all,
+    sm,
+    sm_words,
+    partials,
+    tail_partials,
+):
+    """Fused encode pass (hash detector), blocks on all of numba's threads; returns the sm checksum64."""
+    for block in prange(changed_out.size):
+        _encode_hash_block(
+            bits,
+            exp_shift,
+            exp_mask,
+            is_fp16,
+            block_size,
+            hash_cache,
+            exp,
+            exp_words,
+            changed_out,
+            force_all,
+            sm,
+            sm_words,
+            partials,
+            block,
+        )
+    return _finish_checksum(sm, sm_words, bits.size, partials, tail_partials, True)
+
+
+@njit(cache=True, nogil=True)
+def encode_planes_hash_blocks_serial(
+    bits,
+    exp_shift,
+    exp_mask,
+    is_fp16,
+    block_size,
+    hash_cache,
+    exp,
+    exp_words,
+    changed_out,
+    force_all,
+    sm,
+    sm_words,
+    partials,
+    tail_partials,
+):
+    """Single-threaded ``encode_planes_hash_blocks``."""
+    for block in range(changed_out.size):
+        _encode_hash_block(
+            bits,
+            exp_shift,
+            exp_mask,
+            is_fp16,
+            block_size,
+            hash_cache,
+            exp,
+            exp_words,
+            changed_out,
+            force_all,
+            sm,
+            sm_words,
+            partials,
+            block,
+        )
+    return _finish_checksum(sm, sm_words, bits.size, partials, tail_partials, False)
+
+
+@njit(inline="always")
+def _encode_exact_block(
+    bits,
+    exp_shift,
+    exp_mask,
+    is_fp16,
+    block_size,
+    exp,
+    exp_words,
+    last_exp,
+    last_words,
+    changed_out,
+    force_all,
+    sm,
+    sm_words,
+    partials,
+    block,
+):
+    start = block * block_size
+    stop = min(start + block_size, bits.size)
+    _split_block(bits, exp_shift, exp_mask, is_fp16, exp, sm, start, stop)
+    changed = force_all
+    i = start
+    if start % 8 == 0 and not changed:
+        block_words = exp_words[start // 8 : stop // 8]
+        block_last = last_words[start // 8 : stop // 8]
+        for k in range(block_words.size):
+            if block_words[k] != block_last[k]:
+                changed = True
+                break
+        i = (stop // 8) * 8
+    if not changed:
+        for k in range(i, stop):
+            if exp[k] != last_exp[k]:
+                changed = True
+                break
+    if changed:
+        block_exp = exp[start:stop]
+        block_last_exp = last_exp[start:stop]
+        for k in range(block_exp.size):
+            block_last_exp[k] = block_exp[k]
+    changed_out[block] = changed
+    partials[block] = _block_checksum(bits, is_fp16, sm_words, start, stop)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def encode_planes_exact_blocks(
+    bits,
+    exp_shift,
+    exp_mask,
+    is_fp16,
+    block_size,
+    exp,
+    exp_words,
+    last_exp,
+    last_words,
+    changed_out,
+    force_all,
+    sm,
+    sm_words,
+    partials,
+    tail_partials,
+):
+    """Fused encode pass (exact detector), blocks on all of numba's threads; returns the sm checksum64."""
+    for block in prange(changed_out.size):
+        _encode_exact_block(
+            bits,
+            exp_shift,
+            exp_mask,
+            is_fp16,
+            block_size,
+            exp,
+            exp_words,
+            last_exp,
+            last_words,
+            changed_out,
+            force_all,
+            sm,
+            sm_words,
+            partials,
+            block,
+        )
+    return _finish_checksum(sm, sm_words, bits.size, partials, tail_partials, True)
+
+
+@njit(cache=True, nogil=True)
+def encode_planes_exact_blocks_serial(
+    bits,
+    exp_shift,
+    exp_mask,
+    is_fp16,
+    block_size,
+    exp,
+    exp_words,
+    last_exp,
+    last_words,
+    changed_out,
+    force_all,
+    sm,
+    sm_words,
+    partials,
+    tail_partials,
+):
+    """Single-threaded ``encode_planes_exact_blocks``."""
+    for block in range(changed_out.size):
+        _encode_exact_block(
+            bits,
+            exp_shift,
+            exp_mask,
+            is_fp16,
+            block_size,
+            exp,
+            exp_words,
+            last_exp,
+            last_words,
+            changed_out,
+            force_all,
+            sm,
+            sm_words,
+            partials,
+            block,
+        )
+    return _finish_checksum(sm, sm_words, bits.size, partials, tail_partials, False)
+
+
+def _check_sm_out(bits, is_fp16, sm_out) -> None:
+    expected = sign_mantissa_bytes(bits.size, is_fp16)
+    if sm_out.dtype != np.uint8 or sm_out.ndim != 1 or sm_out.size != expected:
+        raise ValueError(
+            f"sm_out must be a uint8 array of {expected} bytes, got {sm_out.dtype} {sm_out.shape}"
+        )
+    if not sm_out.flags.c_contiguous:
+        raise ValueError("sm_out must be contiguous")
+
+
+def encode_planes_hash(
+    bits, exp_shift, exp_mask, is_fp16, block_size, hash_cache, exp_out, changed_out, force_all, sm_out
+) -> int:
+    """One pass: exponent plane into ``exp_out``, changed blocks by 128-bit hash (``hash_cache`` updated,
+    exactly as ``detect_changes_hash``), sign+mantissa plane into ``sm_out`` (as ``pack_sign_mantissa``);
+    returns ``checksum64(sm_out)``. Serial or parallel, chosen like the detectors."""
+    _check_sm_out(bits, is_fp16, sm_out)
+    partials = np.empty(changed_out.size, dtype=np.uint64)
+    tail_partials = np.empty(_tail_tasks(bits.size, sm_out.size), dtype=np.uint64)
+    parallel = _choice.choose("encode_hash", bits.size)
+    kernel = encode_planes_hash_blocks if parallel else encode_planes_hash_blocks_serial
+    start_s = time.perf_counter()
+    checksum = kernel(
+        bits,
+        exp_shift,
+        exp_mask,
+        bool(is_fp16),
+        block_size,
+        hash_cache,
+        exp_out,
+        words_view(exp_out),
+        changed_out,
+        force_all,
+        sm_out,
+        words_view(sm_out),
+        partials,
+        tail_partials,
+    )
+    _choice.record("encode_hash", parallel, bits.size, time.perf_counter() - start_s)
+    return int(checksum)
+
+
+def encode_planes_exact(
+    bits, exp_shift, exp_mask, is_fp16, block_size, exp_out, last_exp, changed_out, force_all, sm_out
+) -> int:
+    """One pass: exponent plane into ``exp_out``, blocks that differ from ``last_exp`` (updated, exactly
+    as ``detect_changes_exact``), sign+mantissa plane into ``sm_out``; returns ``checksum64(sm_out)``."""
+    _check_sm_out(bits, is_fp16, sm_out)
+    partials = np.empty(changed_out.size, dtype=np.uint64)
+    tail_partials = np.empty(_tail_tasks(bits.size, sm_out.size), dtype=np.uint64)
+    parallel = _choice.choose("encode_exact", bits.size)
+    kernel = encode_planes_exact_blocks if parallel else encode_planes_exact_blocks_serial
+    start_s = time.perf_counter()
+    checksum = kernel(
+        bits,
+        exp_shift,
+        exp_mask,
+        bool(is_fp16),
+        block_size,
+        exp_out,
+        words_view(exp_out),
+        last_exp,
+        words_view(last_exp),
+        changed_out,
+        force_all,
+        sm_out,
+        words_view(sm_out),
+        partials,
+        tail_partials,
+    )
+    _choice.record("encode_exact", parallel, bits.size, time.perf_counter() - start_s)
+    return int(checksum)
+
+
+# Decode: values in chunks of _MERGE_CHUNK (a multiple of 8, so FP16 groups and checksum words line up
+# with the chunks), each merged and its plane words summed in the same pass.
+_MERGE_CHUNK = 1 << 13
+
+
+@njit(inline="always")
+def _merge_chunk(exp, sm, sm_words, exp_shift, is_fp16, out, start, stop):
+    """Rebuild out[start:stop] (as ``merge_planes``) and return the checksum terms of its plane words."""
+    numel = out.size
+    chunk_out = out[start:stop]
+    chunk_exp = exp[start:stop]
+    chunk_sm = sm[start:stop]
+    if is_fp16:
+        for i in range(chunk_out.size):
+            chunk_out[i] = (np.int64(chunk_exp[i]) << exp_shift) | np.int64(chunk_sm[i])
+        tail = sm[numel:]
+        for group in range(start // 8, (stop + 7) // 8):
+            base = group * 8
+            packed = np.int64(0)
+            for k in range(min(3, tail.size - 3 * group)):  # partial last group: fewer bytes
+                packed |= np.int64(tail[3 * group + k]) << (8 * k)
+            for j in range(min(8, numel - base)):
+                high = (packed >> (3 * j)) & 0x7
+                out[base + j] = np.int64(out[base + j]) | ((high & 0x4) << 13) | ((high & 0x3) << 8)
+    else:
+        for i in range(chunk_out.size):
+            value = np.int64(chunk_sm[i])
+            chunk_out[i] = ((value & 0x80) << 8) | (np.int64(chunk_exp[i]) << exp_shift) | (value & 0x7F)
+    if stop // 8 > start // 8:
+        return _checksum_word_run(sm_words, start // 8, stop // 8)
+    return np.uint64(0)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def merge_planes_checked_chunks(exp, sm, sm_words, exp_shift, is_fp16, out, partials, tail_partials):
+    """``merge_planes`` and ``checksum64`` of the sign+mantissa plane in one pass, chunks in parallel."""
+    numel = out.size
+    for chunk in prange(partials.size):
+        start = chunk * _MERGE_CHUNK
+        stop = min(start + _MERGE_CHUNK, numel)
+        partials[chunk] = _merge_chunk(exp, sm, sm_words, exp_shift, is_fp16, out, start, stop)
+    return _finish_checksum(sm, sm_words, numel, partials, tail_partials, True)
+
+
+@njit(cache=True, nogil=True)
+def merge_planes_checked_chunks_serial(exp, sm, sm_words, exp_shift, is_fp16, out, partials, tail_partials):
+    """Single-threaded ``merge_planes_checked_chunks``."""
+    numel = out.size
+    for chunk in range(partials.size):
+        start = chunk * _MERGE_CHUNK
+        stop = min(start + _MERGE_CHUNK, numel)
+        partials[chunk] = _merge_chunk(exp, sm, sm_words, exp_shift, is_fp16, out, start, stop)
+    return _finish_checksum(sm, sm_words, numel, partials, tail_partials, False)
+
+
+def merge_planes_checked(exp, sign_mantissa, exp_shift, is_fp16, out) -> int:
+    """``merge_planes`` into ``out`` and, in the same pass, ``checksum64(sign_mantissa)``, which it returns
+    (the caller compares it with the header and discards ``out`` on a mismatch). Serial or parallel,
+    chosen like the detectors."""
+    numel = out.size
+    if exp.size != numel or sign_mantissa.size != sign_mantissa_bytes(numel, is_fp16):
+        raise ValueError(
+            f"planes of {exp.size} and {sign_mantissa.size} bytes do not fit {numel} values (fp16={is_fp16})"
+        )
+    partials = np.empty((numel + _MERGE_CHUNK - 1) // _MERGE_CHUNK, dtype=np.uint64)
+    tail_partials = np.empty(_tail_tasks(numel, sign_mantissa.size), dtype=np.uint64)
+    parallel = _choice.choose("merge", numel)
+    kernel = merge_planes_checked_chunks if parallel else merge_planes_checked_chunks_serial
+    start_s = time.perf_counter()
+    checksum = kernel(
+        exp, sign_mantissa, words_view(sign_mantissa), exp_shift, bool(is_fp16), out, partials, tail_partials
+    )
+    _choice.record("merge", parallel, numel, time.perf_counter() - start_s)
+    return int(checksum)

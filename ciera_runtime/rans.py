@@ -13,18 +13,29 @@ Each chunk interleaves ``LANES`` = 8 rANS states held in registers (symbol i of 
 in [2**16, 2**32) with 16-bit renormalisation, so one symbol emits at most one word.  Decoding checks that
 every lane ends in the initial state and every word was consumed: a corrupted stream raises instead of
 yielding wrong bytes.
+
+``encode`` cuts a stream into chunks by :func:`choose_chunk_symbols` (an equal share per numba thread,
+chunks of 2**15 .. 2**18 symbols); ``encode_into`` writes the stream straight into a caller's buffer.
+The encoder keeps the 8 lane states in registers, renormalises without a branch and divides by a
+float reciprocal (see ``_encode_step``); its output is byte-identical to the earlier integer-division
+encoder for the same chunk size.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from numba import njit, prange
+
+from ciera_runtime import kernels
 
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
 LANES = 8
 STATE_LOW = 1 << 16  # lower end of the normalised state interval
-DEFAULT_CHUNK_SYMBOLS = 1 << 18
+DEFAULT_CHUNK_SYMBOLS = 1 << 18  # the longest chunk encode chooses
+MIN_CHUNK_SYMBOLS = 1 << 15  # the shortest chunk it cuts a stream into to spread it over threads
 _MASK = PROB_SCALE - 1
 _RENORM_BOUND = (STATE_LOW >> PROB_BITS) << 16  # times freq: states at or above it emit a word first
 
@@ -57,34 +68,131 @@ def normalize_frequencies(counts: np.ndarray) -> np.ndarray:
     return freqs
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def _encode_chunk(data, freqs, cums, start, stop, words, states_out):
-    """Encode data[start:stop] backwards; its words end at words[stop]. Returns the word count."""
-    pos = stop
+@njit(inline="always")
+def _encode_step(x, symbol, bounds, inv_freqs, cums, cmpl_freqs, chunk_words, p):
+    """Encode one symbol into state x; chunk_words[p - 1] is the next free word (p is unsigned).
+
+    Branch-free renormalisation: the low 16 bits are always stored at p - 1 and kept only when the state
+    was at or above the symbol's bound (the caller guarantees p >= 1: at most one word per symbol).
+    x // freq comes from a float multiply: floor((x + 0.5) / freq) is exact for x < 2**32, freq <= 4096
+    (the fraction lies at least 0.5 / 4096 from an integer, the rounding error is below 2**-20), and the
+    new state x + cum + q * (PROB_SCALE - freq) equals (q << PROB_BITS) + x % freq + cum.
+    """
+    emit = x >= bounds[symbol]
+    chunk_words[p - np.uint64(1)] = x & 0xFFFF
+    p -= np.uint64(emit)
+    x >>= 16 * np.int64(emit)
+    q = np.int64((np.float64(x) + 0.5) * inv_freqs[symbol])
+    return x + cums[symbol] + q * cmpl_freqs[symbol], p
+
+
+@njit(cache=True, nogil=True)
+def _encode_chunk(data, bounds, inv_freqs, cums, cmpl_freqs, start, stop, words, states_out):
+    """Encode data[start:stop] backwards into words[start:stop], filled from its end; returns the word
+    count (the words are the last ones of that range). Lanes 0..7 live in registers."""
+    chunk_data = data[start:stop]
+    chunk_words = words[start:stop]
+    size = chunk_data.size
+    p = np.uint64(size)
     x = np.full(LANES, STATE_LOW, dtype=np.int64)
-    for i in range(stop - 1, start - 1, -1):
-        lane = (i - start) & (LANES - 1)
-        state = x[lane]
-        symbol = data[i]
-        freq = freqs[symbol]
-        if state >= _RENORM_BOUND * freq:
-            pos -= 1
-            words[pos] = state & 0xFFFF
-            state >>= 16
-        x[lane] = ((state // freq) << PROB_BITS) + (state % freq) + cums[symbol]
-    for lane in range(LANES):
-        states_out[lane] = x[lane]
-    return stop - pos
+    full = size - size % LANES
+    for i in range(size - 1, full - 1, -1):  # the partial last group: lanes 0 .. size % 8 - 1
+        x[i - full], p = _encode_step(
+            x[i - full], chunk_data[i], bounds, inv_freqs, cums, cmpl_freqs, chunk_words, p
+        )
+    x0, x1, x2, x3 = x[0], x[1], x[2], x[3]
+    x4, x5, x6, x7 = x[4], x[5], x[6], x[7]
+    for group in range(full // LANES - 1, -1, -1):
+        i = group * LANES
+        x7, p = _encode_step(x7, chunk_data[i + 7], bounds, inv_freqs, cums, cmpl_freqs, chunk_words, p)
+        x6, p = _encode_step(x6, chunk_data[i + 6], bounds, inv_freqs, cums, cmpl_freqs, chunk_words, p)
+        x5, p = _encode_step(x5, chunk_data[i + 5], bounds, inv_freqs, cums, cmpl_freqs, chunk_words, p)
+        x4, p = _encode_step(x4, chunk_data[i + 4], bounds, inv_freqs, cums, cmpl_freqs, chunk_words, p)
+        x3, p = _encode_step(x3, chunk_data[i + 3], bounds, inv_freqs, cums, cmpl_freqs, chunk_words, p)
+        x2, p = _encode_step(x2, chunk_data[i + 2], bounds, inv_freqs, cums, cmpl_freqs, chunk_words, p)
+        x1, p = _encode_step(x1, chunk_data[i + 1], bounds, inv_freqs, cums, cmpl_freqs, chunk_words, p)
+        x0, p = _encode_step(x0, chunk_data[i], bounds, inv_freqs, cums, cmpl_freqs, chunk_words, p)
+    states_out[0], states_out[1], states_out[2], states_out[3] = x0, x1, x2, x3
+    states_out[4], states_out[5], states_out[6], states_out[7] = x4, x5, x6, x7
+    return size - np.int64(p)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _encode_chunks(data, freqs, cums, chunk_symbols, words, word_counts, states):
+def _encode_chunks(data, bounds, inv_freqs, cums, cmpl_freqs, chunk_symbols, words, word_counts, states):
     """Chunk c owns words[start:stop] (at most one word per symbol), filled from its end."""
     n = data.size
     for chunk in prange(word_counts.size):
         start = chunk * chunk_symbols
         stop = min(start + chunk_symbols, n)
-        word_counts[chunk] = _encode_chunk(data, freqs, cums, start, stop, words, states[chunk])
+        word_counts[chunk] = _encode_chunk(
+            data, bounds, inv_freqs, cums, cmpl_freqs, start, stop, words, states[chunk]
+        )
+
+
+@njit(cache=True, nogil=True)
+def _encode_chunks_serial(
+    data, bounds, inv_freqs, cums, cmpl_freqs, chunk_symbols, words, word_counts, states
+):
+    """``_encode_chunks`` on the calling thread only (same chunks, same bytes)."""
+    n = data.size
+    for chunk in range(word_counts.size):
+        start = chunk * chunk_symbols
+        stop = min(start + chunk_symbols, n)
+        word_counts[chunk] = _encode_chunk(
+            data, bounds, inv_freqs, cums, cmpl_freqs, start, stop, words, states[chunk]
+        )
+
+
+@njit(inline="always")
+def _put_u32(out, offset, value):
+    out[offset] = value & 0xFF
+    out[offset + 1] = (value >> 8) & 0xFF
+    out[offset + 2] = (value >> 16) & 0xFF
+    out[offset + 3] = (value >> 24) & 0xFF
+
+
+@njit(cache=True, nogil=True)
+def _write_stream(out, n, chunk_symbols, freqs, words, word_counts, states):
+    """Lay the stream out in ``out`` (see the module docstring); returns its length, or -1 (nothing
+    useful written) when it does not fit."""
+    n_chunks = word_counts.size
+    present_count = 0
+    for symbol in range(256):
+        present_count += freqs[symbol] > 0
+    total = 12 + 4 * present_count + 4 * n_chunks
+    for chunk in range(n_chunks):
+        total += 4 * LANES + ((2 * word_counts[chunk] + 3) & ~3)
+    if total > out.size:
+        return -1
+    _put_u32(out, 0, n)
+    _put_u32(out, 4, chunk_symbols)
+    _put_u32(out, 8, present_count)
+    offset = 12
+    for symbol in range(256):
+        if freqs[symbol] > 0:
+            _put_u32(out, offset, (symbol << 16) | freqs[symbol])
+            offset += 4
+    for chunk in range(n_chunks):
+        _put_u32(out, offset, word_counts[chunk])
+        offset += 4
+    for chunk in range(n_chunks):
+        for lane in range(LANES):
+            _put_u32(out, offset, states[chunk, lane])
+            offset += 4
+        stop = min((chunk + 1) * chunk_symbols, n)
+        count = word_counts[chunk]
+        chunk_words = words[stop - count : stop]
+        dst = out[offset : offset + 2 * count]
+        for k in range(count):
+            word = chunk_words[k]
+            dst[2 * k] = word & 0xFF
+            dst[2 * k + 1] = word >> 8
+        offset += 2 * count
+        if count % 2:
+            out[offset] = 0
+            out[offset + 1] = 0
+            offset += 2
+    return offset
 
 
 @njit(inline="always")
@@ -167,45 +275,106 @@ def _decode_chunks(words, word_starts, word_counts, states, table, chunk_symbols
 
 @njit(cache=True, nogil=True)
 def _histogram(data):
-    counts = np.zeros(256, dtype=np.int64)
-    for value in data:
-        counts[value] += 1
-    return counts
+    """Byte counts; four interleaved counters so consecutive equal bytes do not wait on each other's
+    increment. Serial: a parallel region costs more than the few hundred KB it counts (and, on a busy
+    machine, waits for an unscheduled thread)."""
+    counts = np.zeros((4, 256), dtype=np.int64)
+    quads = data.size // 4
+    for k in range(quads):
+        counts[0, data[4 * k]] += 1
+        counts[1, data[4 * k + 1]] += 1
+        counts[2, data[4 * k + 2]] += 1
+        counts[3, data[4 * k + 3]] += 1
+    for k in range(4 * quads, data.size):
+        counts[0, data[k]] += 1
+    total = np.zeros(256, dtype=np.int64)
+    for symbol in range(256):
+        total[symbol] = counts[0, symbol] + counts[1, symbol] + counts[2, symbol] + counts[3, symbol]
+    return total
 
 
 def _pad4(n: int) -> int:
     return (n + 3) & ~3
 
 
-def encode(data: np.ndarray, chunk_symbols: int = DEFAULT_CHUNK_SYMBOLS) -> bytes:
-    """rANS-encode a uint8 array; the frequency table travels in the stream."""
+def choose_chunk_symbols(n: int, threads: int | None = None) -> int:
+    """Symbols per chunk for ``n`` symbols: chunks of at most DEFAULT_CHUNK_SYMBOLS, as many as a multiple
+    of the thread count (numba's, for the calling thread) so every thread gets an equal share, but none
+    shorter than MIN_CHUNK_SYMBOLS (each chunk costs ~30 bytes: 8 lane states, its word count, padding).
+    A multiple of LANES, so every chunk but the last has full lane groups."""
+    if threads is None:
+        import numba
+
+        threads = numba.get_num_threads()
+    if n <= 0:
+        return DEFAULT_CHUNK_SYMBOLS
+    n_chunks = -(-n // DEFAULT_CHUNK_SYMBOLS)
+    n_chunks = -(-n_chunks // threads) * threads
+    n_chunks = max(1, min(n_chunks, n // MIN_CHUNK_SYMBOLS))
+    per_chunk = -(-n // n_chunks)
+    return min(DEFAULT_CHUNK_SYMBOLS, -(-per_chunk // LANES) * LANES)
+
+
+def max_encoded_bytes(n: int, chunk_symbols: int | None = None) -> int:
+    """Upper bound on the length of ``encode`` of n symbols (at most one 16-bit word per symbol)."""
+    if n == 0:
+        return 12
+    chunk_symbols = chunk_symbols or choose_chunk_symbols(n)
+    n_chunks = -(-n // chunk_symbols)
+    return 12 + 4 * 256 + n_chunks * (4 + 4 * LANES + 2) + 2 * n
+
+
+def _symbol_tables(freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-symbol encoder tables: renormalisation bound, 1/freq, cumulative freq, PROB_SCALE - freq."""
+    cums = np.zeros(256, dtype=np.int64)
+    np.cumsum(freqs[:-1], out=cums[1:])
+    with np.errstate(divide="ignore"):
+        inv_freqs = np.where(freqs > 0, 1.0 / np.maximum(freqs, 1), 0.0)
+    return _RENORM_BOUND * freqs, inv_freqs, cums, PROB_SCALE - freqs
+
+
+def encode_into(data: np.ndarray, out: np.ndarray, chunk_symbols: int | None = None) -> int:
+    """rANS-encode a uint8 array straight into ``out`` (uint8, e.g. a view into a payload buffer).
+
+    Returns the stream length, or -1 when the stream would not fit in ``out`` (its content is then
+    undefined: a caller that passed the raw size sends the bytes raw). ``chunk_symbols`` None picks
+    :func:`choose_chunk_symbols` (the stream records it, so any choice decodes)."""
     data = np.ascontiguousarray(data, dtype=np.uint8)
     n = data.size
     if n == 0:
-        return np.zeros(3, dtype=np.uint32).tobytes()
-    counts = _histogram(data)
-    freqs = normalize_frequencies(counts)
-    cums = np.zeros(256, dtype=np.int64)
-    np.cumsum(freqs[:-1], out=cums[1:])
+        if out.size < 12:
+            return -1
+        out[:12] = 0
+        return 12
+    if chunk_symbols is None:
+        chunk_symbols = choose_chunk_symbols(n)
+    if chunk_symbols <= 0:
+        raise ValueError(f"chunk_symbols={chunk_symbols}: expected a positive integer")
+    freqs = normalize_frequencies(_histogram(data))
+    bounds, inv_freqs, cums, cmpl_freqs = _symbol_tables(freqs)
     n_chunks = (n + chunk_symbols - 1) // chunk_symbols
     words = np.empty(n, dtype=np.uint16)
     word_counts = np.zeros(n_chunks, dtype=np.int64)
     states = np.zeros((n_chunks, LANES), dtype=np.int64)
-    _encode_chunks(data, freqs, cums, chunk_symbols, words, word_counts, states)
-    present = np.flatnonzero(freqs)
-    parts = [
-        np.array([n, chunk_symbols, present.size], dtype=np.uint32).tobytes(),
-        ((present.astype(np.uint32) << 16) | freqs[present].astype(np.uint32)).tobytes(),
-        word_counts.astype(np.uint32).tobytes(),
-    ]
-    for chunk in range(n_chunks):
-        stop = min((chunk + 1) * chunk_symbols, n)
-        chunk_words = words[stop - word_counts[chunk] : stop]
-        parts.append(states[chunk].astype(np.uint32).tobytes())
-        parts.append(chunk_words.tobytes())
-        if chunk_words.size % 2:
-            parts.append(b"\0\0")
-    return b"".join(parts)
+    # Chunks on all threads or on this one, chosen by measured speed like the detectors (a parallel region
+    # waits for every thread, which on a busy machine can cost more than the encode); same bytes either way.
+    parallel = n_chunks > 1 and kernels._choice.choose("ans_encode", n)
+    kernel = _encode_chunks if parallel else _encode_chunks_serial
+    start_s = time.perf_counter()
+    kernel(data, bounds, inv_freqs, cums, cmpl_freqs, chunk_symbols, words, word_counts, states)
+    if n_chunks > 1:
+        kernels._choice.record("ans_encode", parallel, n, time.perf_counter() - start_s)
+    return int(_write_stream(out, n, chunk_symbols, freqs, words, word_counts, states))
+
+
+def encode(data: np.ndarray, chunk_symbols: int | None = None) -> bytes:
+    """rANS-encode a uint8 array; the frequency table travels in the stream."""
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    if chunk_symbols is None and data.size:
+        chunk_symbols = choose_chunk_symbols(data.size)
+    out = np.empty(max_encoded_bytes(data.size, chunk_symbols), dtype=np.uint8)
+    length = encode_into(data, out, chunk_symbols)
+    return out[:length].tobytes()
 
 
 def decode(stream: bytes | memoryview | np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -12,7 +12,7 @@ What it computes, per layer and phase, on one rank of a W-rank ZeRO-3 group (doc
 - iteration_s: Σ over layers and phases of max(compute_s, allgather_s + reduce_scatter_s) plus the
   optimizer step — a prefetch-overlapped estimate, not a simulation.
 - exponents: per shard a block change rate drawn from Beta around the model's category prior
-  (sim/data/models/*.toml); at other block sizes q_B = 1 − (1 − q_512)^(B/512); the element rate is
+  (traces/data/models/*.toml); at other block sizes q_B = 1 − (1 − q_512)^(B/512); the element rate is
   1 − (1 − q_B)^(1/B). Both assume changes independent across blocks and elements — stated, not measured.
 """
 

@@ -1,16 +1,16 @@
-"""MoE model shapes, read from the data files in sim/data/models (one TOML per model, from its published
-config), and the per-layer parameter and FLOP accounting the analytic trace generator needs."""
+"""MoE model shapes, read from the shared data files in traces/data/models (one TOML per model, from its
+published config, via `traces.load_model_shape`), and the per-layer parameter and FLOP accounting the
+analytic trace generator needs."""
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
+
+import traces
 
 from .errors import SimInputError
 
-CATEGORIES = ("expert_ffn", "attention", "router", "norm", "embedding")
+CATEGORIES = traces.CATEGORIES
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class ModelConfig:
     optimizer: str | None
     block_change_rate_prior: dict[str, float]
     prior_source: str
+    qk_norm_scope: str = "full"  # "head": one norm of head_dim per q and k (Qwen3)
 
 
 @dataclass(frozen=True)
@@ -48,72 +49,44 @@ class ParameterSpec:
     active_fraction: float  # share of its values each token multiplies (top-k / num_experts for experts)
 
 
-_REQUIRED_INT = (
-    "hidden_size",
-    "num_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "num_experts",
-    "experts_per_token",
-    "moe_intermediate_size",
-    "shared_expert_intermediate_size",
-    "dense_blocks",
-    "dense_intermediate_size",
-)
-
-
-def _models_dir() -> Path:
-    return Path(str(resources.files("sim") / "data" / "models"))
-
-
 def list_models() -> list[str]:
-    return sorted(p.stem for p in _models_dir().glob("*.toml"))
+    return traces.model_keys()
 
 
 def load_model_config(name_or_path: str) -> ModelConfig:
-    """Load a model by file stem ("mixtral-8x7b"), display name ("Mixtral-8x7B") or TOML path."""
-    path = Path(name_or_path)
-    if not path.suffix == ".toml":
-        by_stem = {stem.lower(): _models_dir() / f"{stem}.toml" for stem in list_models()}
-        path = by_stem.get(name_or_path.lower(), path)
-        if not path.is_file():
-            by_name = {}
-            for candidate in by_stem.values():
-                with candidate.open("rb") as handle:
-                    by_name[str(tomllib.load(handle).get("name", "")).lower()] = candidate
-            path = by_name.get(name_or_path.lower(), path)
-    if not path.is_file():
-        raise SimInputError(
-            f"model '{name_or_path}': no such model file, expected one of {', '.join(list_models())} or a .toml path"
-        )
+    """Load a model by key ("mixtral-8x7b"), alias ("mixtral"), display name ("Mixtral-8x7B") or TOML path."""
     try:
-        with path.open("rb") as handle:
-            raw = tomllib.load(handle)
-    except tomllib.TOMLDecodeError as error:
-        raise SimInputError(f"{path}: not valid TOML: {error}") from None
-    for field in _REQUIRED_INT:
-        value = raw.get(field)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise SimInputError(f"{path}: field '{field}' is {value!r}, expected a non-negative integer")
-    prior = raw.get("block_change_rate_prior", {})
-    rates = {c: prior.get(c) for c in CATEGORIES}
+        shape = traces.load_model_shape(name_or_path)
+    except traces.ModelShapeError as error:
+        raise SimInputError(str(error)) from None
+    rates = {c: shape.block_change_rate_prior.get(c) for c in CATEGORIES}
     for category, rate in rates.items():
-        if not isinstance(rate, int | float) or not 0 <= rate <= 1:
+        if not isinstance(rate, int | float) or isinstance(rate, bool) or not 0 <= rate <= 1:
             raise SimInputError(
-                f"{path}: field 'block_change_rate_prior.{category}' is {rate!r}, expected a rate in [0, 1]"
+                f"{shape.path}: field 'block_change_rate_prior.{category}' is {rate!r}, expected a rate in [0, 1]"
             )
     return ModelConfig(
-        key=path.stem,
-        name=str(raw.get("name", path.stem)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qk_norm=bool(raw.get("qk_norm", False)),
-        attention_bias=bool(raw.get("attention_bias", False)),
-        optimizer=raw.get("optimizer"),
+        key=shape.key,
+        name=shape.name,
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        qk_norm=shape.qk_norm,
+        attention_bias=shape.attention_bias,
+        num_experts=shape.num_experts,
+        experts_per_token=shape.experts_per_token,
+        moe_intermediate_size=shape.moe_intermediate_size,
+        shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
+        dense_blocks=shape.dense_blocks,
+        dense_intermediate_size=shape.dense_intermediate_size,
+        optimizer=shape.optimizer,
         block_change_rate_prior={c: float(r) for c, r in rates.items()},
-        prior_source=str(prior.get("source", "")),
-        **{field: int(raw[field]) for field in _REQUIRED_INT},
+        prior_source=shape.prior_source,
+        qk_norm_scope=shape.qk_norm_scope,
     )
 
 
@@ -140,7 +113,8 @@ def layer_parameters(model: ModelConfig, layer: int, traced_layers: int) -> list
         ParameterSpec(f"{prefix}.post_attn_norm.weight", layer, "norm", h, 1.0),
     ]
     if model.qk_norm:
-        params.append(ParameterSpec(f"{prefix}.qk_norm", layer, "norm", q_width + kv_width, 1.0))
+        qk_numel = 2 * model.head_dim if model.qk_norm_scope == "head" else q_width + kv_width
+        params.append(ParameterSpec(f"{prefix}.qk_norm", layer, "norm", qk_numel, 1.0))
     if layer <= model.dense_blocks:
         params.append(
             ParameterSpec(f"{prefix}.mlp", layer, "expert_ffn", 3 * h * model.dense_intermediate_size, 1.0)

@@ -2,12 +2,16 @@
 
 Public surface: `TraceBundle`, `read_bundle`, `write_bundle`, `validate_bundle`, `TraceError`,
 `default_bundle_path`, `SCHEMA_VERSION`. The format is documented in docs/trace-format.md.
+
+Model shapes (data both `measure` and `sim` read): `ModelShape`, `load_model_shape`, `model_keys`,
+`ModelShapeError` (traces/data/models/*.toml).
 """
 
 from pathlib import Path
 
 from .bundle import TABLE_NAMES, TraceBundle, empty_table, read_bundle, validate_bundle, write_bundle
 from .errors import TraceError
+from .models import ModelShape, ModelShapeError, load_model_shape, model_keys
 from .schema import CATEGORIES, DTYPES, PHASES, SCHEMA_VERSION
 
 
@@ -19,6 +23,8 @@ def default_bundle_path() -> Path:
 __all__ = [
     "CATEGORIES",
     "DTYPES",
+    "ModelShape",
+    "ModelShapeError",
     "PHASES",
     "SCHEMA_VERSION",
     "TABLE_NAMES",
@@ -26,6 +32,8 @@ __all__ = [
     "TraceError",
     "default_bundle_path",
     "empty_table",
+    "load_model_shape",
+    "model_keys",
     "read_bundle",
     "validate_bundle",
     "write_bundle",

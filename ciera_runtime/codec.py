@@ -297,38 +297,49 @@ class ShardEncoder:
         """Payload for this gather (uint8 array); advances the generation and the change-detection state.
 
         ``out``: a contiguous uint8 buffer of at least ``layout.max_payload_bytes``; the payload is
-        written at its start and a view of it returned (no fresh buffer per gather)."""
+        written at its start and a view of it returned (no fresh buffer per gather). One fused parallel
+        pass extracts the exponent plane, detects changed blocks, writes the sign+mantissa plane straight
+        into the payload and checksums it; rANS writes straight after it."""
         bits = shard_bits(shard, self.dtype, f"shard {self.shard_id}")
         if bits.size != self.numel:
             raise ValueError(f"shard {self.shard_id}: {bits.size} values, encoder was built for {self.numel}")
         _check_out_buffer(out, self.layout, self.shard_id)
+        layout = self.layout
+        buffer = np.empty(layout.max_payload_bytes, dtype=np.uint8) if out is None else out
         full = self.generation == 0
         shift, mask = _EXP_LAYOUT[self.dtype]
         block_size = self.config.block_size
-        exp_source = self._exp_scratch
+        is_fp16 = self.dtype == DType.FP16
+        sm_out = buffer[
+            layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
+        ]
         if self.config.detector == "hash":
-            self.backend.detect_changes_hash(
-                bits, shift, mask, block_size, self._hash_cache, exp_source, self._changed, full
-            )
+            sm_checksum = self.backend.encode_planes_hash(
+                bits, shift, mask, is_fp16, block_size, self._hash_cache, self._exp_scratch, self._changed,
+                full, sm_out,
+            )  # fmt: skip
         else:
-            self.backend.detect_changes_exact(
-                bits, shift, mask, block_size, exp_source, self._last_exp, self._changed, full
-            )
+            sm_checksum = self.backend.encode_planes_exact(
+                bits, shift, mask, is_fp16, block_size, self._exp_scratch, self._last_exp, self._changed,
+                full, sm_out,
+            )  # fmt: skip
         changed_blocks = np.flatnonzero(self._changed)
         self.last_changed_blocks = int(changed_blocks.size)
         offsets, changed_values = kernels.changed_block_offsets(changed_blocks, block_size, self.numel)
-        packed_exp = np.empty(changed_values, dtype=np.uint8)
-        if changed_values:
-            self.backend.gather_blocks(exp_source, changed_blocks, offsets, block_size, packed_exp)
         flags = FLAG_FULL_EXPONENTS if full else 0
-        exp_section: np.ndarray | bytes = b""
+        exp_region = buffer[layout.fixed_bytes : layout.fixed_bytes + changed_values]
+        exp_bytes = 0
         if changed_values:
-            exp_section = self.backend.ans_encode(packed_exp)
-            if len(exp_section) >= changed_values:
-                exp_section, flags = packed_exp, flags | FLAG_RAW_EXPONENTS
+            packed_exp = np.empty(changed_values, dtype=np.uint8)
+            self.backend.gather_blocks(self._exp_scratch, changed_blocks, offsets, block_size, packed_exp)
+            # rANS straight into the payload; it must come out smaller than the raw exponents to be used.
+            exp_bytes = self.backend.ans_encode_into(packed_exp, exp_region)
+            if exp_bytes < 0 or exp_bytes >= changed_values:
+                exp_region[:] = packed_exp
+                exp_bytes, flags = changed_values, flags | FLAG_RAW_EXPONENTS
         self.generation += 1
-        return self._assemble(
-            bits, flags, self._changed, changed_blocks.size, exp_section, self.generation, out
+        return self._finish_payload(
+            buffer, bits, flags, self._changed, changed_blocks.size, exp_bytes, sm_checksum, self.generation
         )
 
     def encode_resync(
@@ -347,42 +358,44 @@ class ShardEncoder:
         if bits.size != self.numel:
             raise ValueError(f"shard {self.shard_id}: {bits.size} values, encoder was built for {self.numel}")
         _check_out_buffer(out, self.layout, self.shard_id)
+        layout = self.layout
+        buffer = np.empty(layout.max_payload_bytes, dtype=np.uint8) if out is None else out
         shift, mask = _EXP_LAYOUT[self.dtype]
-        exps = np.empty(self.numel, dtype=np.uint8)
-        self.backend.extract_exponents(bits, shift, mask, exps)
-        all_blocks = np.ones(self.layout.n_blocks, dtype=np.uint8)
-        return self._assemble(
-            bits, FLAG_FULL_EXPONENTS | FLAG_RAW_EXPONENTS, all_blocks, all_blocks.size, exps, generation, out
+        self.backend.extract_exponents(
+            bits, shift, mask, buffer[layout.fixed_bytes : layout.max_payload_bytes]
+        )
+        sm_out = buffer[
+            layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
+        ]
+        self.backend.pack_sign_mantissa(bits, self.dtype == DType.FP16, sm_out)
+        all_blocks = np.ones(layout.n_blocks, dtype=np.uint8)
+        flags = FLAG_FULL_EXPONENTS | FLAG_RAW_EXPONENTS
+        checksum = self.backend.checksum64(sm_out)
+        return self._finish_payload(
+            buffer, bits, flags, all_blocks, layout.n_blocks, self.numel, checksum, generation
         )
 
     def resync_payload_bytes(self) -> int:
         return self.layout.max_payload_bytes
 
-    def _assemble(self, bits, flags, changed, changed_count, exp_section, generation, out) -> np.ndarray:
+    def _finish_payload(
+        self, buffer, bits, flags, changed, changed_count, exp_bytes, sm_checksum, generation
+    ) -> np.ndarray:
+        """Bitmap, alignment padding (zeroed: deterministic bytes on the wire), CRCs and header around the
+        planes already written into ``buffer``; returns the payload view."""
         layout = self.layout
-        exp_view = (
-            np.frombuffer(exp_section, dtype=np.uint8) if isinstance(exp_section, bytes) else exp_section
-        )
-        size = layout.fixed_bytes + exp_view.size
-        if out is None:
-            payload = np.zeros(size, dtype=np.uint8)
-        else:
-            payload = out[:size]
-            payload[: layout.fixed_bytes] = 0  # alignment padding: deterministic bytes on the wire
+        payload = buffer[: layout.fixed_bytes + exp_bytes]
+        bitmap_end = layout.bitmap_offset + layout.bitmap_bytes
+        payload[bitmap_end : layout.sign_mantissa_offset] = 0
+        payload[layout.sign_mantissa_offset + layout.sign_mantissa_bytes : layout.fixed_bytes] = 0
         if changed.size:
-            payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes] = np.packbits(
-                changed, bitorder="little"
-            )
-        sm_end = layout.sign_mantissa_offset + layout.sign_mantissa_bytes
-        sign_mantissa = payload[layout.sign_mantissa_offset : sm_end]
-        self.backend.pack_sign_mantissa(bits, self.dtype == DType.FP16, sign_mantissa)
-        payload[layout.fixed_bytes :] = exp_view
+            payload[layout.bitmap_offset : bitmap_end] = np.packbits(changed, bitorder="little")
         shard_crc = 0
         verify_every = self.config.verify_every
         if verify_every and generation % verify_every == 0:
             flags |= FLAG_CHECKSUM
             shard_crc = zlib.crc32(bits)
-        meta_crc = _meta_crc(payload, layout, exp_view)
+        meta_crc = _meta_crc(payload, layout, payload[layout.fixed_bytes :])
         header = bytearray(
             struct.pack(
                 HEADER_FORMAT,
@@ -397,10 +410,10 @@ class ShardEncoder:
                 self.numel,
                 self.config.block_size,
                 changed_count,
-                exp_view.size,
+                exp_bytes,
                 shard_crc,
                 meta_crc,
-                self.backend.checksum64(sign_mantissa),
+                sm_checksum,
                 self.config.fingerprint,
                 0,
             )
@@ -524,7 +537,8 @@ class ShardDecoder:
         ``expected``: the (epoch, generation) the caller was told to expect (the all-gather's control
         round); a payload that carries others is rejected. Raises PayloadError (corrupt, truncated,
         foreign), StalePayloadError (replayed), OutOfStepError (delta on another cache state) or
-        ChecksumMismatchError. A failed decode leaves the cache untouched.
+        ChecksumMismatchError. A failed decode leaves the cache untouched, except for a corrupted
+        sign+mantissa plane: found in the merge pass, after the verified exponents were applied.
         """
         out = self._check_out(out)
         payload = as_payload_bytes(payload, self.shard_id, self.source_rank)
@@ -572,8 +586,6 @@ class ShardDecoder:
         sign_mantissa = payload[
             layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
         ]
-        if self.backend.checksum64(sign_mantissa) != header.sign_mantissa_checksum64:
-            raise self._fail("sign+mantissa checksum mismatch: payload corrupted in transit")
         bitmap = payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes]
         changed = np.unpackbits(bitmap, count=layout.n_blocks, bitorder="little")
         changed_blocks = np.flatnonzero(changed)
@@ -600,16 +612,23 @@ class ShardDecoder:
                 raise self._fail(f"exponent stream invalid: {error}") from None
         elif exp_section.size:
             raise self._fail(f"no changed blocks but {exp_section.size} exponent bytes")
-        # Only now, with every check passed, touch the cache.
+        # Only now, with header, bitmap and exponents verified, touch the cache.
         if changed_values:
             self.backend.scatter_blocks(
                 packed_exp, changed_blocks, offsets, self.config.block_size, self.exp_cache
             )
-        shift, _ = _EXP_LAYOUT[self.dtype]
-        self.backend.merge_planes(self.exp_cache, sign_mantissa, shift, self.dtype == DType.FP16, out)
         if header.epoch != self.epoch and self.epoch:
             self.retired_epochs = [*self.retired_epochs, self.epoch][-self._RETIRED_EPOCHS_KEPT :]
         self.epoch, self.generation = header.epoch, header.generation
+        # The sign+mantissa plane is checksummed in the same pass that merges it; on a mismatch the
+        # rebuilt values are discarded (raise), while the cache, built from verified exponents, stays
+        # correct at this generation.
+        shift, _ = _EXP_LAYOUT[self.dtype]
+        checksum = self.backend.merge_planes_checked(
+            self.exp_cache, sign_mantissa, shift, self.dtype == DType.FP16, out
+        )
+        if checksum != header.sign_mantissa_checksum64:
+            raise self._fail("sign+mantissa checksum mismatch: payload corrupted in transit")
         if header.flags & FLAG_CHECKSUM and zlib.crc32(out) != header.shard_crc32:
             self.generation = -1  # cache no longer trusted: the next delta fails as out of step
             raise self._fail("rebuilt shard does not match the sender's checksum", ChecksumMismatchError)

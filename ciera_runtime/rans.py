@@ -14,7 +14,7 @@ in [2**16, 2**32) with 16-bit renormalisation, so one symbol emits at most one w
 every lane ends in the initial state and every word was consumed: a corrupted stream raises instead of
 yielding wrong bytes.
 
-``encode`` cuts a stream into chunks by :func:`choose_chunk_symbols` (an equal share per numba thread,
+``encode`` cuts a stream into chunks by :func:`choose_chunk_symbols` (an equal share for up to CHUNK_SHARES threads,
 chunks of 2**15 .. 2**18 symbols); ``encode_into`` writes the stream straight into a caller's buffer.
 The encoder keeps the 8 lane states in registers, renormalises without a branch and divides by a
 float reciprocal (see ``_encode_step``); its output is byte-identical to the earlier integer-division
@@ -297,15 +297,17 @@ def _pad4(n: int) -> int:
     return (n + 3) & ~3
 
 
-def choose_chunk_symbols(n: int, threads: int | None = None) -> int:
-    """Symbols per chunk for ``n`` symbols: chunks of at most DEFAULT_CHUNK_SYMBOLS, as many as a multiple
-    of the thread count (numba's, for the calling thread) so every thread gets an equal share, but none
-    shorter than MIN_CHUNK_SYMBOLS (each chunk costs ~30 bytes: 8 lane states, its word count, padding).
-    A multiple of LANES, so every chunk but the last has full lane groups."""
-    if threads is None:
-        import numba
+# Chunk counts are rounded to a multiple of this, whatever the machine: the bytes on the wire then depend
+# on the data alone (not on the calling thread's numba thread count, which differs between the CCP worker
+# and the main thread), and 1, 2 or 4 threads all get equal shares.
+CHUNK_SHARES = 4
 
-        threads = numba.get_num_threads()
+
+def choose_chunk_symbols(n: int, threads: int = CHUNK_SHARES) -> int:
+    """Symbols per chunk for ``n`` symbols: chunks of at most DEFAULT_CHUNK_SYMBOLS, as many as a multiple
+    of ``threads`` so every thread gets an equal share, but none shorter than MIN_CHUNK_SYMBOLS (each chunk
+    costs ~30 bytes: 8 lane states, its word count, padding). A multiple of LANES, so every chunk but the
+    last has full lane groups."""
     if n <= 0:
         return DEFAULT_CHUNK_SYMBOLS
     n_chunks = -(-n // DEFAULT_CHUNK_SYMBOLS)

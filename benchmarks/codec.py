@@ -9,21 +9,18 @@ Throughputs are in shard bytes (2 per value) per second, best of ``repeats``, nu
 
 Baselines: ``copy_GBps`` is a numba ``prange`` copy on as many threads as the codec kernels get (the
 baseline of the full-path ratios); ``memcpy_GBps`` is numpy's one-thread copy (reference; ``vs_memcpy``).
-``full_path`` times the fused encode path (one fused pass writing into a reused send buffer,
-flatnonzero, gather_blocks, rANS into that buffer, bitmap, header, CRC) and decode path (CRC, rANS
-decode, scatter, merge_planes_checked) at q = 0.01, built from the kernel calls directly, each sample
-next to a copy sample so both see the same load; ``encode_GBps``/``decode_GBps`` are
-ShardEncoder/ShardDecoder (whatever kernels codec.py calls).
+``full_path`` times ShardEncoder.encode into a reused send buffer (one fused pass for exponent
+plane, change detection, sign+mantissa plane and its checksum; gather_blocks; rANS into the buffer;
+bitmap, header, CRCs) and ShardDecoder.decode (CRCs, rANS decode, scatter, merge with the checksum) at
+q = 0.01, each sample next to a copy sample so both see the same load.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import struct
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numba
@@ -38,8 +35,6 @@ from ciera_runtime import (  # noqa: E402
     CodecConfig,
     ShardDecoder,
     ShardEncoder,
-    codec,
-    get_backend,
     kernels,
     rans,
 )
@@ -51,91 +46,6 @@ def parallel_copy(source, target):
     """The baseline: a copy on all of numba's threads (as many as the codec kernels use)."""
     for i in prange(source.size):
         target[i] = source[i]
-
-
-class FusedPath:
-    """Full BF16 encode and decode path from the fused kernels, on reused buffers (hash detector).
-
-    It builds the same payload bytes as ShardEncoder (checked against ShardDecoder) so the figure is that
-    of a real payload; codec.py itself is rewired to these kernels elsewhere.
-    """
-
-    def __init__(self, numel: int, block_size: int) -> None:
-        self.numel, self.block_size = numel, block_size
-        self.layout = codec.PayloadLayout.of(numel, codec.DType.BF16, block_size)
-        self.backend = get_backend("cpu")
-        n_blocks = self.layout.n_blocks
-        self.hash_cache = np.zeros((n_blocks, 2), dtype=np.uint64)
-        self.changed = np.zeros(n_blocks, dtype=np.uint8)
-        self.exp = np.empty(numel, dtype=np.uint8)
-        self.packed = np.empty(numel, dtype=np.uint8)
-        self.send = np.zeros(self.layout.fixed_bytes + numel, dtype=np.uint8)  # reused send buffer
-        self.generation = 0
-        # receiver
-        self.exp_cache = np.zeros(numel, dtype=np.uint8)
-        self.received = np.empty(numel, dtype=np.uint8)
-
-    def encode(self, bits: np.ndarray) -> np.ndarray:
-        layout, block_size, send = self.layout, self.block_size, self.send
-        full = self.generation == 0
-        sm_out = send[layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes]
-        checksum = self.backend.encode_planes_hash(
-            bits, 7, 0xFF, False, block_size, self.hash_cache, self.exp, self.changed, full, sm_out
-        )
-        changed_blocks = np.flatnonzero(self.changed)
-        offsets, changed_values = kernels.changed_block_offsets(changed_blocks, block_size, self.numel)
-        packed = self.packed[:changed_values]
-        exp_area = send[layout.fixed_bytes : layout.fixed_bytes + changed_values]
-        flags = codec.FLAG_FULL_EXPONENTS if full else 0
-        exp_bytes = 0
-        if changed_values:
-            self.backend.gather_blocks(self.exp, changed_blocks, offsets, block_size, packed)
-            exp_bytes = self.backend.ans_encode_into(packed, exp_area)
-            if exp_bytes < 0 or exp_bytes >= changed_values:
-                exp_area[:] = packed
-                exp_bytes, flags = changed_values, flags | codec.FLAG_RAW_EXPONENTS
-        bitmap = send[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes]
-        bitmap[:] = np.packbits(self.changed, bitorder="little")
-        self.generation += 1
-        header = struct.pack(
-            codec.HEADER_FORMAT, codec.MAGIC, codec.FORMAT_VERSION, int(codec.DType.BF16), flags, 0, 1,
-            self.generation, self.numel, block_size, changed_blocks.size, exp_bytes, 0, 0, checksum,
-        )  # fmt: skip
-        send[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-        meta_offset = struct.calcsize("<4sHBBIIQQIIQI")
-        send[meta_offset : meta_offset + 4] = 0
-        crc = zlib.crc32(send[: codec.HEADER_BYTES])
-        crc = zlib.crc32(bitmap, crc)
-        crc = zlib.crc32(send[layout.fixed_bytes : layout.fixed_bytes + exp_bytes], crc)
-        send[meta_offset : meta_offset + 4] = np.frombuffer(struct.pack("<I", crc), np.uint8)
-        return send[: layout.fixed_bytes + exp_bytes]
-
-    def decode(self, payload: np.ndarray, out: np.ndarray) -> None:
-        layout, block_size = self.layout, self.block_size
-        header = codec.parse_header(payload, 0, 1)
-        exp_section = payload[layout.fixed_bytes :]
-        meta_offset = struct.calcsize("<4sHBBIIQQIIQI")
-        head = bytearray(payload[: codec.HEADER_BYTES].tobytes())
-        head[meta_offset : meta_offset + 4] = b"\0\0\0\0"
-        bitmap = payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes]
-        crc = zlib.crc32(exp_section, zlib.crc32(bitmap, zlib.crc32(head)))
-        if crc != header.meta_crc32:
-            raise ValueError("meta CRC mismatch")
-        changed_blocks = np.flatnonzero(np.unpackbits(bitmap, count=layout.n_blocks, bitorder="little"))
-        offsets, changed_values = kernels.changed_block_offsets(changed_blocks, block_size, self.numel)
-        received = self.received[:changed_values]
-        if header.flags & codec.FLAG_RAW_EXPONENTS:
-            received[:] = exp_section
-        elif changed_values:
-            self.backend.ans_decode(exp_section, received)
-        if changed_values:
-            self.backend.scatter_blocks(received, changed_blocks, offsets, block_size, self.exp_cache)
-        sm = payload[layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes]
-        if (
-            self.backend.merge_planes_checked(self.exp_cache, sm, 7, False, out)
-            != header.sign_mantissa_checksum64
-        ):
-            raise ValueError("sign+mantissa checksum mismatch")
 
 
 def best_s(function, repeats: int) -> float:
@@ -215,64 +125,46 @@ def main() -> None:
         detect_exact()
     detect_exact_s = best_s(detect_exact, repeats)
 
-    # Full codec path at q = 0.01: encode (detect, split, gather, rANS, assemble), decode (rANS, merge).
+    # Full codec path at q = 0.01, as the all-gather runs it: ShardEncoder.encode into a reused send
+    # buffer (one fused pass, gather, rANS straight into the buffer, bitmap, header, CRCs) and
+    # ShardDecoder.decode (CRCs, rANS decode, scatter, merge with the sign+mantissa checksum) into a
+    # reused output. A chain of versions, each with a share q of its blocks changed from the one before;
+    # every sample next to a same-threads copy sample, so both see the same load.
     config = CodecConfig(block_size=block_size)
-    versions = [perturb_blocks(bits, 0.01, block_size, "bf16", rng) for _ in range(2)]
     encoder = ShardEncoder(0, numel, "bf16", 1, config)
     decoder = ShardDecoder(0, 1, numel, "bf16", config)
-    decoder.decode(encoder.encode(bits))
-    encode_samples, decode_samples = [], []
+    send_buffer = np.empty(encoder.layout.max_payload_bytes, dtype=np.uint8)
     out = np.empty_like(bits)
-    for k in range(repeats + 1):
-        version = versions[k % 2]
+    decoder.decode(encoder.encode(bits, out=send_buffer), out=out)
+    chain = [bits]
+    for _ in range(2 * kernels.PROBE_EVERY + 2 * repeats + 2):
+        chain.append(perturb_blocks(chain[-1], 0.01, block_size, "bf16", rng))
+    encode_samples, decode_samples, copy_samples, changed_blocks = [], [], [], 0
+    for version in chain[1:]:
         start_s = time.perf_counter()
-        payload = encoder.encode(version)
+        parallel_copy(bits, copy_target)
+        copy_samples.append(time.perf_counter() - start_s)
+        start_s = time.perf_counter()
+        payload = encoder.encode(version, out=send_buffer)
         encode_samples.append(time.perf_counter() - start_s)
         start_s = time.perf_counter()
         decoder.decode(payload, out=out)
         decode_samples.append(time.perf_counter() - start_s)
         assert np.array_equal(out, version)
-
-    # The same at q = 0.01 from the fused kernels; every sample next to a copy sample (same load).
-    fused = FusedPath(numel, block_size)
-    checker = ShardDecoder(0, 1, numel, "bf16", config)  # the fused path's payloads are valid payloads
-    for _ in range(2 * kernels.PROBE_EVERY):  # let the adaptive serial/parallel choices settle
-        payload = fused.encode(bits)
-        fused.decode(payload, out)
-        checker.decode(payload)
-    # A chain of versions, each with a share q = 0.01 of its blocks changed from the one before.
-    chain = [bits]
-    for _ in range(2 * repeats + 2):
-        chain.append(perturb_blocks(chain[-1], 0.01, block_size, "bf16", rng))
-    fused_encode, fused_decode, copy_samples = [], [], []
-    for k in range(2 * repeats + 2):
-        version = chain[k + 1]
-        start_s = time.perf_counter()
-        parallel_copy(bits, copy_target)
-        copy_samples.append(time.perf_counter() - start_s)
-        start_s = time.perf_counter()
-        payload = fused.encode(version)
-        fused_encode.append(time.perf_counter() - start_s)
-        start_s = time.perf_counter()
-        fused.decode(payload, out)
-        fused_decode.append(time.perf_counter() - start_s)
-        assert np.array_equal(out, version)
-        np.testing.assert_array_equal(checker.decode(payload), version)
-    copy_s = min(copy_s, *copy_samples)
-    encode_s, decode_s = min(encode_samples[1:]), min(decode_samples[1:])
-    fused_encode_s, fused_decode_s = min(fused_encode[2:]), min(fused_decode[2:])
+        changed_blocks = encoder.last_changed_blocks
+    settled = 2 * kernels.PROBE_EVERY  # the adaptive serial/parallel choices settle first
+    copy_s = min(copy_s, *copy_samples[settled:])
+    encode_s, decode_s = min(encode_samples[settled:]), min(decode_samples[settled:])
     full_path = {
         "q": 0.01,
-        "changed_blocks": int(fused.changed.sum()),  # of the last sample
+        "changed_blocks": changed_blocks,  # of the last sample
         "copy_threads": threads,
-        "encode_GBps": round(gbps(fused_encode_s), 3),
-        "decode_GBps": round(gbps(fused_decode_s), 3),
-        "encode_vs_copy": round(copy_s / fused_encode_s, 3),
-        "decode_vs_copy": round(copy_s / fused_decode_s, 3),
-        "encode_vs_memcpy_one_thread": round(memcpy_s / fused_encode_s, 3),
-        "decode_vs_memcpy_one_thread": round(memcpy_s / fused_decode_s, 3),
-        "shard_encoder_vs_copy": round(copy_s / encode_s, 3),
-        "shard_decoder_vs_copy": round(copy_s / decode_s, 3),
+        "encode_GBps": round(gbps(encode_s), 3),
+        "decode_GBps": round(gbps(decode_s), 3),
+        "encode_vs_copy": round(copy_s / encode_s, 3),
+        "decode_vs_copy": round(copy_s / decode_s, 3),
+        "encode_vs_memcpy_one_thread": round(memcpy_s / encode_s, 3),
+        "decode_vs_memcpy_one_thread": round(memcpy_s / decode_s, 3),
     }
 
     exponents = ((weights.view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
@@ -329,8 +221,6 @@ def main() -> None:
                 ("detect_parallel", detect_parallel_s),
             )
         },
-        "encode_GBps": round(gbps(encode_s), 3),
-        "decode_GBps": round(gbps(decode_s), 3),
         "full_path": full_path,
         "ans": {
             "symbols": int(exponents.size),

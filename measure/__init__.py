@@ -1,3 +1,39 @@
-"""Capture on a real group: per-layer timings, a collectives sweep and exponent statistics, written as a
-trace bundle (docs/trace-format.md). Not built yet: until it is, the shipped bundle is analytic
-(`ciera analytic-bundle`) and every report says so."""
+"""Measurement on a real group. Built so far: the model zoo and the corpus the measurements train on.
+
+- `measure.zoo`: `build_model(key, layers, width_scale, seed)` (torch, imported only when building),
+  `parameter_categories(model)`, `scaled_shape`, `parameter_count`, `zoo_keys`, `ZooError`.
+- `measure.corpus`: byte-level tokens of the CPython documentation topics, deterministic `batches`.
+- `ciera models` lists the zoo (measure/cli.py).
+
+Capture itself (per-layer timings, collectives sweep, exponent statistics) is not built yet: until it is,
+the shipped bundle is analytic (`ciera analytic-bundle`) and every report says so.
+"""
+
+from .corpus import CorpusError, batch, batches, corpus_info
+from .zoo import (
+    CATEGORIES,
+    ZooError,
+    build_model,
+    category_of,
+    default_width_scale,
+    parameter_categories,
+    parameter_count,
+    scaled_shape,
+    zoo_keys,
+)
+
+__all__ = [
+    "CATEGORIES",
+    "CorpusError",
+    "ZooError",
+    "batch",
+    "batches",
+    "build_model",
+    "category_of",
+    "corpus_info",
+    "default_width_scale",
+    "parameter_categories",
+    "parameter_count",
+    "scaled_shape",
+    "zoo_keys",
+]

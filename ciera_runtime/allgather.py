@@ -225,13 +225,8 @@ class CompressedAllGather:
         elif left is not None and memory > left:
             compressed = False
             reason = f"needs {memory} bytes, {left} of the {self.cache_budget_bytes}-byte cache budget left"
-            logger.warning(
-                "ciera_runtime: shard %d (%d values, %s) is gathered raw: %s",
-                shard_id,
-                numel,
-                category,
-                reason,
-            )
+            what = f"{numel} values" + (f", {category}" if category else "")
+            logger.warning("ciera_runtime: shard %d (%s) is gathered raw: %s", shard_id, what, reason)
         else:
             compressed, reason = True, "compressed"
         state = _ShardState(numel, dtype, category, compressed)

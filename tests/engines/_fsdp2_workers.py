@@ -1,0 +1,348 @@
+"""Worker functions for the spawned FSDP2 + CIERA tests (importable by the spawned children)."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STEPS = 20
+CHECKPOINT_STEP = 10
+
+
+def init_gloo(rank: int, world_size: int, port: int, timeout_s: float = 120.0) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+class TinyModel(nn.Module):
+    """Input projection, a few residual blocks (LayerNorm + two Linear), a head; each block checkpointed."""
+
+    def __init__(self, width: int = 64, depth: int = 3, checkpointing: bool = True) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+        self.checkpointing = checkpointing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False) if self.checkpointing else block(h)
+        return self.head(h)
+
+
+def build(reshard_after_forward: bool = True, param_dtype=torch.bfloat16, width: int = 64):
+    """Same seed on every rank and every build: identical initial weights (FP32 master parameters; the
+    all-gather in ``param_dtype``, gradients reduced in FP32; ``param_dtype=None``: no policy, FP32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = TinyModel(width)
+    policy = (
+        MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    )
+    kwargs = {"mp_policy": policy} if policy else {}
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, optimizer
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(32, 16, generator=generator)
+    return x, torch.sin(x[:, :4].sum(-1, keepdim=True))
+
+
+def train_step(model, optimizer, step: int, rank: int) -> float:
+    x, y = batch(step, rank)
+    loss = ((model(x).float() - y) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    return {name: param.full_tensor().detach().clone() for name, param in model.named_parameters()}
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, bool]:
+    return {name: torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)) for name in a}
+
+
+class CountingAllGather:
+    """The plain all-gather with a call count per module (to compare FSDP2's schedule with and without
+    CIERA)."""
+
+    @staticmethod
+    def install(model) -> dict[str, int]:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+        counts: dict[str, int] = {}
+
+        class _Counting(AllGather):
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(*size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                counts[self.name] = counts.get(self.name, 0) + 1
+                return dist.all_gather_into_tensor(
+                    output_tensor, input_tensor, group=group, async_op=async_op
+                )
+
+        for name, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(_Counting(name or "<root>"))
+        return counts
+
+
+def _flip_one_received_bit(target_rank: int, rank: int):
+    """A one-shot fault: on ``target_rank``, flip a bit in the sign+mantissa section of source 0's row."""
+    armed = {"left": 1 if rank == target_rank else 0}
+
+    def injector(point, shard_id, array) -> None:
+        if point == "receive" and armed["left"]:
+            armed["left"] -= 1
+            array[0, 200] ^= 0x10
+
+    return injector
+
+
+def training_worker(rank: int, world_size: int, port: int, checkpoint_dir: str, result_queue) -> None:
+    """Plain FSDP2 vs FSDP2 + CIERA (same seed, same data), gather counts, one injected fault with
+    recovery, checkpoint save → load into a fresh model → continue, a rollback into the live model, the
+    async unshard path, reshard_after_forward=False, and FP32 gathers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from ciera_runtime import GatherError
+    from ciera_runtime.fsdp2 import enable_ciera
+
+    init_gloo(rank, world_size, port)
+    out: dict = {"rank": rank}
+    try:
+        # ---- plain FSDP2 (reshard_after_forward=True, checkpointing per block), counting its gathers
+        model, optimizer = build()
+        plain_counts = CountingAllGather.install(model)
+        plain_losses = [train_step(model, optimizer, step, rank) for step in range(STEPS)]
+        plain_params = full_params(model)
+        out["plain_gathers_per_iteration"] = {name: count / STEPS for name, count in plain_counts.items()}
+        del model, optimizer
+
+        # ---- FSDP2 + CIERA, a fault injected once (step 5) and recovered from
+        model, optimizer = build()
+        ciera = enable_ciera(model)
+        losses, errors = [], []
+        step = 0
+        while step < STEPS:
+            if step == 5 and not errors:
+                for engine in ciera.engines.values():
+                    engine.fault_injector = _flip_one_received_bit(1, rank)
+            try:
+                losses.append(train_step(model, optimizer, step, rank))
+            except GatherError as error:
+                errors.append((type(error).__name__, str(error)))
+                model.reset_iter_state()
+                optimizer.zero_grad()
+                continue  # the same step again
+            step += 1
+        ciera_params = full_params(model)
+        out["losses_equal"] = losses == plain_losses
+        out["losses"] = (plain_losses, losses)
+        out["params_equal"] = same_bits(plain_params, ciera_params)
+        out["errors"] = errors
+        out["ciera_gathers_per_iteration"] = ciera.gathers_per_iteration()
+        out["stats"] = ciera.stats()
+        out["resyncs"] = sum(engine.stats.resyncs for engine in ciera.engines.values())
+        del model, optimizer, ciera
+
+        # ---- checkpoint: train to step 10, save, load into a fresh model (fresh engines), continue;
+        # at step 13 roll the live model back to the step-10 checkpoint and run 10..19 again.
+        model, optimizer = build()
+        enable_ciera(model)
+        resumed_losses = [train_step(model, optimizer, step, rank) for step in range(CHECKPOINT_STEP)]
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint_dir)
+        del model, optimizer
+        model, optimizer = build()
+        ciera = enable_ciera(model)
+
+        def load() -> None:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optim": optim_state}
+            dcp.load(state, checkpoint_id=checkpoint_dir)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+        load()
+        resumed_losses += [train_step(model, optimizer, step, rank) for step in range(CHECKPOINT_STEP, 13)]
+        load()  # rollback into the live model: its engines' caches hold the step-13 weights
+        rollback_losses = [train_step(model, optimizer, step, rank) for step in range(CHECKPOINT_STEP, STEPS)]
+        out["resume_losses_equal"] = resumed_losses == plain_losses[:13]
+        out["rollback_losses_equal"] = rollback_losses == plain_losses[CHECKPOINT_STEP:]
+        out["rollback_params_equal"] = same_bits(plain_params, full_params(model))
+        out["checkpoint_resyncs"] = sum(engine.stats.resyncs for engine in ciera.engines.values())
+        del model, optimizer, ciera
+
+        # ---- reshard_after_forward=False: one gather per module per iteration
+        model, optimizer = build(reshard_after_forward=False)
+        ciera = enable_ciera(model)
+        short = [train_step(model, optimizer, step, rank) for step in range(3)]
+        out["no_reshard_losses_equal"] = short == plain_losses[:3]
+        out["no_reshard_gathers_per_iteration"] = ciera.gathers_per_iteration()
+        out["no_reshard_phases"] = {name: row["phases"] for name, row in ciera.stats()["modules"].items()}
+        del model, optimizer, ciera
+
+        # ---- the async unshard path (FSDP2 waits on the dist.Work the hook returns)
+        model, optimizer = build()
+        for module in model.modules():
+            if hasattr(module, "_set_unshard_async_op"):
+                module._set_unshard_async_op(True)
+        ciera = enable_ciera(model)
+        short = [train_step(model, optimizer, step, rank) for step in range(3)]
+        out["async_losses_equal"] = short == plain_losses[:3]
+        # An explicit unshard(async_op=True) of one block: its parameters equal the full tensors.
+        block = model.blocks[1]
+        expected = {name: p.full_tensor().to(torch.bfloat16) for name, p in block.named_parameters()}
+        block.unshard(async_op=True).wait()
+        out["explicit_unshard_equal"] = all(
+            torch.equal(p.view(torch.int16), expected[name].view(torch.int16))
+            for name, p in block.named_parameters()
+        )
+        block.reshard()
+        stats = ciera.stats()
+        out["async_gathers"] = (
+            stats["gathers"],
+            sum(row["async_gathers"] for row in stats["modules"].values()),
+        )
+        out["explicit_phases"] = stats["modules"]["blocks.1"]["phases"]
+        del model, optimizer, ciera
+
+        # ---- FP16 param_dtype: compressed too, bit-identical to plain FSDP2 in FP16
+        fp16_losses = {}
+        for kind in ("plain", "ciera"):
+            model, optimizer = build(param_dtype=torch.float16)
+            ciera = enable_ciera(model) if kind == "ciera" else None
+            fp16_losses[kind] = [train_step(model, optimizer, step, rank) for step in range(3)]
+        out["fp16_losses_equal"] = fp16_losses["plain"] == fp16_losses["ciera"]
+        out["fp16_compressed"] = [row["compressed"] for row in ciera.stats()["modules"].values()]
+        del model, optimizer, ciera
+
+        # ---- FP32 all-gather input (no param_dtype): plain gathers, said once per module
+        import logging
+
+        records: list[str] = []
+
+        class _Collect(logging.Handler):
+            def emit(self, record) -> None:
+                records.append(record.getMessage())
+
+        handler = _Collect()
+        logging.getLogger("ciera_runtime").addHandler(handler)
+        model, optimizer = build(param_dtype=None)
+        ciera = enable_ciera(model)
+        for step in range(2):
+            train_step(model, optimizer, step, rank)
+        logging.getLogger("ciera_runtime").removeHandler(handler)
+        stats = ciera.stats()
+        out["fp32"] = {
+            "compressed": [row["compressed"] for row in stats["modules"].values()],
+            "plain_gathers": sum(row["plain_gathers"] for row in stats["modules"].values()),
+            "gathers": stats["gathers"],
+            "wire_ratio": stats["wire_ratio"],
+            "log_lines": [line for line in records if "plain all-gather" in line],
+        }
+    finally:
+        result_queue.put(out)
+        dist.destroy_process_group()
+
+
+def dying_rank_worker(
+    rank: int, world_size: int, port: int, timeout_s: float, mode: str, result_queue
+) -> None:
+    """Rank 1 dies (``mode='exit'``) or stalls past the engine's timeout (``mode='stall'``) at step 3;
+    rank 0 must raise, not hang."""
+    from ciera_runtime.fsdp2 import enable_ciera
+
+    init_gloo(rank, world_size, port, timeout_s=60)
+    model, optimizer = build(width=32)
+    enable_ciera(model, timeout_s=timeout_s)
+    for step in range(3):
+        train_step(model, optimizer, step, rank)
+    if rank == 1:
+        if mode == "exit":
+            os._exit(0)
+        time.sleep(timeout_s + 5)
+        os._exit(0)
+    start_s = time.perf_counter()
+    try:
+        train_step(model, optimizer, 3, rank)
+        outcome = ("no error", "")
+    except Exception as error:  # noqa: BLE001 — reported to the test
+        outcome = (f"{type(error).__module__}.{type(error).__name__}", str(error))
+    result_queue.put((rank, *outcome, time.perf_counter() - start_s))
+    os._exit(0)  # the group is broken: no collective teardown
+
+
+def subgroup_reshard_worker(rank: int, world_size: int, port: int, result_queue) -> None:
+    """reshard_after_forward=2 on 4 ranks (backward gathers over a 2-rank group) and CPUOffloadPolicy:
+    FSDP2 + CIERA against plain FSDP2, losses compared step by step."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from ciera_runtime.fsdp2 import enable_ciera
+
+    init_gloo(rank, world_size, port)
+    out: dict = {"rank": rank}
+    try:
+        for variant in ("subgroup", "offload"):
+            options = (
+                {"reshard_after_forward": 2}
+                if variant == "subgroup"
+                else {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
+            )
+            losses = {}
+            for kind in ("plain", "ciera"):
+                torch.manual_seed(0)
+                model = TinyModel(32)
+                policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                for block in model.blocks:
+                    fully_shard(block, mp_policy=policy, **options)
+                fully_shard(model, mp_policy=policy, **options)
+                optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+                ciera = enable_ciera(model) if kind == "ciera" else None
+                losses[kind] = [train_step(model, optimizer, step, rank) for step in range(3)]
+            stats = ciera.stats()
+            out[variant] = {
+                "losses_equal": losses["plain"] == losses["ciera"],
+                "gathers_per_iteration": ciera.gathers_per_iteration(),
+                "compressed": all(row["compressed"] for row in stats["modules"].values()),
+                "engine_world_sizes": sorted(engine["world_size"] for engine in stats["engines"]),
+            }
+    finally:
+        result_queue.put(out)
+        dist.destroy_process_group()

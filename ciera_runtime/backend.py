@@ -104,6 +104,7 @@ class CpuBackend:
 
         self._kernels = kernels
         self._rans = rans
+        kernels.start_thread_pool()
 
     def detect_changes_hash(
         self, bits, exp_shift, exp_mask, block_size, hash_cache, exp_out, changed_out, force_all

@@ -239,6 +239,36 @@ PARALLEL_MIN_VALUES = 1 << 16
 _parallel_detect: bool | None = None  # None: adaptive; True/False: forced
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _touch_threads(out):
+    for i in prange(out.size):
+        out[i] = i
+
+
+_pool_started = False
+
+
+def start_thread_pool() -> None:
+    """Start numba's thread pool now, keeping torch's thread count.
+
+    With the OpenMP threading layer, the first parallel region of a process sets OpenMP's thread count
+    for the process, which torch shares: ``torch.set_num_threads(1)`` read 2 after the first gather, torch's
+    matmuls then summed in a different order, and training with CIERA stopped matching the plain engine
+    bit for bit. Later regions leave it alone, so starting the pool once, here, and putting torch's count
+    back is enough (the codec backend does this when it is created)."""
+    global _pool_started
+    if _pool_started:
+        return
+    import sys
+
+    torch = sys.modules.get("torch")
+    torch_threads = torch.get_num_threads() if torch is not None else None
+    _touch_threads(np.empty(2, dtype=np.int64))
+    _pool_started = True
+    if torch is not None and torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
+
+
 def use_parallel_detect(enabled: bool | None) -> None:
     """Force the parallel (True) or serial (False) detection kernels; None restores the adaptive choice."""
     global _parallel_detect

@@ -213,3 +213,24 @@ def test_fp16_sign_mantissa_plane_never_writes_past_its_end(numel: int) -> None:
     merged = np.empty_like(bits)
     kernels.merge_planes(exp, buffer[:size], 10, True, merged)
     np.testing.assert_array_equal(merged, bits)
+
+
+def test_starting_the_codec_keeps_torchs_thread_count() -> None:
+    """numba's OpenMP pool start used to set torch's thread count (1 → 2), so torch summed in another
+    order and training with CIERA drifted from the plain engine. Fresh process: the pool starts there."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    script = (
+        "import torch, numpy as np\n"
+        "torch.set_num_threads(1)\n"
+        "from ciera_runtime import CodecConfig, ShardEncoder, kernels\n"
+        "kernels.use_parallel_detect(True)\n"
+        "encoder = ShardEncoder(0, 1 << 17, 'bf16', 0, CodecConfig())\n"
+        "encoder.encode(np.zeros(1 << 17, np.uint16))\n"
+        "print(torch.get_num_threads())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"

@@ -92,16 +92,6 @@ def _phase(param_group) -> str:
     return "explicit"
 
 
-def _restore_threads(threads: int) -> None:
-    """Undo what starting numba's OpenMP thread pool does to torch: the first parallel codec kernel of a
-    process (numba's ``omp`` layer) calls ``omp_set_num_threads(numba's count)`` on the calling thread,
-    which is torch's intra-op thread count too (measured: ``torch.set_num_threads(1)`` → 2 after the first
-    gather). Torch's CPU kernels would then reduce in another order — results no longer bit-identical to
-    the same training without CIERA — and oversubscribe the cores."""
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
 class _CieraWork(dist.Work):
     """What an asynchronous gather returns: FSDP2 waits on ``dist.Work`` instances only."""
 
@@ -187,13 +177,11 @@ class CieraFSDP2:
         if input_tensor.dtype not in _COMPRESSIBLE or output.device.type != "cpu":
             return self._plain(comm, output, input_tensor, group, async_op, raw_bytes)
         engine = self.engine_for(group)
-        threads = torch.get_num_threads()
         if stats.compressed is None:
             stats.dtype, stats.numel = str(input_tensor.dtype).removeprefix("torch."), input_tensor.numel()
         start_s = time.perf_counter()
         sent_before = engine.stats.bytes_sent
         handle = engine.all_gather(input_tensor, stats.shard_id, output=output)  # control round in flight
-        _restore_threads(threads)
         stats.wire_bytes += engine.stats.bytes_sent - sent_before
         if stats.compressed is None and stats.shard_id in engine.registrations:
             registration = engine.registrations[stats.shard_id]
@@ -209,7 +197,6 @@ class CieraFSDP2:
                 stats.failed_gathers += 1
                 raise
             finally:
-                _restore_threads(threads)
                 stats.wire_bytes += engine.stats.bytes_sent - sent_before
                 stats.time_s += time.perf_counter() - start_s
 

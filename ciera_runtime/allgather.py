@@ -86,6 +86,7 @@ class PreparedShard:
     encode_s: float = 0.0
     error: str | None = None
     exception: BaseException | None = None
+    registered_here: bool = False  # this call registered the shard (undone if the gather fails to agree)
 
 
 @dataclass
@@ -168,7 +169,6 @@ class CompressedAllGather:
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.cache_budget_bytes = cache_budget_bytes
         self.timeout_s = float(timeout_s)
-        self.cache_used_bytes = 0
         self.stats = GatherStats()
         self.registrations: dict[int, Registration] = {}
         self.fault_injector: FaultInjector | None = None
@@ -187,6 +187,12 @@ class CompressedAllGather:
         payload_bytes = PayloadLayout.of(numel, dtype_from_name(dtype), self.config.block_size)
         growth = _SEND_BUFFERS * max(0, payload_bytes.max_payload_bytes - self._send_buffer_bytes)
         return per_shard + growth
+
+    @property
+    def cache_used_bytes(self) -> int:
+        """What the registered compressed shards keep between gathers, plus the engine's send buffers."""
+        per_shard = sum(state.memory_bytes for state in self._shards.values() if state.compressed)
+        return per_shard + _SEND_BUFFERS * self._send_buffer_bytes
 
     @property
     def send_buffer_bytes(self) -> int:
@@ -237,17 +243,32 @@ class CompressedAllGather:
                 for source in range(self.world_size)
                 if source != self.rank
             }
-            state.memory_bytes = memory
-            self.cache_used_bytes += memory
+            state.memory_bytes = memory - _SEND_BUFFERS * max(
+                0, state.encoder.layout.max_payload_bytes - self._send_buffer_bytes
+            )
             max_payload = state.encoder.layout.max_payload_bytes
             if max_payload > self._send_buffer_bytes:
                 self._send_buffer_bytes = max_payload
                 self._free_buffers.clear()  # reallocated at the new size on first use
         self._shards[shard_id] = state
         self.registrations[shard_id] = Registration(
-            shard_id, numel, dtype.name.lower(), category, compressed, reason, state.memory_bytes
+            shard_id, numel, dtype.name.lower(), category, compressed, reason, memory if compressed else 0
         )
         return compressed
+
+    def _unregister(self, shard_id: int) -> None:
+        """Forget a shard registered by a gather that then failed (its first call had a bad shard, or the
+        ranks disagreed): the next gather registers it afresh instead of inheriting the bad call's size."""
+        state = self._shards.pop(shard_id, None)
+        self.registrations.pop(shard_id, None)
+        if state is None or not state.compressed:
+            return
+        largest = max(
+            (s.encoder.layout.max_payload_bytes for s in self._shards.values() if s.compressed), default=0
+        )
+        if largest != self._send_buffer_bytes:
+            self._send_buffer_bytes = largest
+            self._free_buffers.clear()
 
     def is_compressed(self, shard_id: int) -> bool:
         return self._shards[shard_id].compressed
@@ -281,6 +302,7 @@ class CompressedAllGather:
                 raise ValueError(f"shard is {type(shard).__name__}, expected a torch.Tensor")
             if shard_id not in self._shards:
                 self.register(shard_id, shard.numel(), shard.dtype)
+                prepared.registered_here = True
             state = self._shards[shard_id]
             prepared.bits = shard_bits(shard, state.dtype, f"shard {shard_id}")
             if prepared.bits.size != state.numel:
@@ -387,6 +409,8 @@ class CompressedAllGather:
     def _finish_alone(self, prepared: PreparedShard, state, output) -> torch.Tensor:
         self.release(prepared)
         if prepared.error is not None:
+            if prepared.registered_here:
+                self._unregister(prepared.shard_id)
             self.stats.failed_gathers += 1
             raise GatherError(
                 prepared.shard_id, {0: prepared.error}, "gather aborted"
@@ -426,6 +450,8 @@ class CompressedAllGather:
         try:
             plan = protocol.make_plan(rows, world_size)
         except GatherError as error:
+            if prepared.registered_here:
+                self._unregister(shard_id)
             raise error from prepared.exception
         # From here on every rank holds the same plan: same rounds, same sizes.
         # A non-contiguous output is filled through a contiguous buffer, as gloo's raw all-gather does.

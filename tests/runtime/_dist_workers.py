@@ -190,3 +190,29 @@ def budget_and_pipelined_resync_worker(rank: int, world_size: int, port: int, re
         result_queue.put((rank, mismatches, budget_result, pipeline_result))
     finally:
         dist.destroy_process_group()
+
+
+def bad_first_call_worker(rank: int, world_size: int, port: int, result_queue) -> None:
+    """The first gather of a shard passes a wrong-size shard on rank 0 (so it registers that size) and
+    fails on every rank; the next, correct gather must not inherit the bad call's registration."""
+    from ciera_runtime import CieraError, CodecConfig, CompressedAllGather
+
+    init_gloo(rank, world_size, port)
+    try:
+        engine = CompressedAllGather(config=CodecConfig(block_size=256))
+        weight = (torch.randn(3000, generator=torch.Generator().manual_seed(rank)) * 0.02).to(torch.bfloat16)
+        outcomes = []
+        try:
+            engine.all_gather(weight[:-3].clone() if rank == 0 else weight, 5).wait()
+            outcomes.append("returned")
+        except CieraError as error:
+            outcomes.append(f"error: {error}")
+        expected = torch.empty(world_size * 3000, dtype=torch.bfloat16)
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(expected, weight)
+        got = engine.all_gather(weight, 5).wait()
+        outcomes.append(
+            "exact" if torch.equal(got.view(torch.int16), expected.view(torch.int16)) else "wrong"
+        )
+        result_queue.put((rank, outcomes, engine.memory_bytes() <= engine.cache_used_bytes))
+    finally:
+        dist.destroy_process_group()

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dist_workers import (  # noqa: E402
+    bad_first_call_worker,
     budget_and_pipelined_resync_worker,
     changing_weights_worker,
     pipeline_and_selection_worker,
@@ -95,3 +96,10 @@ def test_budget_is_honest_and_pipelined_resync_happens_once() -> None:
             assert pipeline["bytes_sent"] == expected_bytes
         else:
             assert pipeline["resyncs"] == 0
+
+
+def test_a_failed_first_gather_leaves_no_registration_behind() -> None:
+    for rank, outcomes, accounted in _run(bad_first_call_worker, 2):
+        assert outcomes[0].startswith("error: shard 5: ranks disagree on the numel"), outcomes
+        assert outcomes[1] == "exact", (rank, outcomes)
+        assert accounted

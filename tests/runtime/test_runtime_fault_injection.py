@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,22 +49,32 @@ def _spawn(worker, world_size: int, *args, timeout_s: float = 600) -> list:
         join=False,
         start_method="spawn",
     )
-    # A hang is a failure, not a stuck CI job: join with a deadline.
-    import time
-
+    # Read results while the ranks run: a rank's result can be larger than a pipe's buffer, and its put()
+    # blocks until someone reads. A hang is a failure, not a stuck CI job: everything has a deadline.
     deadline = time.monotonic() + timeout_s
-    while not processes.join(timeout=max(1.0, deadline - time.monotonic())):
+    collected = []
+    finished = False
+    while len(collected) < world_size or not finished:
+        if not results.empty():
+            collected.append(results.get())
+            continue
         if time.monotonic() > deadline:
             for process in processes.processes:
                 process.kill()
-            pytest.fail(f"ranks still running after {timeout_s} s: a hang")
-    return sorted(results.get() for _ in range(world_size))
+            pytest.fail(f"ranks still running after {timeout_s} s: a hang ({len(collected)} results in)")
+        finished = finished or processes.join(timeout=0.2)
+    return sorted(collected)
 
 
 def _run_and_check(
     world_size: int, injections: int, seed: int, faults=workers.ALL_FAULTS
 ) -> collections.Counter:
-    results = _spawn(workers.fault_injection_worker, world_size, injections, seed, tuple(faults))
+    # The deadline is for a hang (a gather waits at most the engine's 30 s timeout); a loaded 2-core machine
+    # runs a few injections per second.
+    deadline_s = 300 + 1.0 * injections
+    results = _spawn(
+        workers.fault_injection_worker, world_size, injections, seed, tuple(faults), timeout_s=deadline_s
+    )
     counts: collections.Counter = collections.Counter()
     by_injection = collections.defaultdict(list)
     for rank, records, final, _, _ in results:
@@ -89,7 +100,10 @@ def _run_and_check(
             assert "\n" not in message
         counts[(fault, outcome)] += 1
     summary = {f"{fault}:{outcome}": n for (fault, outcome), n in sorted(counts.items())}
-    print(f"\nW={world_size}: {len(by_injection)} injections, outcomes {summary}")
+    slowest_s = max(elapsed_s for per_rank in by_injection.values() for *_, elapsed_s in per_rank)
+    print(
+        f"\nW={world_size}: {len(by_injection)} injections, slowest gather {slowest_s:.2f} s, outcomes {summary}"
+    )
     return counts
 
 

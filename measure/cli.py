@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -11,9 +12,10 @@ from rich.console import Console
 from rich.table import Table
 
 from .corpus import CorpusError
+from .train import ENGINES, TrainConfig, TrainError
 from .zoo import ZooError, default_width_scale, full_shape, parameter_count, scaled_shape, zoo_keys
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ZooError, CorpusError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ZooError, CorpusError, TrainError)
 
 SCHEMA = "ciera.models/1"
 
@@ -98,5 +100,137 @@ def models_command(
     Console().print(table)
 
 
+def _write_json(path: Path, document: dict) -> None:
+    """Atomic: a temporary file in the same directory, renamed over the target."""
+    import os
+    import tempfile
+
+    if path.is_dir():
+        raise TrainError(f"--json {path}: is a directory, expected a file path")
+    if not path.parent.is_dir():
+        raise TrainError(f"--json {path}: directory {path.parent} does not exist")
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(handle, "w") as stream:
+        json.dump(document, stream, indent=2)
+    os.chmod(temporary, 0o666 & ~_umask())
+    os.replace(temporary, path)
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def train_command(
+    model: Annotated[
+        str, typer.Argument(help="Zoo model (key, alias or name; see `ciera models`).")
+    ] = "small-moe",
+    engine: Annotated[str, typer.Option(help=f"Training engine: {' | '.join(ENGINES)}.")] = "zero3",
+    ciera: Annotated[
+        str, typer.Option(help="on: parameter all-gathers through CIERA; off: the plain engine.")
+    ] = "on",
+    world_size: Annotated[int, typer.Option(help="Local ranks (spawned processes, gloo).")] = 2,
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 20,
+    layers: Annotated[int, typer.Option(help="Decoder blocks (0: the model's full depth).")] = 2,
+    width_scale: Annotated[int, typer.Option(help="Width divisor (0: the zoo's default small scale).")] = 0,
+    seed: Annotated[int, typer.Option(help="Initial weights and data order.")] = 0,
+    lr: Annotated[float, typer.Option(help="Adam learning rate.")] = 1e-4,
+    global_batch: Annotated[int, typer.Option(help="Sequences per step, split over the ranks.")] = 4,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 64,
+    checkpointing: Annotated[
+        bool, typer.Option("--checkpointing/--no-checkpointing", help="Activation checkpointing per block.")
+    ] = True,
+    select: Annotated[
+        bool,
+        typer.Option(
+            "--select/--no-select", help="BSC: compress only the shards whose measured benefit pays (ZeRO-3)."
+        ),
+    ] = False,
+    checkpoint_dir: Annotated[
+        Path | None, typer.Option(help="Where --save-at saves and --resume loads.")
+    ] = None,
+    save_at: Annotated[int | None, typer.Option(help="Save a checkpoint after this many steps.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the checkpoint.")] = False,
+    timeout_s: Annotated[
+        float, typer.Option(help="A rank that does not arrive for this long stops the run.")
+    ] = 300.0,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write every number printed, and more.")
+    ] = None,
+) -> None:
+    """Train a zoo model with DeepSpeed ZeRO-3 or FSDP2, with or without CIERA, on local gloo ranks:
+    loss and step time per step, bytes the all-gathers sent per step (raw and on the wire)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .train import train, validate
+
+    if ciera not in ("on", "off"):
+        raise TrainError(f"--ciera {ciera!r}: expected on or off")
+    if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
+        _write_json(json_path, {})  # raises the one-line error before any training
+    config = TrainConfig(
+        model=model,
+        engine=engine,
+        ciera=ciera == "on",
+        world_size=world_size,
+        steps=steps,
+        layers=layers or None,
+        width_scale=width_scale or None,
+        seed=seed,
+        lr=lr,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        activation_checkpointing=checkpointing,
+        select=select,
+        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+        save_at=save_at,
+        resume=resume,
+        timeout_s=timeout_s,
+    )
+    validate(config)  # every one-line error before the progress bar starts
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task(
+            f"{engine}{' + ciera' if config.ciera else ''}", total=steps, status="starting"
+        )
+
+        def on_step(record: dict) -> None:
+            progress.update(
+                task,
+                completed=record["step"] + 1,
+                status=f"loss {record['loss']:.4f}  {record['step_s'] * 1e3:.0f} ms/step",
+            )
+
+        document = train(config, on_step)
+    steps_done = document["steps"]
+    sent, raw = document["allgather_bytes_sent_per_step"], document["raw_bytes_per_step"]
+    table = Table(
+        box=box.SIMPLE_HEAD, title=f"ciera train {model}: {engine}, CIERA {ciera}, {world_size} ranks"
+    )
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("steps", f"{steps_done[0]['step'] if steps_done else 0}..{config.steps - 1}")
+    table.add_row("final loss", f"{document['final_loss']:.6f}" if steps_done else "-")
+    table.add_row("median step", f"{document['median_step_s'] * 1e3:.1f} ms" if steps_done else "-")
+    table.add_row("all-gather bytes sent per step (rank 0)", f"{sent:,.0f}")
+    table.add_row("the same gathers raw", f"{raw:,.0f}")
+    table.add_row("on the wire / raw", f"{sent / raw:.4f}" if raw else "-")
+    table.add_row("final parameters (sha256, every rank alike)", document["parameter_digest"][:16])
+    Console().print(table)
+    if json_path is not None:
+        _write_json(json_path, document)
+
+
 def register(app: typer.Typer) -> None:
     app.command("models")(models_command)
+    app.command("train")(train_command)

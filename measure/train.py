@@ -1,0 +1,524 @@
+"""`ciera train`: train a zoo model with DeepSpeed ZeRO-3 or FSDP2, with or without CIERA, on local spawned
+ranks (gloo) or under torchrun / the deepspeed launcher (the same code; the launcher's RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT are used).
+
+Every rank builds the same model from the same seed; step s always trains on the same global batch of the
+corpus (`measure.corpus.batch`), rank r on its contiguous slice. Per step it records the global mean loss
+(exact, as float32 bits), the step time (slowest rank), and the bytes this rank's all-gathers sent,
+counted where every all-gather passes (`torch.distributed.all_gather_single`, which
+`all_gather_into_tensor` calls too): the engine's own parameter gathers without CIERA, CIERA's rounds
+(control, payloads, status) with it — and, with CIERA, what the same gathers would have sent raw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+ENGINES = ("zero3", "fsdp")
+
+
+class TrainError(ValueError):
+    """A training run that cannot start or cannot go on (bad input, NaN loss, a failed rank): one line."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = "small-moe"
+    engine: str = "zero3"
+    ciera: bool = True
+    world_size: int = 2
+    steps: int = 20
+    layers: int | None = 2
+    width_scale: int | None = None
+    seed: int = 0
+    lr: float = 1e-4
+    global_batch: int = 4  # sequences per step, split evenly over the ranks
+    seq_len: int = 64
+    activation_checkpointing: bool = True
+    select: bool = False  # BSC (benefit-driven selection); False: every BF16 parameter is compressed
+    block_size: int = 512
+    detector: str = "hash"
+    cache_budget_bytes: int | None = None
+    timeout_s: float = 300.0
+    checkpoint_dir: str | None = None
+    save_at: int | None = None  # save a checkpoint after this many steps
+    resume: bool = False  # start from the checkpoint in checkpoint_dir
+    threads_per_rank: int = 0  # torch threads per rank; 0: cores // world_size (at least 1)
+    # ZeRO-3 keeps parameters below this many elements unpartitioned (DeepSpeed's default is 1e5, which at
+    # this machine's model sizes would keep nearly every parameter whole and never gather it).
+    persistence_threshold: int = 0
+    # Fault injection, for testing what a dying rank does to the others: (rank, step) — that rank's
+    # process exits without a word when it reaches that step.
+    exit_rank_at: tuple[int, int] | None = None
+
+    def check(self) -> None:
+        """One-line TrainError for what cannot be run."""
+        if self.engine not in ENGINES:
+            raise TrainError(f"engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
+        for name in ("world_size", "steps", "global_batch", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TrainError(f"{name} is {value!r}: expected a positive integer")
+        if self.world_size > 64:
+            raise TrainError(f"world_size is {self.world_size}: local ranks are processes on this machine")
+        if self.global_batch % self.world_size:
+            raise TrainError(
+                f"global batch of {self.global_batch} sequences does not split over {self.world_size} ranks"
+            )
+        if not (isinstance(self.lr, float | int) and math.isfinite(self.lr) and self.lr > 0):
+            raise TrainError(f"lr is {self.lr!r}: expected a positive number")
+        if (self.save_at is not None or self.resume) and not self.checkpoint_dir:
+            raise TrainError("--save-at and --resume need --checkpoint-dir")
+        if self.save_at is not None and not 1 <= self.save_at <= self.steps:
+            raise TrainError(f"save_at is {self.save_at}: expected a step in 1..{self.steps}")
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    loss_bits: str  # float32 bits, hex: exact comparison across runs
+    step_s: float
+    allgather_bytes_sent: int
+    raw_bytes: int  # what the parameter gathers would have sent uncompressed (= sent, without CIERA)
+
+
+@dataclass
+class RankResult:
+    rank: int
+    steps: list[StepRecord] = field(default_factory=list)
+    parameter_digest: str = ""
+    gathers_per_parameter: dict[str, int] | None = None
+    ciera: dict | None = None
+    threads: int = 0
+
+
+# ---------------------------------------------------------------------------------------- byte counting
+
+
+class AllGatherCounter:
+    """Counts the bytes this rank sends in all-gathers, at torch.distributed's single-tensor all-gather
+    (every all-gather of DeepSpeed, FSDP2 and CIERA reaches it). Installed once per process, before the
+    engines are created, so the references they keep are the counting ones."""
+
+    _installed: AllGatherCounter | None = None
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self.calls = 0
+
+    @classmethod
+    def installed(cls) -> AllGatherCounter:
+        if cls._installed is None:
+            import torch.distributed as dist
+            import torch.distributed.distributed_c10d as c10d
+
+            counter = cls()
+            original = c10d.all_gather_single
+
+            def counted(output_tensor, input_tensor, group=None, async_op=False):
+                counter.bytes_sent += input_tensor.numel() * input_tensor.element_size()
+                counter.calls += 1
+                return original(output_tensor, input_tensor, group, async_op)
+
+            c10d.all_gather_single = counted  # all_gather_into_tensor and _all_gather_base call this global
+            dist.all_gather_single = counted
+            cls._installed = counter
+        return cls._installed
+
+
+# ---------------------------------------------------------------------------------------- one rank
+
+
+def _float_bits(value: float) -> str:
+    return struct.pack("<f", value).hex()
+
+
+def _parameter_digest(named_full_tensors) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in named_full_tensors:
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _ds_config(cfg: TrainConfig) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": cfg.global_batch // cfg.world_size,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "Adam", "params": {"lr": cfg.lr, "torch_adam": True}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": cfg.persistence_threshold,
+        },
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class _Zero3Run:
+    def __init__(self, cfg: TrainConfig, model, categories: dict[str, str]) -> None:
+        import deepspeed
+
+        self.cfg = cfg
+        self.engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=_ds_config(cfg)
+        )
+        self.ciera = None
+        if cfg.ciera:
+            from ciera_runtime import CodecConfig
+            from ciera_runtime.zero3 import enable_ciera
+
+            self.ciera = enable_ciera(
+                self.engine,
+                config=CodecConfig(block_size=cfg.block_size, detector=cfg.detector),
+                cache_budget_bytes=cfg.cache_budget_bytes,
+                select=cfg.select,
+                categories=categories,
+                timeout_s=cfg.timeout_s,
+            )
+
+    def step(self, inputs, targets):
+        loss = self.engine(inputs, targets)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss
+
+    def save(self, directory: str, step: int) -> None:
+        self.engine.save_checkpoint(directory, tag="ciera-train", client_state={"step": step})
+
+    def load(self, directory: str) -> int:
+        _, client_state = self.engine.load_checkpoint(directory, tag="ciera-train")
+        return int(client_state["step"])
+
+    def full_parameters(self):
+        import deepspeed
+
+        module = self.engine.module
+        out = []
+        for name, param in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                out.append((name, param.detach().clone()))
+        return out
+
+    def engines(self) -> list:
+        return [] if self.ciera is None else list(self.ciera.gathers.values())
+
+    def gathers_per_parameter(self) -> dict[str, int] | None:
+        return None if self.ciera is None else self.ciera.gathers_per_param()
+
+    def ciera_stats(self) -> dict | None:
+        return None if self.ciera is None else self.ciera.stats()
+
+
+class _FsdpRun:
+    def __init__(self, cfg: TrainConfig, model, categories: dict[str, str]) -> None:
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.cfg = cfg
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        self.model = model
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        self.ciera = None
+        if cfg.ciera:
+            from ciera_runtime import CodecConfig
+            from ciera_runtime.fsdp2 import enable_ciera
+
+            self.ciera = enable_ciera(
+                model,
+                config=CodecConfig(block_size=cfg.block_size, detector=cfg.detector),
+                cache_budget_bytes=cfg.cache_budget_bytes,
+                timeout_s=cfg.timeout_s,
+            )
+
+    def step(self, inputs, targets):
+        loss = self.model(inputs, targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def _state(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def save(self, directory: str, step: int) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(), checkpoint_id=directory)
+        if dist.get_rank() == 0:
+            Path(directory, "ciera-train-step.txt").write_text(f"{step}\n")
+        dist.barrier()
+
+    def load(self, directory: str) -> int:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        return int(Path(directory, "ciera-train-step.txt").read_text())
+
+    def full_parameters(self):
+        return [(name, param.full_tensor()) for name, param in self.model.named_parameters()]
+
+    def engines(self) -> list:
+        return [] if self.ciera is None else list(self.ciera.engines.values())
+
+    def gathers_per_parameter(self) -> dict[str, int] | None:
+        return None if self.ciera is None else self.ciera.gathers_per_iteration()
+
+    def ciera_stats(self) -> dict | None:
+        return None if self.ciera is None else self.ciera.stats()
+
+
+def _ciera_bytes(engines) -> tuple[int, int]:
+    """(bytes CIERA's engines sent, what their gathers would have sent raw)."""
+    return (
+        sum(engine.stats.bytes_sent for engine in engines),
+        sum(engine.stats.raw_bytes_equivalent for engine in engines),
+    )
+
+
+def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dict], None]) -> RankResult:
+    """Train on this rank (process group already initialised); ``report`` gets a dict per step."""
+    import torch
+    import torch.distributed as dist
+
+    from .corpus import batch
+    from .zoo import build_model, parameter_categories
+
+    counter = AllGatherCounter.installed()
+    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    torch.set_num_threads(threads)
+    model = build_model(
+        cfg.model,
+        cfg.layers,
+        cfg.width_scale,
+        cfg.seed,
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
+    categories = parameter_categories(model)
+    run = (_Zero3Run if cfg.engine == "zero3" else _FsdpRun)(cfg, model, categories)
+    start_step = run.load(cfg.checkpoint_dir) if cfg.resume else 0
+    result = RankResult(rank, threads=threads)
+    per_rank = cfg.global_batch // world_size
+    for step in range(start_step, cfg.steps):
+        if cfg.exit_rank_at == (rank, step):
+            os._exit(17)  # a crash: no exception, no cleanup, no message
+        inputs, targets = batch(step, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
+        inputs = inputs[rank * per_rank : (rank + 1) * per_rank]
+        targets = targets[rank * per_rank : (rank + 1) * per_rank]
+        sent_before, ciera_before = counter.bytes_sent, _ciera_bytes(run.engines())
+        start_s = time.perf_counter()
+        loss = run.step(inputs, targets)
+        step_s = time.perf_counter() - start_s
+        sent = counter.bytes_sent - sent_before
+        ciera_sent, ciera_raw = (
+            after - before for after, before in zip(_ciera_bytes(run.engines()), ciera_before, strict=True)
+        )
+        raw = sent - ciera_sent + ciera_raw  # CIERA's gathers counted at what they would have sent raw
+        summary = torch.tensor([loss.detach().float().item(), step_s], dtype=torch.float64)
+        losses = torch.tensor([loss.detach().float().item()], dtype=torch.float32)
+        dist.all_reduce(losses)  # a sum of W float32 values in a fixed order: the same on every rank
+        dist.all_reduce(summary[1:], op=dist.ReduceOp.MAX)
+        mean_loss = float(losses.item()) / world_size
+        mean_loss_f32 = struct.unpack("<f", struct.pack("<f", mean_loss))[0]
+        record = StepRecord(step, mean_loss_f32, _float_bits(mean_loss_f32), float(summary[1]), sent, raw)
+        result.steps.append(record)
+        report(dataclasses.asdict(record))
+        if not math.isfinite(mean_loss):
+            raise TrainError(f"loss is {mean_loss} at step {step}: training stopped")
+        if cfg.save_at is not None and step + 1 == cfg.save_at:
+            run.save(cfg.checkpoint_dir, step + 1)
+    result.gathers_per_parameter = run.gathers_per_parameter()
+    result.ciera = run.ciera_stats()
+    result.parameter_digest = _parameter_digest(run.full_parameters())
+    return result
+
+
+# ---------------------------------------------------------------------------------------- launching
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _init_group(rank: int, world_size: int, cfg: TrainConfig) -> None:
+    import torch
+    import torch.distributed as dist
+
+    backend = (
+        "nccl" if torch.cuda.is_available() and os.environ.get("CIERA_TRAIN_BACKEND") != "gloo" else "gloo"
+    )
+    if backend == "nccl":
+        raise TrainError("CUDA is available but the codec backends in this build are CPU-only: run with gloo")
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s)
+    )
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig, queue) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    # What torchrun / the deepspeed launcher would set (DeepSpeed asserts LOCAL_RANK).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch.distributed as dist
+
+    try:
+        _init_group(rank, world_size, cfg)
+        result = run_rank(rank, world_size, cfg, lambda record: queue.put(("step", rank, record)))
+        queue.put(("done", rank, dataclasses.asdict(result)))
+    except Exception as error:  # noqa: BLE001 — one line to the parent, which stops every rank
+        queue.put(
+            ("error", rank, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        )
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_environment(cfg: TrainConfig) -> None:
+    """One line naming what to install when an engine's package is missing or unsupported."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise TrainError('torch is not installed: pip install -e ".[runtime]"') from None
+    if cfg.engine == "zero3":
+        try:
+            import deepspeed
+        except ImportError:
+            raise TrainError(
+                'deepspeed is not installed: DS_BUILD_OPS=0 pip install -e ".[deepspeed]"'
+            ) from None
+        from ciera_runtime.zero3 import check_deepspeed_version
+
+        try:
+            check_deepspeed_version(deepspeed.__version__)
+        except Exception as error:  # noqa: BLE001 — the version error is already one line
+            raise TrainError(str(error)) from None
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every one-line error that needs no rank: options, the model at this depth and width, the engine's
+    package and version."""
+    cfg.check()
+    from .zoo import scaled_shape
+
+    scaled_shape(cfg.model, cfg.width_scale, cfg.layers)
+    check_environment(cfg)
+
+
+def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> dict:
+    """Run ``cfg`` on local spawned ranks; returns the result document (every number the CLI prints)."""
+    validate(cfg)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".torch_extensions"))
+    import queue as queue_module
+
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    processes = mp.start_processes(
+        _spawned_rank,
+        args=(cfg.world_size, _free_port(), cfg, queue),
+        nprocs=cfg.world_size,
+        join=False,
+        start_method="spawn",
+    )
+    results: dict[int, dict] = {}
+    errors: dict[int, str] = {}
+    last_progress = time.monotonic()
+    try:
+        while len(results) + len(errors) < cfg.world_size:
+            try:
+                kind, rank, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [
+                    rank
+                    for rank, process in enumerate(processes.processes)
+                    if not process.is_alive() and rank not in results and rank not in errors
+                ]
+                if dead and time.monotonic() - last_progress > 5:
+                    for rank in dead:
+                        errors[rank] = f"rank {rank} exited with code {processes.processes[rank].exitcode}"
+                if time.monotonic() - last_progress > cfg.timeout_s + 60:
+                    errors.setdefault(-1, f"no progress for {cfg.timeout_s + 60:.0f} s")
+                continue
+            last_progress = time.monotonic()
+            if kind == "step":
+                if rank == 0 and on_step is not None:
+                    on_step(payload)
+            elif kind == "done":
+                results[rank] = payload
+            else:
+                errors[rank] = payload
+    finally:
+        if errors:
+            for process in processes.processes:
+                if process.is_alive():
+                    process.kill()
+        for process in processes.processes:
+            process.join(timeout=30)
+    if errors:
+        # A rank that died first, then what the others saw.
+        ordered = sorted(errors.items(), key=lambda item: (" exited with code " not in item[1], item[0]))
+        raise TrainError(
+            "training failed: "
+            + "; ".join(
+                message if message.startswith("rank ") else f"rank {rank}: {message}"
+                for rank, message in ordered
+            )
+        )
+    return summarize(cfg, [results[rank] for rank in sorted(results)])
+
+
+def summarize(cfg: TrainConfig, ranks: list[dict]) -> dict:
+    """The result document: config, per-step records (rank 0's bytes; losses and times are global), the
+    final parameter digest (the same on every rank, checked), gather counts and CIERA's stats."""
+    digests = {rank["parameter_digest"] for rank in ranks}
+    if len(digests) != 1:
+        raise TrainError(f"ranks disagree on the final parameters: {len(digests)} different digests")
+    rank0 = ranks[0]
+    steps = rank0["steps"]
+    sent = [record["allgather_bytes_sent"] for record in steps]
+    raw = [record["raw_bytes"] for record in steps]
+    return {
+        "schema": "ciera.train/1",
+        "config": dataclasses.asdict(cfg),
+        "steps": steps,
+        "final_loss": steps[-1]["loss"] if steps else None,
+        "parameter_digest": digests.pop(),
+        "allgather_bytes_sent_per_step": (sum(sent) / len(sent)) if sent else 0,
+        "raw_bytes_per_step": (sum(raw) / len(raw)) if raw else 0,
+        "median_step_s": sorted(r["step_s"] for r in steps)[len(steps) // 2] if steps else None,
+        "gathers_per_parameter": rank0["gathers_per_parameter"],
+        "threads_per_rank": rank0["threads"],
+        "ciera": rank0["ciera"],
+    }

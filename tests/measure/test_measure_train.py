@@ -1,0 +1,122 @@
+"""`ciera train`: DeepSpeed ZeRO-3 and FSDP2 with CIERA train bit-identically to the plain engines on a zoo
+model (losses every step, every final parameter), send fewer bytes, and resume from a checkpoint exactly;
+bad input and a dying rank end in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+import torch.multiprocessing as mp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _train_workers import runs_worker  # noqa: E402
+
+from measure.train import TrainConfig, TrainError, train  # noqa: E402
+
+TINY = TrainConfig(
+    model="small-moe", layers=1, width_scale=4, seq_len=32, global_batch=2, steps=20, lr=1e-3, timeout_s=120
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every run of the comparisons, in one spawned 2-rank group; rank 0's results (digests are checked
+    equal on both ranks)."""
+    checkpoint = str(tmp_path_factory.mktemp("ckpt"))
+    runs = [
+        ("zero3_off", dataclasses.replace(TINY, engine="zero3", ciera=False)),
+        ("zero3_on", dataclasses.replace(TINY, engine="zero3", ciera=True)),
+        ("fsdp_off", dataclasses.replace(TINY, engine="fsdp", ciera=False)),
+        ("fsdp_on", dataclasses.replace(TINY, engine="fsdp", ciera=True)),
+        ("zero3_on_first_half", dataclasses.replace(TINY, steps=10, save_at=10, checkpoint_dir=checkpoint)),
+        ("zero3_on_resumed", dataclasses.replace(TINY, resume=True, checkpoint_dir=checkpoint)),
+    ]
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.start_processes(
+        runs_worker, args=(2, _free_port(), runs, queue), nprocs=2, join=True, start_method="spawn"
+    )
+    results = dict(queue.get() for _ in range(2))
+    for name in results[0]:
+        assert results[0][name]["parameter_digest"] == results[1][name]["parameter_digest"], name
+    return results[0]
+
+
+def _losses(run: dict) -> list[str]:
+    return [step["loss_bits"] for step in run["steps"]]
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp"])
+def test_ciera_trains_bit_identically_to_the_plain_engine(runs: dict, engine: str) -> None:
+    plain, ciera = runs[f"{engine}_off"], runs[f"{engine}_on"]
+    assert len(_losses(ciera)) == TINY.steps
+    assert _losses(ciera) == _losses(plain)  # every step, as float32 bits
+    assert ciera["parameter_digest"] == plain["parameter_digest"]  # every final parameter
+    assert len(set(_losses(ciera))) > 10  # the model really trained
+    sent = sum(step["allgather_bytes_sent"] for step in ciera["steps"])
+    raw = sum(step["raw_bytes"] for step in ciera["steps"])
+    plain_sent = sum(step["allgather_bytes_sent"] for step in plain["steps"])
+    assert raw == plain_sent  # the same gathers, counted raw
+    assert sent < 0.8 * raw  # fewer bytes on the wire
+
+
+def test_zero3_gathers_each_parameter_as_often_as_deepspeed(runs: dict) -> None:
+    counts = runs["zero3_on"]["gathers_per_parameter"]
+    assert counts and all(count >= 1 for count in counts.values())
+
+
+def test_resume_from_a_checkpoint_with_ciera_is_bit_identical(runs: dict) -> None:
+    straight, first, resumed = runs["zero3_on"], runs["zero3_on_first_half"], runs["zero3_on_resumed"]
+    assert [step["step"] for step in resumed["steps"]] == list(range(10, 20))
+    assert _losses(first) + _losses(resumed) == _losses(straight)
+    assert resumed["parameter_digest"] == straight["parameter_digest"]
+
+
+def test_a_rank_that_dies_stops_the_run_with_one_line() -> None:
+    config = dataclasses.replace(TINY, engine="fsdp", steps=6, exit_rank_at=(1, 3), timeout_s=30)
+    with pytest.raises(TrainError, match="rank 1 exited with code 17") as error:
+        train(config)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["train", "no-such-model"], "no-such-model"),
+        (["train", "--engine", "megatron"], "engine 'megatron'"),
+        (["train", "--world-size", "3", "--global-batch", "4"], "does not split over 3 ranks"),
+        (["train", "--width-scale", "7"], "width"),
+        (["train", "--ciera", "maybe"], "--ciera 'maybe'"),
+        (["train", "--save-at", "3"], "--checkpoint-dir"),
+        (["train", "--json", "/nonexistent-dir/x.json"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], words: str, capsys, monkeypatch) -> None:
+    import ciera_cli.main as entry
+
+    monkeypatch.setattr(sys, "argv", ["ciera", *args])
+    with pytest.raises(SystemExit) as exit_:
+        entry.main()
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2, captured
+    assert words in captured.err and "Traceback" not in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+
+
+def test_nan_loss_stops_and_names_the_step() -> None:
+    config = dataclasses.replace(TINY, engine="fsdp", steps=8, lr=1e30)
+    with pytest.raises(TrainError, match=r"loss is nan at step \d+"):
+        train(config)

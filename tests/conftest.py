@@ -1,0 +1,9 @@
+"""Process-wide settings every test and every rank it spawns inherits (set before anything imports
+DeepSpeed): DeepSpeed's CPU accelerator, and its one-time shm op build cached in the build tree rather
+than in the home directory."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))

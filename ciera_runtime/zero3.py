@@ -223,7 +223,6 @@ class CieraZero3:
         self._awaiting_use: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._ds_bytes_sent = 0
         self._ds_gathers = 0
-        self._ciera_gathers = 0
         self._module_params_cache: dict[int, tuple[frozenset, tuple[int, ...]]] = {}
         self._active = False
 
@@ -352,7 +351,6 @@ class CieraZero3:
         handle = engine.all_gather(shard.data, param.ds_id, output=output)
         job = _Job(param, handle, output)
         self._pending.append(job)
-        self._ciera_gathers += 1
         return job
 
     def _finish_through(self, target: _Job) -> None:
@@ -401,10 +399,10 @@ class CieraZero3:
             mine = sorted((p for p in params if self._uses_ciera(p, quantize)), key=lambda p: p.ds_id)
             chosen = {id(p) for p in mine}
             rest = [p for p in params if id(p) not in chosen]
-            self._count(params, sync=False)
-            for param in mine:
+            for param in mine:  # what DeepSpeed's function checks, before anything starts
                 if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
                     raise RuntimeError(param.ds_summary())
+            self._count(params, sync=False)
             jobs = []
             for param in mine:
                 param.ds_status = ZeroParamStatus.INFLIGHT

@@ -183,7 +183,9 @@ def test_bsc_applies_rank_zeros_table(counted) -> None:
     }
     assert experts and experts <= compressed
     assert not {name for name, (_, numel, _) in routes.items() if numel <= 512} & compressed
-    assert len(rank0["losses"]) == 3
+    # Mixed buckets (CIERA and DeepSpeed-path parameters in one coalesced call) train bit-identically.
+    for result in counted:
+        assert result["losses"] == result["counts"]["default"]["plain_losses"]
     for result in counted:
         stats = result["given_stats"]
         assert (

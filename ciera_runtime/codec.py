@@ -300,12 +300,8 @@ class ShardEncoder:
         written at its start and a view of it returned (no fresh buffer per gather). One fused parallel
         pass extracts the exponent plane, detects changed blocks, writes the sign+mantissa plane straight
         into the payload and checksums it; rANS writes straight after it."""
-        bits = shard_bits(shard, self.dtype, f"shard {self.shard_id}")
-        if bits.size != self.numel:
-            raise ValueError(f"shard {self.shard_id}: {bits.size} values, encoder was built for {self.numel}")
-        _check_out_buffer(out, self.layout, self.shard_id)
+        bits, buffer = self._bits_and_buffer(shard, out)
         layout = self.layout
-        buffer = np.empty(layout.max_payload_bytes, dtype=np.uint8) if out is None else out
         full = self.generation == 0
         shift, mask = _EXP_LAYOUT[self.dtype]
         block_size = self.config.block_size
@@ -354,12 +350,8 @@ class ShardEncoder:
             raise ValueError(
                 f"shard {self.shard_id}: resync for generation {generation}, encoder made 1..{self.generation}"
             )
-        bits = shard_bits(shard, self.dtype, f"shard {self.shard_id}")
-        if bits.size != self.numel:
-            raise ValueError(f"shard {self.shard_id}: {bits.size} values, encoder was built for {self.numel}")
-        _check_out_buffer(out, self.layout, self.shard_id)
+        bits, buffer = self._bits_and_buffer(shard, out)
         layout = self.layout
-        buffer = np.empty(layout.max_payload_bytes, dtype=np.uint8) if out is None else out
         shift, mask = _EXP_LAYOUT[self.dtype]
         self.backend.extract_exponents(
             bits, shift, mask, buffer[layout.fixed_bytes : layout.max_payload_bytes]
@@ -374,6 +366,14 @@ class ShardEncoder:
         return self._finish_payload(
             buffer, bits, flags, all_blocks, layout.n_blocks, self.numel, checksum, generation
         )
+
+    def _bits_and_buffer(self, shard, out) -> tuple[np.ndarray, np.ndarray]:
+        """The shard's 16-bit patterns (checked: dtype, numel) and the buffer the payload goes into."""
+        bits = shard_bits(shard, self.dtype, f"shard {self.shard_id}")
+        if bits.size != self.numel:
+            raise ValueError(f"shard {self.shard_id}: {bits.size} values, encoder was built for {self.numel}")
+        _check_out_buffer(out, self.layout, self.shard_id)
+        return bits, np.empty(self.layout.max_payload_bytes, dtype=np.uint8) if out is None else out
 
     def resync_payload_bytes(self) -> int:
         return self.layout.max_payload_bytes

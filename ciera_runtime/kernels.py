@@ -153,15 +153,9 @@ def extract_and_hash_blocks_serial(
 
 
 @njit(inline="always")
-def _compare_one_block(
-    bits, exp_shift, exp_mask, exp, exp_words, last_exp, last_words, block_size, changed_out, force_all, block
-):
-    start = block * block_size
-    stop = min(start + block_size, bits.size)
-    block_exp = exp[start:stop]
-    block_bits = bits[start:stop]
-    for i in range(block_bits.size):
-        block_exp[i] = (block_bits[i] >> exp_shift) & exp_mask
+def _compare_and_update(exp, exp_words, last_exp, last_words, start, stop, force_all):
+    """Whether the block's exponents differ from ``last_exp`` (word by word where aligned); if so, or if
+    ``force_all``, copy them into ``last_exp``."""
     changed = force_all
     i = start
     if start % 8 == 0 and not changed:
@@ -178,10 +172,24 @@ def _compare_one_block(
                 changed = True
                 break
     if changed:
+        block_exp = exp[start:stop]
         block_last_exp = last_exp[start:stop]
         for k in range(block_exp.size):
             block_last_exp[k] = block_exp[k]
-    changed_out[block] = changed
+    return changed
+
+
+@njit(inline="always")
+def _compare_one_block(
+    bits, exp_shift, exp_mask, exp, exp_words, last_exp, last_words, block_size, changed_out, force_all, block
+):
+    start = block * block_size
+    stop = min(start + block_size, bits.size)
+    block_exp = exp[start:stop]
+    block_bits = bits[start:stop]
+    for i in range(block_bits.size):
+        block_exp[i] = (block_bits[i] >> exp_shift) & exp_mask
+    changed_out[block] = _compare_and_update(exp, exp_words, last_exp, last_words, start, stop, force_all)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -789,27 +797,7 @@ def _encode_exact_block(
     start = block * block_size
     stop = min(start + block_size, bits.size)
     _split_block(bits, exp_shift, exp_mask, is_fp16, exp, sm, start, stop)
-    changed = force_all
-    i = start
-    if start % 8 == 0 and not changed:
-        block_words = exp_words[start // 8 : stop // 8]
-        block_last = last_words[start // 8 : stop // 8]
-        for k in range(block_words.size):
-            if block_words[k] != block_last[k]:
-                changed = True
-                break
-        i = (stop // 8) * 8
-    if not changed:
-        for k in range(i, stop):
-            if exp[k] != last_exp[k]:
-                changed = True
-                break
-    if changed:
-        block_exp = exp[start:stop]
-        block_last_exp = last_exp[start:stop]
-        for k in range(block_exp.size):
-            block_last_exp[k] = block_exp[k]
-    changed_out[block] = changed
+    changed_out[block] = _compare_and_update(exp, exp_words, last_exp, last_words, start, stop, force_all)
     partials[block] = _block_checksum(bits, is_fp16, sm_words, start, stop)
 
 

@@ -157,6 +157,13 @@ def train_command(
     timeout_s: Annotated[
         float, typer.Option(help="A rank that does not arrive for this long stops the run.")
     ] = 300.0,
+    exponent_stats: Annotated[
+        bool,
+        typer.Option(
+            "--exponent-stats", help="Exponent and block change rates per category, every step (slower)."
+        ),
+    ] = False,
+    warmup_steps: Annotated[int, typer.Option(help="Steps the exponent statistics leave out.")] = 30,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write every number printed, and more.")
     ] = None,
@@ -189,6 +196,8 @@ def train_command(
         save_at=save_at,
         resume=resume,
         timeout_s=timeout_s,
+        exponent_stats=exponent_stats,
+        exponent_warmup_steps=warmup_steps,
     )
     validate(config)  # every one-line error before the progress bar starts
     console = Console(stderr=True)
@@ -227,6 +236,23 @@ def train_command(
     table.add_row("on the wire / raw", f"{sent / raw:.4f}" if raw else "-")
     table.add_row("final parameters (sha256, every rank alike)", document["parameter_digest"][:16])
     Console().print(table)
+    if document["exponent_stats"] is not None:
+        stats = document["exponent_stats"]
+        rates = Table(
+            box=box.SIMPLE_HEAD,
+            title=f"exponent statistics after {stats['warmup_steps']} warm-up steps (B = {stats['block_size']})",
+        )
+        for column in ("category", "exp change rate, median", "mean", "block change rate, median", "mean"):
+            rates.add_column(column, justify="right" if column != "category" else "left")
+        for category, values in stats["after_warmup"].items():
+            rates.add_row(
+                category,
+                f"{values['exp_change_rate_median']:.5f}",
+                f"{values['exp_change_rate_mean']:.5f}",
+                f"{values['block_change_rate_median']:.4f}",
+                f"{values['block_change_rate_mean']:.4f}",
+            )
+        Console().print(rates)
     if json_path is not None:
         _write_json(json_path, document)
 

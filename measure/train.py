@@ -56,6 +56,10 @@ class TrainConfig:
     # ZeRO-3 keeps parameters below this many elements unpartitioned (DeepSpeed's default is 1e5, which at
     # this machine's model sizes would keep nearly every parameter whole and never gather it).
     persistence_threshold: int = 0
+    # Exponent statistics: after every step, the exponent and block change rates per category against the
+    # step before (measure.exponents), from the full weights (a collective per parameter: slows the run).
+    exponent_stats: bool = False
+    exponent_warmup_steps: int = 30  # steps left out of the summary (the method's warm-up)
     # Fault injection, for testing what a dying rank does to the others: (rank, step) — that rank's
     # process exits without a word when it reaches that step.
     exit_rank_at: tuple[int, int] | None = None
@@ -80,6 +84,11 @@ class TrainConfig:
             raise TrainError("--save-at and --resume need --checkpoint-dir")
         if self.save_at is not None and not 1 <= self.save_at <= self.steps:
             raise TrainError(f"save_at is {self.save_at}: expected a step in 1..{self.steps}")
+        if self.exponent_stats and self.exponent_warmup_steps >= self.steps:
+            raise TrainError(
+                f"--exponent-stats leaves out the first {self.exponent_warmup_steps} steps as warm-up: "
+                f"run more than that (--steps is {self.steps})"
+            )
 
 
 @dataclass
@@ -100,6 +109,7 @@ class RankResult:
     gathers_per_parameter: dict[str, int] | None = None
     ciera: dict | None = None
     threads: int = 0
+    exponent_rates: list[dict | None] | None = None  # per step: {category: rates}
 
 
 # ---------------------------------------------------------------------------------------- byte counting
@@ -323,6 +333,13 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
     run = (_Zero3Run if cfg.engine == "zero3" else _FsdpRun)(cfg, model, categories)
     start_step = run.load(cfg.checkpoint_dir) if cfg.resume else 0
     result = RankResult(rank, threads=threads)
+    tracker = None
+    if cfg.exponent_stats:
+        from .exponents import ExponentTracker
+
+        tracker = ExponentTracker(categories, cfg.block_size)
+        tracker.update(run.full_parameters())  # the weights before the first step
+        result.exponent_rates = []
     per_rank = cfg.global_batch // world_size
     for step in range(start_step, cfg.steps):
         if cfg.exit_rank_at == (rank, step):
@@ -350,6 +367,8 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
         report(dataclasses.asdict(record))
         if not math.isfinite(mean_loss):
             raise TrainError(f"loss is {mean_loss} at step {step}: training stopped")
+        if tracker is not None:
+            result.exponent_rates.append(tracker.update(run.full_parameters()))
         if cfg.save_at is not None and step + 1 == cfg.save_at:
             run.save(cfg.checkpoint_dir, step + 1)
     result.gathers_per_parameter = run.gathers_per_parameter()
@@ -521,4 +540,19 @@ def summarize(cfg: TrainConfig, ranks: list[dict]) -> dict:
         "gathers_per_parameter": rank0["gathers_per_parameter"],
         "threads_per_rank": rank0["threads"],
         "ciera": rank0["ciera"],
+        "exponent_stats": _exponent_summary(cfg, rank0),
+    }
+
+
+def _exponent_summary(cfg: TrainConfig, rank0: dict) -> dict | None:
+    if not cfg.exponent_stats:
+        return None
+    from .exponents import summarize
+
+    per_step = rank0["exponent_rates"]
+    return {
+        "block_size": cfg.block_size,
+        "warmup_steps": cfg.exponent_warmup_steps,
+        "per_step": per_step,
+        "after_warmup": summarize(per_step, cfg.exponent_warmup_steps),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated
@@ -132,7 +133,9 @@ def train_command(
     ciera: Annotated[
         str, typer.Option(help="on: parameter all-gathers through CIERA; off: the plain engine.")
     ] = "on",
-    world_size: Annotated[int, typer.Option(help="Local ranks (spawned processes, gloo).")] = 2,
+    world_size: Annotated[
+        int, typer.Option(help="Local ranks (spawned, gloo); under torchrun the launcher's count is used.")
+    ] = 2,
     steps: Annotated[int, typer.Option(help="Training steps.")] = 20,
     layers: Annotated[int, typer.Option(help="Decoder blocks (0: the model's full depth).")] = 2,
     width_scale: Annotated[int, typer.Option(help="Width divisor (0: the zoo's default small scale).")] = 0,
@@ -172,7 +175,7 @@ def train_command(
     loss and step time per step, bytes the all-gathers sent per step (raw and on the wire)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .train import train, validate
+    from .train import launched_rank, train, train_launched, validate
 
     if ciera not in ("on", "off"):
         raise TrainError(f"--ciera {ciera!r}: expected on or off")
@@ -199,7 +202,13 @@ def train_command(
         exponent_stats=exponent_stats,
         exponent_warmup_steps=warmup_steps,
     )
+    launched = launched_rank()
+    if launched is not None:  # torchrun / the deepspeed launcher started this process as one rank
+        config = dataclasses.replace(config, world_size=launched[1])
     validate(config)  # every one-line error before the progress bar starts
+    if launched is not None and launched[0] != 0:
+        train_launched(config)  # the other ranks print nothing; rank 0 reports
+        return
     console = Console(stderr=True)
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -220,7 +229,7 @@ def train_command(
                 status=f"loss {record['loss']:.4f}  {record['step_s'] * 1e3:.0f} ms/step",
             )
 
-        document = train(config, on_step)
+        document = train_launched(config, on_step) if launched is not None else train(config, on_step)
     steps_done = document["steps"]
     sent, raw = document["allgather_bytes_sent_per_step"], document["raw_bytes_per_step"]
     table = Table(

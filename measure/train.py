@@ -1,6 +1,7 @@
 """`ciera train`: train a zoo model with DeepSpeed ZeRO-3 or FSDP2, with or without CIERA, on local spawned
 ranks (gloo) or under torchrun / the deepspeed launcher (the same code; the launcher's RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT are used).
+MASTER_ADDR and MASTER_PORT are used). The codec backends in this build run on CPU, so every rank trains
+on CPU with gloo, launched or spawned; NCCL needs a CUDA codec backend.
 
 Every rank builds the same model from the same seed; step s always trains on the same global batch of the
 corpus (`measure.corpus.batch`), rank r on its contiguous slice. Per step it records the global mean loss
@@ -451,6 +452,41 @@ def validate(cfg: TrainConfig) -> None:
 
     scaled_shape(cfg.model, cfg.width_scale, cfg.layers)
     check_environment(cfg)
+
+
+def launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun or the deepspeed launcher (they set
+    RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), else None."""
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(name in os.environ for name in names):
+        return None
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise TrainError(
+            f"RANK={os.environ['RANK']!r} WORLD_SIZE={os.environ['WORLD_SIZE']!r}: expected integers"
+        ) from None
+
+
+def train_launched(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> dict | None:
+    """This process is one rank started by a launcher: train it; rank 0 returns the result document (the
+    others None). ``cfg.world_size`` must match the launcher's WORLD_SIZE."""
+    import torch.distributed as dist
+
+    rank, world_size = launched_rank()
+    if world_size != cfg.world_size:
+        raise TrainError(f"--world-size {cfg.world_size}, but the launcher started {world_size} ranks")
+    validate(cfg)
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", str(rank)))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _init_group(rank, world_size, cfg)
+    try:
+        result = run_rank(rank, world_size, cfg, on_step if rank == 0 and on_step else lambda record: None)
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, dataclasses.asdict(result))
+    finally:
+        dist.destroy_process_group()
+    return summarize(cfg, gathered) if rank == 0 else None
 
 
 def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> dict:

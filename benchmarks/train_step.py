@@ -1,0 +1,582 @@
+"""Training step time and all-gather bytes: ZeRO-3 vs ZeRO-3 + CIERA, FSDP2 vs FSDP2 + CIERA, 2 gloo ranks.
+
+    python benchmarks/train_step.py --json out/train_step.json [--link loopback|netns] [--rate 1gbit]
+        [--steps 5] [--warmup 2] [--rounds 3] [--layers 2] [--seq-len 64] [--global-batch 4]
+        [--systems zero3,zero3+ciera,fsdp,fsdp+ciera] [--probe-mib 8] [--timeout-s 1800]
+
+Each rank runs the real ``measure.train.run_rank`` (the code behind ``ciera train``) on ``small-moe``:
+every system trains from the same seed on the same batches, ``--warmup`` unmeasured steps then
+``--steps`` timed ones. Step time is the slowest rank's (as run_rank records it); bytes are those a rank's
+all-gathers sent per step, counted at ``all_gather_single``, and what they would have sent raw.
+
+Load: the machine is shared. The systems run in ``--rounds`` rounds, each round every system once, the
+order rotated from round to round, so each sees the same load over time; the load average is recorded
+before and after, and the spread of the per-round medians is reported.
+
+Where the plain engine's time goes (DESIGN.md, "Bounds the numbers must respect"): in every round each
+plain engine also runs once *profiled* (rotated in with the others; its steps are not in the timings):
+every collective is made synchronous (an async one is waited for at once) and timed in a wrapper at
+``torch.distributed`` — all-gathers at ``all_gather_single`` (T_allgather); reduce-scatters, all-reduces,
+all-to-alls and broadcasts as T_other_comm — and T_compute = the profiled step time − T_allgather −
+T_other_comm (mean of the two ranks, median over the timed steps). Each is capped at T_baseline: measured
+in other runs, a busy time can come out above the baseline step that contains it. Time in a collective
+includes waiting for the other rank to arrive. With r = CIERA's sent / raw bytes,
+``bound_speedup = T_baseline / max(T_compute, r·T_allgather + T_other_comm)`` and
+``overlap_only = T_baseline / max(T_compute, T_allgather + T_other_comm)``, T_baseline the plain engine's
+timed median; 1/r bounds the all-gather's own speedup from bytes alone.
+
+``--link netns`` (root, iproute2): the two ranks run in two network namespaces joined by a veth pair with
+``tc tbf`` at ``--rate`` on both ends — the namespace code of ``allgather_netns.py`` — and everything is
+removed on exit, error and SIGINT/SIGTERM/SIGHUP (and leftovers of killed runs at start). Not root:
+one line, exit 2. Before and after training each rank measures the rate gloo gets: a raw all-gather of
+``--probe-mib`` MiB per rank (median of 5). Every rank uses one torch and one numba thread (2 ranks,
+2 cores), on loopback too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from _output import emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO_ROOT))
+
+PROBES = ("probe_before", "probe_after")
+SYSTEMS = ("zero3", "zero3+ciera", "fsdp", "fsdp+ciera")
+MODEL = "small-moe"
+_RATE = re.compile(r"^\d+(\.\d+)?([kmgt]?bit|[kmgt]?bps)$", re.IGNORECASE)
+_OTHER_COMM = (
+    "reduce_scatter_single",  # FSDP2's; reduce_scatter_tensor and _reduce_scatter_base call it
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all_single",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_gather",  # the list form (object gathers, small); every tensor all-gather is all_gather_single
+)
+
+
+class BadArgument(Exception):
+    """One line, exit 2."""
+
+
+# --------------------------------------------------------------------------------------------- rank side
+
+
+def _system_config(args, system: str, steps: int):
+    from measure.train import TrainConfig
+
+    engine, _, ciera = system.partition("+")
+    return TrainConfig(
+        model=MODEL,
+        engine=engine,
+        ciera=bool(ciera),
+        world_size=2,
+        steps=steps,
+        layers=args.layers,
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+        threads_per_rank=1,
+        timeout_s=300.0,
+    )
+
+
+class _CommTimer:
+    """Wraps torch.distributed's collectives (once per process, before any engine exists). Off: passes
+    through. On (the profiled run): each call waits for its collective at once and adds its time."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        from measure.train import AllGatherCounter
+
+        AllGatherCounter.installed()  # first: the timer wraps the counting all-gather
+        self.on = False
+        # A wrapped collective that calls another wrapped one is timed once, outermost (per thread).
+        self._local = threading.local()
+        self.seconds = {"allgather": 0.0, "other": 0.0}
+        self.calls: dict[str, int] = {}
+        for name, kind in [("all_gather_single", "allgather")] + [(n, "other") for n in _OTHER_COMM]:
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            wrapped = self._wrap(name, kind, original)
+            setattr(c10d, name, wrapped)
+            if getattr(dist, name, None) is original:
+                setattr(dist, name, wrapped)
+
+    def _wrap(self, name: str, kind: str, original):
+        def timed(*args, **kwargs):
+            if not self.on or getattr(self._local, "depth", 0):
+                return original(*args, **kwargs)
+            self._local.depth = 1
+            try:
+                start_s = time.perf_counter()
+                work = original(*args, **kwargs)
+                if work is not None and hasattr(work, "wait"):
+                    work.wait()
+                self.seconds[kind] += time.perf_counter() - start_s
+            finally:
+                self._local.depth = 0
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return work
+
+        return timed
+
+    def snapshot(self) -> tuple[float, float]:
+        return self.seconds["allgather"], self.seconds["other"]
+
+
+def _probe_link(probe_mib: float, repeats: int = 5) -> dict:
+    """Raw all-gather of probe_mib MiB per rank: median time and the rate a rank's bytes get."""
+    import torch
+    import torch.distributed as dist
+
+    numel = max(1, int(probe_mib * (1 << 20)) // 2)
+    shard = torch.ones(numel, dtype=torch.bfloat16)
+    output = torch.empty(2 * numel, dtype=torch.bfloat16)
+    times = []
+    for index in range(repeats + 2):
+        dist.barrier()
+        start_s = time.perf_counter()
+        dist.all_gather_into_tensor(output, shard)
+        elapsed = torch.tensor([time.perf_counter() - start_s], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if index >= 2:
+            times.append(float(elapsed))
+    median_s = sorted(times)[len(times) // 2]
+    return {
+        "bytes_per_rank": numel * 2,
+        "median_ms": round(median_s * 1e3, 3),
+        "MBps_per_rank": round(numel * 2 / median_s / 1e6, 1),
+    }
+
+
+def _rank_main(args) -> None:
+    rank = args.rank
+    os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import numba
+    import torch
+    import torch.distributed as dist
+
+    from measure.train import _init_group, run_rank
+
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    systems = args.systems.split(",")
+    total = args.warmup + args.steps
+    _init_group(rank, 2, _system_config(args, systems[0], total))
+    timer = _CommTimer()
+    out: dict = {"rank": rank, "runs": [], "profiles": {}}
+    try:
+        out["probe_before"] = _probe_link(args.probe_mib)
+        plain = [s for s in systems if "+" not in s]
+        entries = systems + [f"{s}:profile" for s in plain]
+        for round_index in range(args.rounds):
+            shift = round_index % len(entries)
+            for entry in entries[shift:] + entries[:shift]:
+                system, _, profiled = entry.partition(":")
+                records: list[dict] = []
+                last = [timer.snapshot()]
+
+                def on_step(record, records=records, last=last, round_index=round_index):
+                    allgather_s, other_s = timer.snapshot()
+                    records.append(
+                        record
+                        | {
+                            "round": round_index,
+                            "allgather_s": allgather_s - last[0][0],
+                            "other_comm_s": other_s - last[0][1],
+                        }
+                    )
+                    last[0] = (allgather_s, other_s)
+
+                timer.on, timer.calls = bool(profiled), {}
+                try:
+                    result = run_rank(rank, 2, _system_config(args, system, total), on_step)
+                finally:
+                    timer.on = False
+                if profiled:
+                    out["profiles"].setdefault(system, {"steps": []})["steps"] += records
+                    out["profiles"][system]["calls_per_run"] = dict(timer.calls)
+                    continue
+                out["runs"].append(
+                    {
+                        "system": system,
+                        "round": round_index,
+                        "steps": records,
+                        "parameter_digest": result.parameter_digest,
+                    }
+                )
+        out["probe_after"] = _probe_link(args.probe_mib)
+        out["threads"] = {"torch": torch.get_num_threads(), "numba": numba.get_num_threads()}
+        Path(args.result).write_text(json.dumps(out))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------- root side
+
+
+def _stats(values: list[float]) -> dict:
+    import numpy as np
+
+    array = np.asarray(values, dtype=float)
+    return {
+        "median": float(np.median(array)),
+        "p10": float(np.percentile(array, 10)),
+        "p90": float(np.percentile(array, 90)),
+    }
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 2)
+
+
+def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s: float) -> dict:
+    import numpy as np
+
+    systems = args.systems.split(",")
+    rank_runs = [r["runs"] for r in ranks]
+    per_system: dict[str, dict] = {}
+    losses: dict[str, list[list[str]]] = {}
+    digests: dict[str, set[str]] = {}
+    for index, run0 in enumerate(rank_runs[0]):
+        system = run0["system"]
+        entry = per_system.setdefault(system, {"step_s": [], "round_medians": [], "sent": [], "raw": []})
+        timed = [step for step in run0["steps"] if step["step"] >= args.warmup]
+        step_s = [step["step_s"] for step in timed]  # the slowest rank's, the same in every rank's record
+        entry["step_s"] += step_s
+        entry["round_medians"].append(float(np.median(step_s)))
+        rank_steps = [[s for s in runs[index]["steps"] if s["step"] >= args.warmup] for runs in rank_runs]
+        for steps in zip(*rank_steps, strict=True):  # bytes: the mean of the ranks, per step
+            entry["sent"].append(float(np.mean([s["allgather_bytes_sent"] for s in steps])))
+            entry["raw"].append(float(np.mean([s["raw_bytes"] for s in steps])))
+        losses.setdefault(system, []).append([step["loss_bits"] for step in run0["steps"]])
+        digests.setdefault(system, set()).update(runs[index]["parameter_digest"] for runs in rank_runs)
+
+    table: dict[str, dict] = {}
+    for system in systems:
+        entry = per_system[system]
+        sent, raw = float(np.mean(entry["sent"])), float(np.mean(entry["raw"]))
+        table[system] = {
+            "step_ms": {k: round(v * 1e3, 2) for k, v in _stats(entry["step_s"]).items()},
+            "round_median_ms": [round(v * 1e3, 2) for v in entry["round_medians"]],
+            "round_spread": round(max(entry["round_medians"]) / min(entry["round_medians"]) - 1, 4),
+            "allgather_bytes_sent_per_step": round(sent),
+            "raw_bytes_per_step": round(raw),
+            "r": round(sent / raw, 4) if raw else None,
+            "losses_repeat_across_rounds": all(bits == losses[system][0] for bits in losses[system]),
+            "final_parameters_equal_across_ranks_and_rounds": len(digests[system]) == 1,
+        }
+
+    comparisons: dict[str, dict] = {}
+    for plain in (s for s in systems if "+" not in s):
+        twin = f"{plain}+ciera"
+        if twin not in table:
+            continue
+        r = table[twin]["r"]
+        t_base = table[plain]["step_ms"]["median"] / 1e3
+        t_ciera = table[twin]["step_ms"]["median"] / 1e3
+        comparison = {
+            "loss_bits_identical_every_step": losses[plain][0] == losses[twin][0]
+            and all(bits == losses[plain][0] for bits in losses[plain] + losses[twin]),
+            "final_parameters_identical": digests[plain] == digests[twin] and len(digests[plain]) == 1,
+            "raw_bytes_equal": table[plain]["allgather_bytes_sent_per_step"]
+            == table[twin]["raw_bytes_per_step"],
+            "r": r,
+            "allgather_bytes_bound_1_over_r": round(1 / r, 3),
+            "measured_step_speedup": round(t_base / t_ciera, 3),
+            "round_speedups": [
+                round(a / b, 3)
+                for a, b in zip(table[plain]["round_median_ms"], table[twin]["round_median_ms"], strict=True)
+            ],
+        }
+        # What the saved bytes are worth on this link: (raw - sent) per step at the rate the probe measured,
+        # next to what CIERA's step costs beyond the plain one.
+        probe_Bps = float(np.mean([ranks[0][key]["MBps_per_rank"] for key in PROBES])) * 1e6
+        saved_bytes = table[twin]["raw_bytes_per_step"] - table[twin]["allgather_bytes_sent_per_step"]
+        comparison["saved_bytes_per_step"] = saved_bytes
+        comparison["saved_link_ms_per_step_at_probe_rate"] = _ms(saved_bytes / probe_Bps)
+        comparison["ciera_extra_ms_per_step"] = _ms(t_ciera - t_base)
+        profiles = [rank["profiles"].get(plain) for rank in ranks]
+        if all(profiles):
+            allgather, other, compute, profiled = [], [], [], []
+            for rows in zip(*(p["steps"] for p in profiles), strict=True):
+                if rows[0]["step"] < args.warmup:
+                    continue
+                step_s = rows[0]["step_s"]  # the slowest rank's
+                ag = float(np.mean([row["allgather_s"] for row in rows]))
+                oc = float(np.mean([row["other_comm_s"] for row in rows]))
+                allgather.append(ag)
+                other.append(oc)
+                compute.append(step_s - ag - oc)
+                profiled.append(step_s)
+            measured = {
+                name: float(np.median(values))
+                for name, values in (("allgather", allgather), ("other", other), ("compute", compute))
+            }
+            # Busy times of the baseline step cannot exceed it; measured in other (profiled) runs they can,
+            # by load and by the waits the profiling adds: capped at T_baseline.
+            t_ag, t_oc, t_c = (min(measured[name], t_base) for name in ("allgather", "other", "compute"))
+            bound = t_base / max(t_c, r * t_ag + t_oc)
+            overlap_only = t_base / max(t_c, t_ag + t_oc)
+            comparison["profile"] = {
+                "method": "profiled runs (one per round, interleaved): every collective synchronous and "
+                "timed at torch.distributed; compute = profiled step - all-gathers - other comm (mean of "
+                "ranks, median of timed steps), each capped at T_baseline",
+                "profiled_step_ms": _ms(float(np.median(profiled))),
+                "T_baseline_ms": _ms(t_base),
+                "T_allgather_ms": _ms(t_ag),
+                "T_other_comm_ms": _ms(t_oc),
+                "T_compute_ms": _ms(t_c),
+                "T_compute_uncapped_ms": _ms(measured["compute"]),
+                "allgather_share_of_baseline": round(t_ag / t_base, 4),
+                "collective_calls_per_profiled_run": profiles[0]["calls_per_run"],
+                "profiled_losses_identical": all(
+                    [row["loss_bits"] for row in profiles[0]["steps"] if row["round"] == index]
+                    == losses[plain][0]
+                    for index in range(args.rounds)
+                ),
+                "bound_speedup": round(bound, 3),
+                "overlap_only_speedup": round(overlap_only, 3),
+                "bytes_share_of_bound": round(bound / overlap_only, 3),
+            }
+        comparisons[f"{plain} vs {twin}"] = comparison
+
+    return {
+        "schema": "ciera.bench.train_step/1",
+        "model": MODEL,
+        "config": {
+            "layers": args.layers,
+            "seq_len": args.seq_len,
+            "global_batch": args.global_batch,
+            "world_size": 2,
+            "warmup_steps": args.warmup,
+            "timed_steps": args.steps,
+            "rounds": args.rounds,
+            "threads_per_rank": ranks[0]["threads"],
+            "systems": systems,
+            "train_config": dataclasses.asdict(_system_config(args, systems[0], args.warmup + args.steps)),
+        },
+        "link": link
+        | {
+            "gloo_probe_before": [r["probe_before"] for r in ranks][0],
+            "gloo_probe_after": [r["probe_after"] for r in ranks][0],
+        },
+        "cpu_count": os.cpu_count(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in load_after],
+        "systems": table,
+        "comparisons": comparisons,
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rank_command(args, rank: int, result: Path, master_addr: str, port: int) -> list[str]:
+    return [
+        sys.executable, str(Path(__file__).resolve()), "--rank", str(rank), "--result", str(result),
+        "--master-addr", master_addr, "--port", str(port), "--systems", args.systems,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+        "--layers", str(args.layers), "--seq-len", str(args.seq_len),
+        "--global-batch", str(args.global_batch), "--probe-mib", str(args.probe_mib),
+        "--timeout-s", str(args.timeout_s),
+    ]  # fmt: skip
+
+
+class _Loopback:
+    """Both ranks on this machine's loopback; ``close()`` ends the ranks still running."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen] = []
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _check_args(args) -> None:
+    for name, low in (("steps", 1), ("warmup", 0), ("rounds", 1), ("layers", 1), ("seq_len", 1)):
+        if getattr(args, name) < low:
+            raise BadArgument(f"--{name.replace('_', '-')} is {getattr(args, name)}: expected at least {low}")
+    if args.global_batch < 2 or args.global_batch % 2:
+        raise BadArgument(f"--global-batch is {args.global_batch}: expected an even number (2 ranks)")
+    if not _RATE.match(args.rate):
+        raise BadArgument(f"--rate {args.rate!r}: expected a tc rate such as 1gbit, 500mbit, 100mbps")
+    if not args.probe_mib > 0:
+        raise BadArgument(f"--probe-mib is {args.probe_mib}: expected a positive number")
+    if args.timeout_s < 10:
+        raise BadArgument(f"--timeout-s is {args.timeout_s}: expected at least 10")
+    systems = args.systems.split(",")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems or len(set(systems)) != len(systems):
+        raise BadArgument(f"--systems {args.systems!r}: expected distinct names from {', '.join(SYSTEMS)}")
+    from measure.zoo import scaled_shape
+
+    try:
+        scaled_shape(MODEL, None, args.layers)
+    except Exception as error:  # noqa: BLE001 — the zoo's errors are one line
+        raise BadArgument(str(error).splitlines()[0]) from None
+
+
+def _main(args) -> int:
+    try:
+        _check_args(args)
+    except BadArgument as reason:
+        print(f"train_step: error: {reason}")
+        return 2
+    link_info: dict = {"kind": args.link}
+    if args.link == "netns":
+        import allgather_netns as netns
+
+        try:
+            netns._check_environment()
+        except netns.Unavailable as reason:
+            print(f"train_step: skipped: {reason}")
+            return 2
+        removed = netns._clean_leftovers()
+        if removed:
+            print(f"train_step: removed leftover namespaces {removed}", file=sys.stderr)
+        link = netns.Link(args.rate, 0.0)
+        master_addr, port = netns.ADDRESSES[0], netns.PORT
+        link_info |= {"rate": args.rate, "addresses": list(netns.ADDRESSES)}
+    else:
+        link = _Loopback()
+        master_addr, port = "127.0.0.1", _free_port()
+    atexit.register(link.close)
+
+    def on_signal(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
+    start_s = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="ciera-train-step-") as scratch:
+            if args.link == "netns":
+                try:
+                    link.open()
+                except netns.Unavailable as reason:
+                    print(f"train_step: skipped: {reason}")
+                    return 2
+                link_info["qdiscs"] = link.qdiscs()
+            env = os.environ | {
+                "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                "NUMBA_NUM_THREADS": "1",
+                "DS_ACCELERATOR": "cpu",
+                "TORCH_EXTENSIONS_DIR": os.environ.get(
+                    "TORCH_EXTENSIONS_DIR", str(_REPO_ROOT / ".torch_extensions")
+                ),
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO_ROOT), os.environ.get("PYTHONPATH")])),
+            }
+            results = [Path(scratch) / f"rank{rank}.json" for rank in (0, 1)]
+            load_before = os.getloadavg()
+            for rank in (0, 1):
+                command = _rank_command(args, rank, results[rank], master_addr, port)
+                rank_env = dict(env)
+                if args.link == "netns":
+                    command = ["ip", "netns", "exec", link.namespaces[rank], *command]
+                    rank_env["GLOO_SOCKET_IFNAME"] = link.devices[rank]
+                link.processes.append(subprocess.Popen(command, env=rank_env, cwd=_REPO_ROOT))
+            deadline = time.monotonic() + args.timeout_s
+            failed = []
+            while any(p.poll() is None for p in link.processes):
+                if any(p.poll() not in (None, 0) for p in link.processes):
+                    break  # one rank failed: the other would wait for it until gloo's timeout
+                if time.monotonic() > deadline:
+                    failed.append(f"ranks still running after {args.timeout_s} s")
+                    break
+                time.sleep(0.2)
+            for rank, process in enumerate(link.processes):
+                if process.poll() not in (None, 0):
+                    failed.append(f"rank {rank} exited with {process.returncode}")
+            if failed or any(not path.exists() for path in results):
+                print(f"train_step: FAILED: {'; '.join(failed) or 'a rank wrote no result'}", file=sys.stderr)
+                return 1
+            load_after = os.getloadavg()
+            ranks = [json.loads(path.read_text()) for path in results]
+            result = _report(args, ranks, link_info, load_before, load_after, time.perf_counter() - start_s)
+    finally:
+        link.close()
+    emit_json(result, args.json)
+    broken = [
+        name
+        for name, comparison in result["comparisons"].items()
+        if not (comparison["loss_bits_identical_every_step"] and comparison["final_parameters_identical"])
+    ]
+    if broken:
+        print(f"train_step: FAILED: losses or parameters differ: {', '.join(broken)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints the usage too)
+        print(f"train_step: error: {message}")
+        sys.exit(2)
+
+
+def main() -> None:
+    parser = _Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--link", choices=("loopback", "netns"), default="loopback")
+    parser.add_argument("--rate", default="1gbit", help="netns: tbf rate on each veth end (tc syntax)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per system per round")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of all systems, order rotated")
+    parser.add_argument("--layers", type=int, default=2, help="small-moe blocks")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=4, help="sequences per step, both ranks")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--probe-mib", type=float, default=8.0, help="raw all-gather probe, MiB per rank")
+    parser.add_argument("--timeout-s", type=int, default=1800, help="whole run")
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--master-addr", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        _rank_main(args)
+        return
+    sys.exit(_main(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -156,11 +156,12 @@ def _probe_link(probe_mib: float, repeats: int = 5) -> dict:
     numel = max(1, int(probe_mib * (1 << 20)) // 2)
     shard = torch.ones(numel, dtype=torch.bfloat16)
     output = torch.empty(2 * numel, dtype=torch.bfloat16)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     times = []
     for index in range(repeats + 2):
         dist.barrier()
         start_s = time.perf_counter()
-        dist.all_gather_into_tensor(output, shard)
+        gather(output, shard)
         elapsed = torch.tensor([time.perf_counter() - start_s], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if index >= 2:

@@ -429,18 +429,7 @@ def _main(args) -> int:
                         cwd=_REPO_ROOT,
                     )
                 )
-            deadline = time.monotonic() + CHILD_TIMEOUT_S
-            failed = []
-            while any(p.poll() is None for p in link.processes):
-                if any(p.poll() not in (None, 0) for p in link.processes):
-                    break  # one rank failed: the other would wait for it until gloo's timeout
-                if time.monotonic() > deadline:
-                    failed.append(f"ranks still running after {CHILD_TIMEOUT_S} s")
-                    break
-                time.sleep(0.1)
-            for rank, process in enumerate(link.processes):
-                if process.poll() not in (None, 0):
-                    failed.append(f"rank {rank} exited with {process.returncode}")
+            failed = wait_for_ranks(link.processes, CHILD_TIMEOUT_S)
             if failed or any(not path.exists() for path in results):
                 print(
                     f"allgather_netns: FAILED: {'; '.join(failed) or 'a rank wrote no result'}",
@@ -457,6 +446,25 @@ def _main(args) -> int:
         print("allgather_netns: FAILED: a compressed gather was not bit-exact", file=sys.stderr)
         return 1
     return 0
+
+
+def wait_for_ranks(processes: list, timeout_s: float, poll_s: float = 0.1) -> list[str]:
+    """Wait until every rank process has exited, one has failed, or ``timeout_s`` passed; what went wrong
+    (empty when every rank exited 0). A failed rank ends the wait at once: the other would wait for it
+    until gloo's timeout."""
+    deadline = time.monotonic() + timeout_s
+    failed = []
+    while any(p.poll() is None for p in processes):
+        if any(p.poll() not in (None, 0) for p in processes):
+            break
+        if time.monotonic() > deadline:
+            failed.append(f"ranks still running after {timeout_s} s")
+            break
+        time.sleep(poll_s)
+    for rank, process in enumerate(processes):
+        if process.poll() not in (None, 0):
+            failed.append(f"rank {rank} exited with {process.returncode}")
+    return failed
 
 
 def main() -> None:

@@ -516,18 +516,9 @@ def _main(args) -> int:
                     command = ["ip", "netns", "exec", link.namespaces[rank], *command]
                     rank_env["GLOO_SOCKET_IFNAME"] = link.devices[rank]
                 link.processes.append(subprocess.Popen(command, env=rank_env, cwd=_REPO_ROOT))
-            deadline = time.monotonic() + args.timeout_s
-            failed = []
-            while any(p.poll() is None for p in link.processes):
-                if any(p.poll() not in (None, 0) for p in link.processes):
-                    break  # one rank failed: the other would wait for it until gloo's timeout
-                if time.monotonic() > deadline:
-                    failed.append(f"ranks still running after {args.timeout_s} s")
-                    break
-                time.sleep(0.2)
-            for rank, process in enumerate(link.processes):
-                if process.poll() not in (None, 0):
-                    failed.append(f"rank {rank} exited with {process.returncode}")
+            from allgather_netns import wait_for_ranks
+
+            failed = wait_for_ranks(link.processes, args.timeout_s, poll_s=0.2)
             if failed or any(not path.exists() for path in results):
                 print(f"train_step: FAILED: {'; '.join(failed) or 'a rank wrote no result'}", file=sys.stderr)
                 return 1

@@ -1,8 +1,12 @@
-"""Measurement on a real group. Built so far: the model zoo and the corpus the measurements train on.
+"""Measurement on a real group. Built so far: the model zoo, the corpus, real training runs and their
+exponent statistics.
 
 - `measure.zoo`: `build_model(key, layers, width_scale, seed)` (torch, imported only when building),
   `parameter_categories(model)`, `scaled_shape`, `parameter_count`, `zoo_keys`, `ZooError`.
 - `measure.corpus`: byte-level tokens of the CPython documentation topics, deterministic `batches`.
+- `measure.train`: `ciera train` — a zoo model under DeepSpeed ZeRO-3 or FSDP2, CIERA on or off, on
+  spawned gloo ranks or under torchrun (`TrainConfig`, `train`, `run_rank`).
+- `measure.exponents`: exponent and block change rates per category between steps (`ExponentTracker`).
 - `ciera models` lists the zoo (measure/cli.py).
 
 Capture itself (per-layer timings, collectives sweep, exponent statistics) is not built yet: until it is,

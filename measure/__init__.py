@@ -9,8 +9,9 @@ exponent statistics.
 - `measure.exponents`: exponent and block change rates per category between steps (`ExponentTracker`).
 - `ciera models` lists the zoo (measure/cli.py).
 
-Capture itself (per-layer timings, collectives sweep, exponent statistics) is not built yet: until it is,
-the shipped bundle is analytic (`ciera analytic-bundle`) and every report says so.
+Trace capture into a bundle (`ciera measure`: per-event timelines, collectives sweeps, exponent tables) is
+not built yet: until it is, the shipped bundle is analytic (`ciera analytic-bundle`) and every report
+says so.
 """
 
 from .corpus import CorpusError, batch, batches, corpus_info

@@ -127,7 +127,6 @@ class AllGatherHandle:
 class _ShardState:
     numel: int
     dtype: DType
-    category: str
     compressed: bool
     encoder: ShardEncoder | None = None
     decoders: dict[int, ShardDecoder] = field(default_factory=dict)
@@ -235,7 +234,7 @@ class CompressedAllGather:
             logger.warning("ciera_runtime: shard %d (%s) is gathered raw: %s", shard_id, what, reason)
         else:
             compressed, reason = True, "compressed"
-        state = _ShardState(numel, dtype, category, compressed)
+        state = _ShardState(numel, dtype, compressed)
         if compressed:
             state.encoder = ShardEncoder(shard_id, numel, dtype, self.rank, self.config)
             state.decoders = {
@@ -458,8 +457,8 @@ class CompressedAllGather:
         contiguous = output is not None and output.is_contiguous()
         result = output if contiguous else torch.empty(world_size * plan.numel, dtype=state.torch_dtype)
         flat_result = result.view(-1)
-        own = torch.from_numpy(prepared.bits.view(np.int16)).view(state.torch_dtype)
         if plan.mode == protocol.MODE_RAW:
+            own = torch.from_numpy(prepared.bits.view(np.int16)).view(state.torch_dtype)
             self.stats.raw_gathers += 1
             self.stats.raw_bytes_equivalent += 2 * plan.numel
             self.stats.bytes_sent += 2 * plan.numel
@@ -467,12 +466,12 @@ class CompressedAllGather:
             self.stats.rounds += 1
             self._wait(raw_work, "raw all-gather", shard_id)
         else:
-            self._gather_compressed(prepared, state, plan, flat_result, own)
+            self._gather_compressed(prepared, state, plan, flat_result)
         if output is not None and not contiguous:
             output.copy_(result.view(output.shape))
         return output if output is not None else result
 
-    def _gather_compressed(self, prepared, state: _ShardState, plan, flat_result, own) -> None:
+    def _gather_compressed(self, prepared, state: _ShardState, plan, flat_result) -> None:
         world_size, rank, stats = self.world_size, self.rank, self.stats
         shard_id, encoder, numel = prepared.shard_id, state.encoder, plan.numel
         stats.raw_bytes_equivalent += 2 * numel

@@ -19,22 +19,6 @@ class CodecBackend(Protocol):
 
     name: str
 
-    def detect_changes_hash(
-        self,
-        bits,
-        exp_shift: int,
-        exp_mask: int,
-        block_size: int,
-        hash_cache,
-        exp_out,
-        changed_out,
-        force_all,
-    ) -> None: ...
-
-    def detect_changes_exact(
-        self, bits, exp_shift: int, exp_mask: int, block_size: int, exp_out, last_exp, changed_out, force_all
-    ) -> None: ...
-
     def encode_planes_hash(
         self,
         bits,
@@ -73,8 +57,6 @@ class CodecBackend(Protocol):
 
     def pack_sign_mantissa(self, bits, is_fp16: bool, out) -> None: ...
 
-    def merge_planes(self, exp, sign_mantissa, exp_shift: int, is_fp16: bool, out) -> None: ...
-
     def merge_planes_checked(self, exp, sign_mantissa, exp_shift: int, is_fp16: bool, out) -> int:
         """``merge_planes`` that also returns ``checksum64(sign_mantissa)`` (the caller compares)."""
         ...
@@ -84,8 +66,6 @@ class CodecBackend(Protocol):
     def scatter_blocks(self, packed, changed_blocks, block_offsets, block_size: int, exp) -> None: ...
 
     def checksum64(self, plane) -> int: ...
-
-    def ans_encode(self, data) -> bytes: ...
 
     def ans_encode_into(self, data, out) -> int:
         """ANS stream of ``data`` written into ``out``; its length, or -1 when it does not fit."""
@@ -105,20 +85,6 @@ class CpuBackend:
         self._kernels = kernels
         self._rans = rans
         kernels.start_thread_pool()
-
-    def detect_changes_hash(
-        self, bits, exp_shift, exp_mask, block_size, hash_cache, exp_out, changed_out, force_all
-    ):
-        self._kernels.detect_changes_hash(
-            bits, exp_shift, exp_mask, block_size, hash_cache, exp_out, changed_out, force_all
-        )
-
-    def detect_changes_exact(
-        self, bits, exp_shift, exp_mask, block_size, exp_out, last_exp, changed_out, force_all
-    ):
-        self._kernels.detect_changes_exact(
-            bits, exp_shift, exp_mask, block_size, exp_out, last_exp, changed_out, force_all
-        )
 
     def encode_planes_hash(
         self,
@@ -169,9 +135,6 @@ class CpuBackend:
     def pack_sign_mantissa(self, bits, is_fp16, out):
         self._kernels.pack_sign_mantissa(bits, is_fp16, out)
 
-    def merge_planes(self, exp, sign_mantissa, exp_shift, is_fp16, out):
-        self._kernels.merge_planes(exp, sign_mantissa, exp_shift, is_fp16, out)
-
     def merge_planes_checked(self, exp, sign_mantissa, exp_shift, is_fp16, out) -> int:
         return self._kernels.merge_planes_checked(exp, sign_mantissa, exp_shift, is_fp16, out)
 
@@ -183,9 +146,6 @@ class CpuBackend:
 
     def checksum64(self, plane: np.ndarray) -> int:
         return self._kernels.checksum64(plane)
-
-    def ans_encode(self, data: np.ndarray) -> bytes:
-        return self._rans.encode(data)
 
     def ans_encode_into(self, data: np.ndarray, out: np.ndarray) -> int:
         return self._rans.encode_into(data, out)

@@ -40,13 +40,10 @@ class OverlapReport:
 
 def _thread_safe_numba() -> bool:
     import numba
-    import numpy as np
 
     from ciera_runtime import kernels
 
-    # The first parallel kernel call is what selects numba's threading layer.
-    empty_u8, empty_u64 = np.zeros(0, np.uint8), np.zeros(0, np.uint64)
-    kernels.hash_blocks(empty_u8, empty_u64, 1, np.zeros((0, 2), np.uint64), empty_u8, False)
+    kernels.start_thread_pool()  # the first parallel kernel is what selects numba's threading layer
     return numba.threading_layer() in ("omp", "tbb")
 
 

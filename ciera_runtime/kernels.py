@@ -84,24 +84,6 @@ def _block_words_hash(exp, exp_words, start, stop, seed_a, seed_b):
     return _mix64(acc_a ^ length), _mix64(acc_b ^ length)
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def hash_blocks(exp, exp_words, block_size, hash_cache, changed_out, force_all):
-    """Flag blocks whose 128-bit exponent hash differs from ``hash_cache`` (n_blocks x 2), updating it.
-
-    ``exp_words`` is the exponent plane viewed as uint64 (its first floor(n/8)*8 bytes).
-    """
-    numel = exp.size
-    for block in prange(changed_out.size):
-        start = block * block_size
-        stop = min(start + block_size, numel)
-        hash_a, hash_b = _block_words_hash(exp, exp_words, start, stop, HASH_SEED_A, HASH_SEED_B)
-        changed = force_all or hash_cache[block, 0] != hash_a or hash_cache[block, 1] != hash_b
-        if changed:
-            hash_cache[block, 0] = hash_a
-            hash_cache[block, 1] = hash_b
-        changed_out[block] = changed
-
-
 @njit(inline="always")
 def _extract_hash_block(bits, exp_shift, exp_mask, exp, exp_words, start, stop, seed_a, seed_b):
     """Write the block's exponents into ``exp`` and return their 128-bit hash. The copy loop runs over
@@ -133,7 +115,7 @@ def _hash_one_block(
 def extract_and_hash_blocks(
     bits, exp_shift, exp_mask, exp, exp_words, block_size, hash_cache, changed_out, force_all
 ):
-    """``extract_exponents`` and ``hash_blocks`` fused per block: one pass over the shard, blocks on all
+    """``extract_exponents`` and the block hash fused per block: one pass over the shard, blocks on all
     of numba's threads."""
     for block in prange(changed_out.size):
         _hash_one_block(

@@ -157,10 +157,12 @@ def _float_bits(value: float) -> str:
 def _parameter_digest(named_full_tensors) -> str:
     import hashlib
 
+    import torch
+
     digest = hashlib.sha256()
     for name, tensor in named_full_tensors:
         digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
+        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -357,13 +359,15 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
             after - before for after, before in zip(_ciera_bytes(run.engines()), ciera_before, strict=True)
         )
         raw = sent - ciera_sent + ciera_raw  # CIERA's gathers counted at what they would have sent raw
-        summary = torch.tensor([loss.detach().float().item(), step_s], dtype=torch.float64)
         losses = torch.tensor([loss.detach().float().item()], dtype=torch.float32)
         dist.all_reduce(losses)  # a sum of W float32 values in a fixed order: the same on every rank
-        dist.all_reduce(summary[1:], op=dist.ReduceOp.MAX)
+        slowest_s = torch.tensor([step_s], dtype=torch.float64)
+        dist.all_reduce(slowest_s, op=dist.ReduceOp.MAX)
         mean_loss = float(losses.item()) / world_size
         mean_loss_f32 = struct.unpack("<f", struct.pack("<f", mean_loss))[0]
-        record = StepRecord(step, mean_loss_f32, _float_bits(mean_loss_f32), float(summary[1]), sent, raw)
+        record = StepRecord(
+            step, mean_loss_f32, _float_bits(mean_loss_f32), float(slowest_s.item()), sent, raw
+        )
         result.steps.append(record)
         report(dataclasses.asdict(record))
         if not math.isfinite(mean_loss):

@@ -397,13 +397,7 @@ def _main(args) -> int:
     if removed:
         print(f"allgather_netns: removed leftover namespaces {removed}", file=sys.stderr)
     link = Link(args.rate, args.delay_ms)
-    atexit.register(link.close)
-
-    def on_signal(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, on_signal)
+    close_on_exit(link)
     start_s = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="ciera-netns-") as scratch:
@@ -446,6 +440,18 @@ def _main(args) -> int:
         print("allgather_netns: FAILED: a compressed gather was not bit-exact", file=sys.stderr)
         return 1
     return 0
+
+
+def close_on_exit(link) -> None:
+    """Close ``link`` (remove what it created) at exit, and turn SIGINT/SIGTERM/SIGHUP into an exit so
+    that it runs then too."""
+    atexit.register(link.close)
+
+    def on_signal(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
 
 
 def wait_for_ranks(processes: list, timeout_s: float, poll_s: float = 0.1) -> list[str]:

@@ -36,12 +36,10 @@ one line, exit 2. Before and after training each rank measures the rate gloo get
 from __future__ import annotations
 
 import argparse
-import atexit
 import dataclasses
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -480,13 +478,9 @@ def _main(args) -> int:
     else:
         link = _Loopback()
         master_addr, port = "127.0.0.1", _free_port()
-    atexit.register(link.close)
+    from allgather_netns import close_on_exit, wait_for_ranks
 
-    def on_signal(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, on_signal)
+    close_on_exit(link)
     start_s = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="ciera-train-step-") as scratch:
@@ -516,8 +510,6 @@ def _main(args) -> int:
                     command = ["ip", "netns", "exec", link.namespaces[rank], *command]
                     rank_env["GLOO_SOCKET_IFNAME"] = link.devices[rank]
                 link.processes.append(subprocess.Popen(command, env=rank_env, cwd=_REPO_ROOT))
-            from allgather_netns import wait_for_ranks
-
             failed = wait_for_ranks(link.processes, args.timeout_s, poll_s=0.2)
             if failed or any(not path.exists() for path in results):
                 print(f"train_step: FAILED: {'; '.join(failed) or 'a rank wrote no result'}", file=sys.stderr)

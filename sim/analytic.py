@@ -36,6 +36,13 @@ from .model_config import ModelConfig, forward_flops, layer_parameters, load_mod
 
 GENERATOR_VERSION = "analytic/1"
 BYTES_PER_16BIT_VALUE = 2
+# DeepSpeed's defaults for stage3_prefetch_bucket_size, stage3_max_reuse_distance and
+# stage3_max_live_parameters (elements), recorded in every analytic run's `runs` row.
+DEEPSPEED_STAGE3_DEFAULTS = {
+    "prefetch_bucket_size": 50_000_000,
+    "max_reuse_distance": 1_000_000_000,
+    "max_live_parameters": 1_000_000_000,
+}
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,18 @@ def _run_tables(
         "versions": json.dumps(
             {"generator": GENERATOR_VERSION, "ciera_traces_schema": traces.SCHEMA_VERSION}
         ),
+        # The schedule modelled is ZeRO-3's with DeepSpeed's default stage-3 settings; no link is shaped or
+        # measured and nothing is warmed up or clock-aligned (these are model outputs, not captures).
+        "engine": "zero3",
+        "backend": "analytic",
+        "nodes": -(-world_size // cluster.gpus_per_node),
+        **DEEPSPEED_STAGE3_DEFAULTS,
+        "reshard_after_forward": False,
+        "link_rate_Bps": 0.0,
+        "link_latency_s": 0.0,
+        "measured_link_Bps": 0.0,
+        "warmup_iterations": 0,
+        "clock_spread_s": 0.0,
     }
     layer_rows: list[dict] = []
     iteration_rows: list[dict] = []

@@ -165,7 +165,8 @@ class CollectiveModel:
     def collectives_rows(
         self, cluster: str, world_sizes: list[int], sizes_bytes: list[int], source: str = "analytic"
     ) -> pd.DataFrame:
-        """A `collectives` table (trace schema v1) of this model's predictions, e.g. for analytic bundles."""
+        """A `collectives` table (trace schema v2) of this model's predictions, e.g. for analytic bundles:
+        one repetition each, so the median, minimum and maximum times are the predicted time."""
         rows = []
         for op in COLLECTIVE_OPS:
             for world_size in world_sizes:
@@ -184,10 +185,15 @@ class CollectiveModel:
                             "algbw_Bps": algbw_Bps(size, time_s),
                             "busbw_Bps": busbw_Bps(op, size, time_s, world_size),
                             "source": source,
+                            "repetitions": 1,
+                            "time_min_s": time_s,
+                            "time_max_s": time_s,
                         }
                     )
         frame = pd.DataFrame(rows)
-        return frame.astype({"world_size": "int32", "nodes": "int32", "bytes": "int64"})
+        return frame.astype(
+            {"world_size": "int32", "nodes": "int32", "bytes": "int64", "repetitions": "int32"}
+        )
 
 
 def _measured_points(preset: ClusterPreset, measured: pd.DataFrame | None) -> list[CalibrationPoint]:

@@ -1,7 +1,8 @@
 """Trace bundles: the versioned Parquet tables that measurement writes and the simulator reads.
 
-Public surface: `TraceBundle`, `read_bundle`, `write_bundle`, `validate_bundle`, `TraceError`,
-`default_bundle_path`, `SCHEMA_VERSION`. The format is documented in docs/trace-format.md.
+Public surface: `TraceBundle`, `read_bundle`, `write_bundle`, `validate_bundle`, `derive_layer_tables`,
+`TraceError`, `default_bundle_path`, `SCHEMA_VERSION`. The format (version 2; version-1 bundles are read and
+upgraded in memory) is documented in docs/trace-format.md.
 
 Model shapes (data both `measure` and `sim` read): `ModelShape`, `load_model_shape`, `model_keys`,
 `ModelShapeError` (traces/data/models/*.toml).
@@ -10,9 +11,10 @@ Model shapes (data both `measure` and `sim` read): `ModelShape`, `load_model_sha
 from pathlib import Path
 
 from .bundle import TABLE_NAMES, TraceBundle, empty_table, read_bundle, validate_bundle, write_bundle
+from .derive import derive_layer_tables
 from .errors import TraceError
 from .models import ModelShape, ModelShapeError, load_model_shape, model_keys
-from .schema import CATEGORIES, DTYPES, PHASES, SCHEMA_VERSION
+from .schema import BACKENDS, CATEGORIES, DTYPES, ENGINES, PHASES, SCHEMA_VERSION, STREAMS
 
 
 def default_bundle_path() -> Path:
@@ -21,16 +23,20 @@ def default_bundle_path() -> Path:
 
 
 __all__ = [
+    "BACKENDS",
     "CATEGORIES",
     "DTYPES",
+    "ENGINES",
     "ModelShape",
     "ModelShapeError",
     "PHASES",
     "SCHEMA_VERSION",
+    "STREAMS",
     "TABLE_NAMES",
     "TraceBundle",
     "TraceError",
     "default_bundle_path",
+    "derive_layer_tables",
     "empty_table",
     "load_model_shape",
     "model_keys",

@@ -1,7 +1,8 @@
-"""Read, validate and atomically write trace bundles (a directory of five Parquet tables)."""
+"""Read, validate and atomically write trace bundles (a directory of seven Parquet tables)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -16,36 +17,58 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .derive import DERIVED_COLUMNS, derive_layer_tables
 from .errors import TraceError
 from .schema import (
     ALLOWED_VALUES,
+    MINIMUM_VALUES,
     POSITIVE_INT_COLUMNS,
     RATE_COLUMNS,
+    READABLE_VERSIONS,
     SCHEMA_VERSION,
     SCHEMA_VERSION_KEY,
+    SCHEMAS_BY_VERSION,
     TABLE_SCHEMAS,
     with_metadata,
 )
+from .upgrade import V1_UPGRADE_NOTE, upgrade_v1_table
 
 TABLE_NAMES = tuple(TABLE_SCHEMAS)
+READABLE = " or ".join(str(v) for v in READABLE_VERSIONS)
+# Tolerances of the events rules (docs/trace-format.md).
+ORDER_TOLERANCE_S = 1e-9
+OVERLAP_TOLERANCE_S = 1e-6
+ITERATION_TOLERANCE_S = 1e-3
+ITERATION_TOLERANCE_REL = 1e-3
+
+
+def empty_table(name: str) -> pd.DataFrame:
+    return TABLE_SCHEMAS[name].empty_table().to_pandas()
+
+
+def _empty(name: str) -> Callable[[], pd.DataFrame]:
+    return lambda: empty_table(name)
 
 
 @dataclass(frozen=True)
 class TraceBundle:
-    """The five trace tables as pandas DataFrames, columns exactly as in `traces.schema`."""
+    """The seven trace tables as pandas DataFrames, columns exactly as in `traces.schema`.
+
+    `events` and `shard_changes` default to empty tables. `notes` says what the reader substituted
+    (a version-1 bundle upgraded in memory); it is not written.
+    """
 
     runs: pd.DataFrame
     layers: pd.DataFrame
     iterations: pd.DataFrame
     collectives: pd.DataFrame
     exponents: pd.DataFrame
+    events: pd.DataFrame = dataclasses.field(default_factory=_empty("events"))
+    shard_changes: pd.DataFrame = dataclasses.field(default_factory=_empty("shard_changes"))
+    notes: tuple[str, ...] = ()
 
     def table(self, name: str) -> pd.DataFrame:
         return getattr(self, name)
-
-
-def empty_table(name: str) -> pd.DataFrame:
-    return TABLE_SCHEMAS[name].empty_table().to_pandas()
 
 
 def _describe(value: object) -> str:
@@ -66,24 +89,23 @@ def _normalised(arrow_type: pa.DataType) -> pa.DataType:
     )
 
 
-def _check_columns(origin: str, name: str, actual: pa.Schema) -> None:
-    expected = TABLE_SCHEMAS[name]
+def _check_columns(origin: str, name: str, actual: pa.Schema, version: int = SCHEMA_VERSION) -> None:
+    expected = SCHEMAS_BY_VERSION[version][name]
     missing = [f for f in expected.names if f not in actual.names]
     if missing:
         raise _fail(origin, name, missing[0], "missing column")
     extra = [f for f in actual.names if f not in expected.names]
     if extra:
-        raise _fail(origin, name, extra[0], f"unexpected column (schema v{SCHEMA_VERSION} has none such)")
+        raise _fail(origin, name, extra[0], f"unexpected column (schema v{version} has none such)")
     for field in expected:
         found = actual.field(field.name).type
         if _normalised(found) != _normalised(field.type):
             raise _fail(origin, name, field.name, f"type {_normalised(found)}, expected {field.type}")
 
 
-def _check_values(origin: str, name: str, frame: pd.DataFrame) -> None:
+def _check_values(origin: str, name: str, frame: pd.DataFrame, schema: pa.Schema | None = None) -> None:
     """Per-column value checks: no NaN/inf/negative numbers, closed sets, rates in [0, 1]."""
-    schema = TABLE_SCHEMAS[name]
-    for field in schema:
+    for field in schema or TABLE_SCHEMAS[name]:
         column = frame[field.name]
         if pa.types.is_string(field.type):
             if column.isna().any():
@@ -106,10 +128,11 @@ def _check_values(origin: str, name: str, frame: pd.DataFrame) -> None:
             raise _fail(
                 origin, name, field.name, f"value {_describe(values[~finite][0])}, expected a finite number"
             )
-        negative = values < 0
-        if negative.any():
+        floor = MINIMUM_VALUES.get((name, field.name), 0)
+        below = values < floor
+        if below.any():
             raise _fail(
-                origin, name, field.name, f"value {_describe(column[negative].iloc[0])}, expected >= 0"
+                origin, name, field.name, f"value {_describe(column[below].iloc[0])}, expected >= {floor}"
             )
         if (name, field.name) in POSITIVE_INT_COLUMNS and (values < 1).any():
             raise _fail(
@@ -156,7 +179,19 @@ def _check_runs(origin: str, bundle: TraceBundle) -> None:
         runs["full_layers"] < runs["layers"],
         lambda row: f"value {row.full_layers} < layers {row.layers} in run {row.run_id!r}",
     )
-    for name in ("layers", "iterations", "exponents"):
+    implied_nodes = -(-runs["world_size"] // runs["gpus_per_node"])
+    _raise_first(
+        origin,
+        "runs",
+        "nodes",
+        runs,
+        runs["nodes"] != implied_nodes,
+        lambda row: (
+            f"value {row.nodes} in run {row.run_id!r}, expected ceil(world_size {row.world_size} / "
+            f"gpus_per_node {row.gpus_per_node}) = {-(-row.world_size // row.gpus_per_node)}"
+        ),
+    )
+    for name in ("layers", "iterations", "exponents", "events", "shard_changes"):
         frame = bundle.table(name)
         _raise_first(
             origin,
@@ -213,6 +248,15 @@ def _check_layers(origin: str, bundle: TraceBundle) -> None:
 
 
 def _check_iterations(origin: str, bundle: TraceBundle) -> None:
+    iterations = bundle.iterations
+    _raise_first(
+        origin,
+        "iterations",
+        "iteration",
+        iterations,
+        iterations.duplicated(["run_id", "iteration"]),
+        lambda row: f"run {row.run_id!r} iteration {row.iteration} appears twice, expected one row",
+    )
     layer_iters = set(
         map(tuple, bundle.layers[["run_id", "iteration"]].drop_duplicates().to_numpy().tolist())
     )
@@ -227,19 +271,21 @@ def _check_iterations(origin: str, bundle: TraceBundle) -> None:
         )
 
 
-def _check_exponents(origin: str, bundle: TraceBundle) -> None:
-    exps = bundle.exponents
-    if not len(exps):
-        return
-    traced_l = exps["run_id"].map(bundle.runs.set_index("run_id")["layers"])
-    _raise_first(
-        origin,
-        "exponents",
-        "layer",
-        exps,
-        exps["layer"] > traced_l + 1,
-        lambda row: f"value {row.layer} beyond runs.layers + 1 of run {row.run_id!r}",
-    )
+def _check_parameter_tables(origin: str, bundle: TraceBundle) -> None:
+    """`exponents` and `shard_changes`: every parameter's layer lies within 0..L+1 of its run."""
+    traced = bundle.runs.set_index("run_id")["layers"]
+    for name in ("exponents", "shard_changes"):
+        frame = bundle.table(name)
+        if not len(frame):
+            continue
+        _raise_first(
+            origin,
+            name,
+            "layer",
+            frame,
+            frame["layer"] > frame["run_id"].map(traced) + 1,
+            lambda row: f"value {row.layer} beyond runs.layers + 1 of run {row.run_id!r}",
+        )
 
 
 def _check_collectives(origin: str, bundle: TraceBundle) -> None:
@@ -266,6 +312,26 @@ def _check_collectives(origin: str, bundle: TraceBundle) -> None:
         lambda row: (
             f"value {row.nodes} for world_size {row.world_size} on cluster {row.cluster!r}, runs there "
             f"have gpus_per_node {int(gpus_per_node[row.name])} so expected {int(implied_nodes[row.name])}"
+        ),
+    )
+    _raise_first(
+        origin,
+        "collectives",
+        "time_min_s",
+        coll,
+        coll["time_min_s"] > coll["time_s"] * (1 + 1e-9),
+        lambda row: (
+            f"value {row.time_min_s:.9g} > time_s {row.time_s:.9g} (the median) for {row.op} of {row.bytes} bytes"
+        ),
+    )
+    _raise_first(
+        origin,
+        "collectives",
+        "time_max_s",
+        coll,
+        coll["time_max_s"] * (1 + 1e-9) < coll["time_s"],
+        lambda row: (
+            f"value {row.time_max_s:.9g} < time_s {row.time_s:.9g} (the median) for {row.op} of {row.bytes} bytes"
         ),
     )
     expected_algbw = coll["bytes"] / coll["time_s"].where(coll["time_s"] > 0)
@@ -297,9 +363,172 @@ def _check_collectives(origin: str, bundle: TraceBundle) -> None:
     )
 
 
+def _where(row: Any) -> str:
+    return (
+        f"run {row.run_id!r} rank {row['rank']} iteration {row.iteration} layer {row.layer} "
+        f"phase {row.phase!r} stream {row.stream!r}"
+    )
+
+
+def _check_events(origin: str, bundle: TraceBundle) -> None:
+    events = bundle.events
+    if not len(events):
+        return
+    runs = bundle.runs.set_index("run_id")
+    world_size = events["run_id"].map(runs["world_size"])
+    _raise_first(
+        origin,
+        "events",
+        "rank",
+        events,
+        events["rank"] >= world_size,
+        lambda row: (
+            f"value {row['rank']} in run {row.run_id!r}, expected 0..{int(world_size[row.name]) - 1} (runs.world_size - 1)"
+        ),
+    )
+    traced = events["run_id"].map(runs["layers"])
+    _raise_first(
+        origin,
+        "events",
+        "layer",
+        events,
+        events["layer"] > traced + 1,
+        lambda row: (
+            f"value {row.layer} in run {row.run_id!r}, expected -1..{int(traced[row.name]) + 1} (runs.layers + 1)"
+        ),
+    )
+    checkpointing = events["run_id"].map(runs["activation_checkpointing"]).astype(bool)
+    _raise_first(
+        origin,
+        "events",
+        "phase",
+        events,
+        (events["phase"] == "recompute") & ~checkpointing,
+        lambda row: f"value 'recompute' ({_where(row)}) but the run has activation_checkpointing false",
+    )
+    _raise_first(
+        origin,
+        "events",
+        "issued_s",
+        events,
+        events["issued_s"] > events["start_s"] + ORDER_TOLERANCE_S,
+        lambda row: f"value {row.issued_s:.9g} > start_s {row.start_s:.9g} ({_where(row)})",
+    )
+    _raise_first(
+        origin,
+        "events",
+        "end_s",
+        events,
+        events["end_s"] < events["start_s"] - ORDER_TOLERANCE_S,
+        lambda row: f"value {row.end_s:.9g} < start_s {row.start_s:.9g} ({_where(row)})",
+    )
+    streams = ["run_id", "rank", "iteration", "stream"]
+    ordered = events.sort_values([*streams, "start_s"], kind="stable")
+    same_stream = (ordered[streams] == ordered[streams].shift()).all(axis=1)
+    previous_end = ordered["end_s"].shift()
+    _raise_first(
+        origin,
+        "events",
+        "start_s",
+        ordered.assign(previous_end=previous_end),
+        same_stream & (ordered["start_s"] < previous_end - OVERLAP_TOLERANCE_S),
+        lambda row: (
+            f"value {row.start_s:.9g} overlaps the previous event on its stream, which ends at "
+            f"{row.previous_end:.9g} ({_where(row)})"
+        ),
+    )
+    iteration_s = (
+        bundle.iterations.set_index(["run_id", "iteration"])["iteration_s"]
+        .reindex(pd.MultiIndex.from_frame(events[["run_id", "iteration"]]))
+        .to_numpy()
+    )
+    _raise_first(
+        origin,
+        "events",
+        "iteration",
+        events,
+        np.isnan(iteration_s),
+        lambda row: (
+            f"run {row.run_id!r} iteration {row.iteration} has events but no row in table 'iterations'"
+        ),
+    )
+    limit = iteration_s * (1 + ITERATION_TOLERANCE_REL) + ITERATION_TOLERANCE_S
+    _raise_first(
+        origin,
+        "events",
+        "end_s",
+        events.assign(iteration_s=iteration_s),
+        events["end_s"].to_numpy() > limit,
+        lambda row: (
+            f"value {row.end_s:.9g} is past iteration_s {row.iteration_s:.9g} of its iteration "
+            f"(+{ITERATION_TOLERANCE_S:g} s +{ITERATION_TOLERANCE_REL:.1%}) ({_where(row)})"
+        ),
+    )
+
+
+def _check_layers_match_events(origin: str, bundle: TraceBundle) -> None:
+    """For runs with events, `layers` must be what `derive_layer_tables` makes of them."""
+    if not len(bundle.events):
+        return
+    key = ["run_id", "iteration", "layer", "phase"]
+    layers = bundle.layers[bundle.layers["run_id"].isin(bundle.events["run_id"])]
+    layer_numel = layers.drop_duplicates(["run_id", "layer"])[["run_id", "layer", "numel"]]
+    try:
+        derived, _ = derive_layer_tables(bundle.runs, bundle.events, layer_numel)
+    except TraceError as error:
+        raise _fail(origin, "layers", "numel", str(error)) from None
+    joined = derived.astype({"run_id": object, "phase": object}).merge(
+        layers.astype({"run_id": object, "phase": object}),
+        on=key,
+        how="outer",
+        suffixes=("_events", ""),
+        indicator=True,
+    )
+
+    def where(row: Any) -> str:
+        return f"run {row.run_id!r} iteration {row.iteration} layer {row.layer} phase {row.phase!r}"
+
+    _raise_first(
+        origin,
+        "layers",
+        "phase",
+        joined,
+        joined["_merge"] == "left_only",
+        lambda row: f"{where(row)}: the run's events imply this row, the table lacks it",
+    )
+    _raise_first(
+        origin,
+        "layers",
+        "phase",
+        joined,
+        joined["_merge"] == "right_only",
+        lambda row: f"{where(row)}: row not implied by the run's events",
+    )
+    for column in DERIVED_COLUMNS:
+        expected = joined[f"{column}_events"].astype(float)
+        _raise_first(
+            origin,
+            "layers",
+            column,
+            joined,
+            ~np.isclose(joined[column].astype(float), expected, rtol=1e-6, atol=1e-9),
+            lambda row, column=column: (
+                f"{where(row)}: value {row[column]:.9g}, its events give {row[column + '_events']:.9g}"
+            ),
+        )
+
+
 def _check_consistency(origin: str, bundle: TraceBundle) -> None:
     """Cross-table rules of docs/trace-format.md."""
-    for check in (_check_runs, _check_layers, _check_iterations, _check_exponents, _check_collectives):
+    for check in (
+        _check_runs,
+        _check_layers,
+        _check_iterations,
+        _check_parameter_tables,
+        _check_collectives,
+        _check_events,
+        _check_layers_match_events,
+    ):
         check(origin, bundle)
 
 
@@ -331,39 +560,62 @@ def _arrow_of(name: str, frame: pd.DataFrame, origin: str) -> pa.Table:
         ) from None
 
 
+def _read_table(file: Path, name: str) -> tuple[pa.Table, int]:
+    """The Arrow table in `file` and the schema version its metadata names (one this reader reads)."""
+    if not file.is_file():
+        raise TraceError(f"{file}: table '{name}' missing from bundle")
+    try:
+        table = pq.read_table(file)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise TraceError(
+            f"{file}: table '{name}' is not readable Parquet: {str(error).splitlines()[0]}"
+        ) from None
+    version = (table.schema.metadata or {}).get(SCHEMA_VERSION_KEY)
+    if version is None:
+        raise TraceError(
+            f"{file}: table '{name}' carries no {SCHEMA_VERSION_KEY.decode()} metadata, expected version {READABLE}"
+        )
+    if version.decode() not in {str(v) for v in READABLE_VERSIONS}:
+        raise TraceError(
+            f"{file}: table '{name}' has schema version {version.decode()!r}, this reader reads version {READABLE}"
+        )
+    return table, int(version.decode())
+
+
 def read_bundle(path: str | os.PathLike[str]) -> TraceBundle:
-    """Read and validate the bundle directory at `path`."""
+    """Read and validate the bundle directory at `path`.
+
+    A version-1 bundle (five tables) is upgraded in memory to version 2 and the bundle's `notes` say so.
+    """
     root = Path(path)
     if not root.is_dir():
         raise TraceError(
             f"{root}: not a trace bundle directory (expected {', '.join(n + '.parquet' for n in TABLE_NAMES)})"
         )
     frames: dict[str, pd.DataFrame] = {}
+    bundle_version: int | None = None  # that of runs.parquet, read first; every table must agree
     for name in TABLE_NAMES:
         file = root / f"{name}.parquet"
-        if not file.is_file():
-            raise TraceError(f"{file}: table '{name}' missing from bundle")
-        try:
-            table = pq.read_table(file)
-        except (pa.ArrowInvalid, OSError) as error:
+        if bundle_version is not None and name not in SCHEMAS_BY_VERSION[bundle_version]:
+            if file.exists():
+                raise TraceError(
+                    f"{file}: table '{name}' in a schema version {bundle_version} bundle, which has no such table"
+                )
+            frames[name] = empty_table(name)
+            continue
+        table, version = _read_table(file, name)
+        if bundle_version is None:
+            bundle_version = version
+        elif version != bundle_version:
             raise TraceError(
-                f"{file}: table '{name}' is not readable Parquet: {str(error).splitlines()[0]}"
-            ) from None
-        metadata = table.schema.metadata or {}
-        version = metadata.get(SCHEMA_VERSION_KEY)
-        if version is None:
-            raise TraceError(
-                f"{file}: table '{name}' carries no {SCHEMA_VERSION_KEY.decode()} metadata, expected version {SCHEMA_VERSION}"
+                f"{file}: table '{name}' has schema version '{version}', the bundle's runs.parquet has '{bundle_version}'"
             )
-        if version.decode() != str(SCHEMA_VERSION):
-            raise TraceError(
-                f"{file}: table '{name}' has schema version {version.decode()!r}, this reader reads version {SCHEMA_VERSION}"
-            )
-        _check_columns(str(file), name, table.schema)
-        frame = table.select(TABLE_SCHEMAS[name].names).cast(TABLE_SCHEMAS[name]).to_pandas()
-        _check_values(str(file), name, frame)
-        frames[name] = frame
-    bundle = TraceBundle(**frames)
+        schema = SCHEMAS_BY_VERSION[version][name]
+        _check_columns(str(file), name, table.schema, version)
+        frame = table.select(schema.names).cast(schema).to_pandas()
+        _check_values(str(file), name, frame, schema)
+        frames[name] = frame if version == SCHEMA_VERSION else upgrade_v1_table(name, frame)
+    bundle = TraceBundle(**frames, notes=(V1_UPGRADE_NOTE,) if bundle_version == 1 else ())
     _check_consistency(str(root), bundle)
     return bundle
 

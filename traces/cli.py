@@ -25,18 +25,25 @@ def validate_command(
     bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the row counts as JSON.")] = False,
 ) -> None:
-    """Check a bundle against the schema and consistency rules; exit 2 on the first problem."""
+    """Check a bundle against the schema and consistency rules; exit 2 on the first problem.
+
+    What the reader substituted (a version-1 bundle read as version 2) is printed as notes."""
     loaded = read_bundle(bundle)
     counts = {name: len(loaded.table(name)) for name in TABLE_NAMES}
     if json_out:
-        print(json.dumps({"bundle": str(bundle), "valid": True, "rows": counts}))
+        print(json.dumps({"bundle": str(bundle), "valid": True, "rows": counts, "notes": list(loaded.notes)}))
+        for note in loaded.notes:
+            Console(stderr=True).print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
         return
     table = Table(title=f"{bundle}: valid trace bundle")
     table.add_column("table")
     table.add_column("rows", justify="right")
     for name, count in counts.items():
         table.add_row(name, str(count))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for note in loaded.notes:
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

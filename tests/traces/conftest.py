@@ -29,6 +29,18 @@ def make_tiny_bundle(layers: int = 2, world_size: int = 4, iterations: int = 2) 
                 "activation_checkpointing": True,
                 "optimizer": "adam",
                 "versions": "{}",
+                "engine": "zero3",
+                "backend": "gloo",
+                "nodes": -(-world_size // 2),
+                "prefetch_bucket_size": 50_000_000,
+                "max_reuse_distance": 1_000_000_000,
+                "max_live_parameters": 1_000_000_000,
+                "reshard_after_forward": False,
+                "link_rate_Bps": 125e6,
+                "link_latency_s": 1e-4,
+                "measured_link_Bps": 77e6,
+                "warmup_iterations": 2,
+                "clock_spread_s": 2e-6,
             }
         ]
     )
@@ -83,6 +95,9 @@ def make_tiny_bundle(layers: int = 2, world_size: int = 4, iterations: int = 2) 
                 "algbw_Bps": (1 << 20) / 0.001,
                 "busbw_Bps": (1 << 20) / 0.001 * (world_size - 1) / world_size,
                 "source": "measured",
+                "repetitions": 5,
+                "time_min_s": 0.0009,
+                "time_max_s": 0.0012,
             }
         ]
     )

@@ -84,7 +84,13 @@ def test_writer_validates_before_writing(tiny_bundle, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def _write_raw(bundle: traces.TraceBundle, root: Path, table: str, arrow_table: pa.Table, version: str = "1"):
+def _write_raw(
+    bundle: traces.TraceBundle,
+    root: Path,
+    table: str,
+    arrow_table: pa.Table,
+    version: str = str(traces.SCHEMA_VERSION),
+):
     """Write a bundle, then replace one table's file with `arrow_table` as given (no validation)."""
     traces.write_bundle(bundle, root)
     metadata = {SCHEMA_VERSION_KEY: version.encode(), b"ciera.table": table.encode()}
@@ -152,7 +158,7 @@ def test_bad_table_is_one_line_naming_file_table_column_value(case, tiny_bundle,
 def test_unknown_schema_version(tiny_bundle, tmp_path):
     root = tmp_path / "b"
     _write_raw(tiny_bundle, root, "runs", _arrow(tiny_bundle.runs), version="99")
-    with pytest.raises(traces.TraceError, match="schema version '99', this reader reads version 1"):
+    with pytest.raises(traces.TraceError, match="schema version '99', this reader reads version 1 or 2"):
         traces.read_bundle(root)
 
 

@@ -1,0 +1,181 @@
+"""The per-layer tables (`layers`, `iterations`) of a run, derived from its timed `events`.
+
+docs/trace-format.md (*Deriving layers from events*) states the rules; in short, per run, iteration, layer
+0..L+1 and phase (fwd, recompute when the run checkpoints activations, bwd, optim):
+
+- compute_s: the summed durations of the compute-stream events of that (layer, phase); for phase optim
+  also the optim-stream events of that layer, plus the layer's numel share (numel / the run's total numel)
+  of the optim-stream events with layer -1 (an engine's single optimizer step over all parameters is
+  apportioned to the layers by their parameter counts);
+- allgather_s / allgather_bytes and reduce_scatter_s / reduce_scatter_bytes: durations and raw_bytes of
+  that stream's events (bytes rounded to an integer); compress_s / decompress_s: durations of the
+  codec_send / codec_recv events; hash_s = 0 (the codec hashes inside its encode pass);
+
+each a mean over ranks of the per-rank sums: the total over the ranks that have events in that iteration,
+divided by how many they are (all W ranks in a full capture). Events of other streams (all_reduce) and
+other events with layer -1 belong to no layer and count only in the iteration's time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .errors import TraceError
+from .schema import ITERATIONS, LAYERS, PHASES
+
+KEY = ["run_id", "iteration", "layer", "phase"]
+# The layers columns derived from events, and the stream each one sums (compute_s is assembled apart).
+STREAM_COLUMNS = {
+    "allgather": ("allgather_s", "allgather_bytes"),
+    "reduce_scatter": ("reduce_scatter_s", "reduce_scatter_bytes"),
+    "codec_send": ("compress_s", None),
+    "codec_recv": ("decompress_s", None),
+}
+DERIVED_COLUMNS = (
+    "compute_s",
+    "allgather_s",
+    "allgather_bytes",
+    "reduce_scatter_s",
+    "reduce_scatter_bytes",
+    "compress_s",
+    "decompress_s",
+)
+BYTE_COLUMNS = ("allgather_bytes", "reduce_scatter_bytes")
+
+
+def _typed(schema, frame: pd.DataFrame) -> pd.DataFrame:
+    dtypes = schema.empty_table().to_pandas().dtypes.to_dict()
+    return frame[schema.names].astype(dtypes).reset_index(drop=True)
+
+
+def _layer_shares(runs: pd.DataFrame, run_ids: list[str], layer_numel: pd.DataFrame) -> pd.DataFrame:
+    """(run_id, layer, numel, share): every layer 0..L+1 of each run, share = numel / the run's total."""
+    traced = runs.set_index("run_id")["layers"]
+    grid = pd.DataFrame(
+        [(run_id, layer) for run_id in run_ids for layer in range(int(traced[run_id]) + 2)],
+        columns=["run_id", "layer"],
+    )
+    numel = layer_numel[["run_id", "layer", "numel"]].drop_duplicates(["run_id", "layer"])
+    grid = grid.merge(numel, on=["run_id", "layer"], how="left")
+    missing = grid["numel"].isna()
+    if missing.any():
+        row = grid[missing].iloc[0]
+        raise TraceError(f"layer_numel: run {row.run_id!r} has no numel for layer {row.layer}")
+    grid["numel"] = grid["numel"].astype(np.int64)
+    total = grid.groupby("run_id")["numel"].transform("sum").astype(float)
+    count = grid.groupby("run_id")["layer"].transform("size")
+    # A run whose layers all have numel 0 splits the step evenly, so no time is lost.
+    grid["share"] = np.where(total > 0, grid["numel"] / total.where(total > 0, 1.0), 1.0 / count)
+    return grid
+
+
+def _contributions(events: pd.DataFrame, shares: pd.DataFrame) -> pd.DataFrame:
+    """Long frame (run_id, iteration, layer, phase, column, value): what each event adds to which cell."""
+    duration = events["end_s"] - events["start_s"]
+    tied = events["layer"] >= 0
+    parts = []
+    compute = events[tied & (events["stream"] == "compute")]
+    parts.append(compute[KEY].assign(column="compute_s", value=duration[compute.index]))
+    optim = events[tied & (events["stream"] == "optim")]
+    parts.append(optim[KEY].assign(phase="optim", column="compute_s", value=duration[optim.index]))
+    for stream, (time_column, bytes_column) in STREAM_COLUMNS.items():
+        chosen = events[tied & (events["stream"] == stream)]
+        parts.append(chosen[KEY].assign(column=time_column, value=duration[chosen.index]))
+        if bytes_column:
+            parts.append(chosen[KEY].assign(column=bytes_column, value=chosen["raw_bytes"].astype(float)))
+    whole_step = events[~tied & (events["stream"] == "optim")]
+    if len(whole_step):
+        per_iteration = (
+            whole_step.assign(value=duration[whole_step.index])
+            .groupby(["run_id", "iteration"], as_index=False)["value"]
+            .sum()
+        )
+        spread = per_iteration.merge(shares[["run_id", "layer", "share"]], on="run_id")
+        parts.append(
+            spread.assign(phase="optim", column="compute_s", value=spread["value"] * spread["share"])[
+                [*KEY, "column", "value"]
+            ]
+        )
+    return pd.concat([part[[*KEY, "column", "value"]] for part in parts], ignore_index=True)
+
+
+def derive_layer_tables(
+    runs: pd.DataFrame,
+    events: pd.DataFrame,
+    layer_numel: pd.DataFrame,
+    iteration_s: pd.DataFrame | None = None,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(layers, iterations) rows of every run that has events, as docs/trace-format.md derives them.
+
+    `layer_numel` (run_id, layer, numel) gives each layer's unsharded parameter count; every layer
+    0..L+1 of a run with events needs one. `iteration_s` (run_id, iteration, iteration_s), when given,
+    supplies each iteration's measured time; without it an iteration lasts until its last event ends
+    (max over ranks of the latest end_s). Raises TraceError when a number it needs is missing.
+    """
+    frame = pd.DataFrame(events).astype({"run_id": object, "phase": object, "stream": object})
+    present = set(frame["run_id"])
+    run_ids = [run_id for run_id in pd.unique(runs["run_id"]) if run_id in present]
+    unknown = sorted(present - set(run_ids))
+    if unknown:
+        raise TraceError(f"events: run {unknown[0]!r} is not in runs")
+    if not run_ids:
+        return _typed(LAYERS, pd.DataFrame(columns=LAYERS.names)), _typed(
+            ITERATIONS, pd.DataFrame(columns=ITERATIONS.names)
+        )
+    shares = _layer_shares(runs, run_ids, layer_numel)
+    settings = runs.set_index("run_id")
+
+    iterations = frame.groupby(["run_id", "iteration"], as_index=False).agg(
+        ranks=("rank", "nunique"), iteration_s=("end_s", "max")
+    )
+    if iteration_s is not None:
+        given = pd.DataFrame(iteration_s)[["run_id", "iteration", "iteration_s"]].astype({"run_id": object})
+        iterations = iterations.drop(columns="iteration_s").merge(
+            given, on=["run_id", "iteration"], how="left"
+        )
+        missing = iterations["iteration_s"].isna()
+        if missing.any():
+            row = iterations[missing].iloc[0]
+            raise TraceError(
+                f"iteration_s: run {row.run_id!r} iteration {row.iteration} has events but no iteration_s"
+            )
+
+    grid = iterations[["run_id", "iteration", "ranks"]].merge(
+        shares[["run_id", "layer", "numel"]], on="run_id"
+    )
+    phase_rows = [
+        (run_id, phase)
+        for run_id in run_ids
+        for phase in PHASES
+        if phase != "recompute" or bool(settings.at[run_id, "activation_checkpointing"])
+    ]
+    grid = grid.merge(pd.DataFrame(phase_rows, columns=["run_id", "phase"]), on="run_id")
+
+    sums = _contributions(frame, shares).groupby([*KEY, "column"])["value"].sum().unstack("column")
+    sums = sums.reindex(columns=list(DERIVED_COLUMNS)).reset_index()
+    layers = grid.merge(sums, on=KEY, how="left")
+    for column in DERIVED_COLUMNS:
+        mean = layers[column].fillna(0.0) / layers["ranks"]
+        layers[column] = np.rint(mean).astype(np.int64) if column in BYTE_COLUMNS else mean
+    traced = layers["run_id"].map(settings["layers"])
+    layers["layer_kind"] = np.where(
+        layers["layer"] == 0, "embedding", np.where(layers["layer"] == traced + 1, "head", "block")
+    )
+    layers["hash_s"] = 0.0
+    run_order = {run_id: index for index, run_id in enumerate(run_ids)}
+    layers = layers.sort_values(
+        ["run_id", "iteration", "layer", "phase"],
+        key=lambda column: (
+            column.map(run_order)
+            if column.name == "run_id"
+            else column.map(PHASES.index)
+            if column.name == "phase"
+            else column
+        ),
+        kind="stable",
+    )
+    iterations = iterations.sort_values(
+        ["run_id", "iteration"], key=lambda c: c.map(run_order) if c.name == "run_id" else c
+    )
+    return _typed(LAYERS, layers), _typed(ITERATIONS, iterations)

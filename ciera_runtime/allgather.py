@@ -43,8 +43,14 @@ from ciera_runtime.errors import CieraError, GatherError, GatherTimeoutError
 
 logger = logging.getLogger("ciera_runtime")
 
+
 # torch >= 2.13 names all_gather_into_tensor all_gather_single (the old name warns); same collective.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _all_gather_single(output, input_tensor, group=None, async_op=False):
+    # Looked up at each call, so a counter or timer that wraps torch.distributed later sees it too.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input_tensor, group=group, async_op=async_op)
+
+
 _TORCH_DTYPES = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 # Send buffers kept per engine: one for the gather in flight, one for the next one CCP prepares.
 _SEND_BUFFERS = 2
@@ -53,6 +59,7 @@ _SEND_BUFFERS = 2
 # rank's control row before it is sent), "send" (its bulk row before it is sent) or "receive" (every
 # received bulk row, W x row_bytes, before decoding); it may modify the array in place.
 FaultInjector = Callable[[str, int, np.ndarray], None]
+CodecTimer = Callable[[str, int, float, float, int], None]
 
 
 @dataclass
@@ -171,6 +178,10 @@ class CompressedAllGather:
         self.stats = GatherStats()
         self.registrations: dict[int, Registration] = {}
         self.fault_injector: FaultInjector | None = None
+        # A measurement hook: called with (stream, shard_id, start_s, end_s, raw_bytes) on
+        # time.perf_counter's clock for every encode ("codec_send", raw_bytes 0) and every decode + merge
+        # ("codec_recv", raw_bytes: the gathered size uncompressed) of a compressed shard.
+        self.codec_timer: CodecTimer | None = None
         self._shards: dict[int, _ShardState] = {}
         self._send_buffer_bytes = 0  # size of each kept send buffer: the largest compressed payload
         self._free_buffers: list[np.ndarray] = []
@@ -315,7 +326,10 @@ class CompressedAllGather:
         except Exception as error:  # noqa: BLE001 — reported to every rank by the control round
             self.release(prepared)
             prepared.error, prepared.exception = str(error), error
-        prepared.encode_s = time.perf_counter() - start_s
+        end_s = time.perf_counter()
+        prepared.encode_s = end_s - start_s
+        if self.codec_timer is not None and prepared.payload is not None:
+            self.codec_timer("codec_send", prepared.shard_id, start_s, end_s, 0)
         return prepared
 
     def _check_output(self, output, state: _ShardState) -> str | None:
@@ -478,7 +492,10 @@ class CompressedAllGather:
         send = prepared.buffer
         if plan.resync[rank]:
             stats.resyncs += 1
+            resync_start_s = time.perf_counter()
             payload = encoder.encode_resync(prepared.bits, generation=prepared.generation, out=send)
+            if self.codec_timer is not None:
+                self.codec_timer("codec_send", shard_id, resync_start_s, time.perf_counter(), 0)
         else:
             payload = prepared.payload
         send[payload.size : plan.row_bytes] = 0
@@ -510,7 +527,10 @@ class CompressedAllGather:
             except (CieraError, ValueError) as error:
                 failure = f"rebuilding rank {source}'s shard: {error}"
                 break
-        stats.decode_s += time.perf_counter() - decode_start_s
+        decode_end_s = time.perf_counter()
+        stats.decode_s += decode_end_s - decode_start_s
+        if self.codec_timer is not None:
+            self.codec_timer("codec_recv", shard_id, decode_start_s, decode_end_s, 2 * numel * world_size)
         status_send = torch.from_numpy(protocol.pack_status(bool(failure), failure).copy())
         status_recv = torch.empty(world_size * status_send.numel(), dtype=torch.uint8)
         status_work = _all_gather_single(status_recv, status_send, group=self.group, async_op=True)

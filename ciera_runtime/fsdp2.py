@@ -47,7 +47,13 @@ from ciera_runtime.codec import CodecConfig
 
 logger = logging.getLogger("ciera_runtime")
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+def _all_gather_single(output, input_tensor, group=None, async_op=False):
+    # Looked up at each call, so a counter or timer that wraps torch.distributed later sees it too.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input_tensor, group=group, async_op=async_op)
+
+
 _COMPRESSIBLE = (torch.bfloat16, torch.float16)
 # Iterations of per-module gather counts kept (a list of dicts).
 _HISTORY = 64

@@ -57,6 +57,11 @@ class TrainConfig:
     # ZeRO-3 keeps parameters below this many elements unpartitioned (DeepSpeed's default is 1e5, which at
     # this machine's model sizes would keep nearly every parameter whole and never gather it).
     persistence_threshold: int = 0
+    # The engine configuration that shapes the schedule (None: the engine's own default, recorded as used).
+    prefetch_bucket_size: int | None = None  # DeepSpeed stage3_prefetch_bucket_size
+    max_reuse_distance: int | None = None  # DeepSpeed stage3_max_reuse_distance
+    max_live_parameters: int | None = None  # DeepSpeed stage3_max_live_parameters
+    reshard_after_forward: bool = True  # FSDP2 fully_shard(reshard_after_forward=...)
     # Exponent statistics: after every step, the exponent and block change rates per category against the
     # step before (measure.exponents), from the full weights (a collective per parameter: slows the run).
     exponent_stats: bool = False
@@ -175,6 +180,15 @@ def _ds_config(cfg: TrainConfig) -> dict:
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": cfg.persistence_threshold,
+            **{
+                key: value
+                for key, value in (
+                    ("stage3_prefetch_bucket_size", cfg.prefetch_bucket_size),
+                    ("stage3_max_reuse_distance", cfg.max_reuse_distance),
+                    ("stage3_max_live_parameters", cfg.max_live_parameters),
+                )
+                if value is not None
+            },
         },
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -204,10 +218,29 @@ class _Zero3Run:
             )
 
     def step(self, inputs, targets):
-        loss = self.engine(inputs, targets)
-        self.engine.backward(loss)
-        self.engine.step()
+        loss = self.forward(inputs, targets)
+        self.backward(loss)
+        self.optimizer_step()
         return loss
+
+    def forward(self, inputs, targets):
+        return self.engine(inputs, targets)
+
+    def backward(self, loss) -> None:
+        self.engine.backward(loss)
+
+    def optimizer_step(self) -> None:
+        self.engine.step()
+
+    def schedule_config(self) -> dict:
+        """The engine configuration that shapes the gather schedule, as the engine resolved it."""
+        zero = self.engine._config.zero_config
+        return {
+            "prefetch_bucket_size": int(zero.prefetch_bucket_size),
+            "max_reuse_distance": int(zero.max_reuse_distance),
+            "max_live_parameters": int(zero.max_live_parameters),
+            "reshard_after_forward": False,
+        }
 
     def save(self, directory: str, step: int) -> None:
         self.engine.save_checkpoint(directory, tag="ciera-train", client_state={"step": step})
@@ -244,8 +277,8 @@ class _FsdpRun:
         self.cfg = cfg
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(block, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(model, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
         self.model = model
         self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         self.ciera = None
@@ -261,11 +294,28 @@ class _FsdpRun:
             )
 
     def step(self, inputs, targets):
-        loss = self.model(inputs, targets)
+        loss = self.forward(inputs, targets)
+        self.backward(loss)
+        self.optimizer_step()
+        return loss
+
+    def forward(self, inputs, targets):
+        return self.model(inputs, targets)
+
+    def backward(self, loss) -> None:
         loss.backward()
+
+    def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss
+
+    def schedule_config(self) -> dict:
+        return {
+            "prefetch_bucket_size": 0,
+            "max_reuse_distance": 0,
+            "max_live_parameters": 0,
+            "reshard_after_forward": self.cfg.reshard_after_forward,
+        }
 
     def _state(self):
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -314,15 +364,13 @@ def _ciera_bytes(engines) -> tuple[int, int]:
     )
 
 
-def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dict], None]) -> RankResult:
-    """Train on this rank (process group already initialised); ``report`` gets a dict per step."""
+def start_run(cfg: TrainConfig, world_size: int):
+    """(model, categories, run, threads): this rank's model built from the seed and wrapped by its engine
+    (`run.forward`, `run.backward`, `run.optimizer_step`, `run.engines()`, `run.schedule_config()`)."""
     import torch
-    import torch.distributed as dist
 
-    from .corpus import batch
     from .zoo import build_model, parameter_categories
 
-    counter = AllGatherCounter.installed()
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(threads)
     model = build_model(
@@ -334,6 +382,18 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
     )
     categories = parameter_categories(model)
     run = (_Zero3Run if cfg.engine == "zero3" else _FsdpRun)(cfg, model, categories)
+    return model, categories, run, threads
+
+
+def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dict], None]) -> RankResult:
+    """Train on this rank (process group already initialised); ``report`` gets a dict per step."""
+    import torch
+    import torch.distributed as dist
+
+    from .corpus import batch
+
+    counter = AllGatherCounter.installed()
+    model, categories, run, threads = start_run(cfg, world_size)
     start_step = run.load(cfg.checkpoint_dir) if cfg.resume else 0
     result = RankResult(rank, threads=threads)
     tracker = None

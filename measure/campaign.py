@@ -1,0 +1,390 @@
+"""`ciera measure all`: a whole trace bundle in one command — for every topology, the collectives sweep and
+the layer runs (each depth × system), plus one exponent-statistics run — then the bundle assembled.
+
+Output directory (``--out DIR``):
+
+- ``plan.json``: what is captured; a rerun with the same DIR must ask for the same plan (else one line).
+- ``runs/<run_id>/``: one finished run each (its job, its result, every rank's events and logs). A run is
+  captured in ``.partial/<run_id>/`` and renamed into ``runs/`` only when every rank has finished, so a
+  rerun keeps finished runs and redoes an interrupted one (``.partial`` is cleared at the start).
+- ``bundle/``: the trace bundle (`traces.write_bundle`: validated, written atomically).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .capture import SYSTEMS, LayersJob, train_config_for
+from .launch import CaptureError, run_job
+
+PLAN_SCHEMA = "ciera.measure.plan/1"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """`nodes` × `ranks_per_node` ranks; with a link rate the nodes are namespaces of the emulated cluster."""
+
+    nodes: int = 1
+    ranks_per_node: int = 2
+    link_rate: str | None = None  # tc syntax, e.g. "200mbit"; None: plain local ranks, no shaping
+    link_latency_s: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def emulated(self) -> bool:
+        return self.link_rate is not None
+
+    @property
+    def name(self) -> str:
+        if not self.emulated:
+            return f"local-{self.world_size}"
+        latency = f"-{self.link_latency_s * 1e3:g}ms" if self.link_latency_s else ""
+        return f"emulated-{self.nodes}x{self.ranks_per_node}-{self.link_rate}{latency}"
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    model: str = "mixtral-8x7b"
+    width_scale: int | None = 32
+    layers: tuple[int, ...] = (2, 4, 6, 8)
+    systems: tuple[str, ...] = ("zero3", "fsdp", "ciera")
+    topologies: tuple[Topology, ...] = (Topology(),)
+    iterations: int = 3
+    warmup_iterations: int = 2
+    micro_batch_size: int = 2  # sequences per rank
+    seq_len: int = 64
+    seed: int = 0
+    activation_checkpointing: bool = True
+    # ZeRO-3 schedule, in blocks of the captured model (None: DeepSpeed's default in elements).
+    prefetch_bucket_blocks: float | None = 1.0
+    max_live_blocks: float | None = 1.0
+    max_reuse_distance_blocks: float | None = 0.0
+    collectives: bool = True
+    collectives_max_bytes: int = 64 << 20
+    collectives_repetitions: int = 5
+    exponent_steps: int = 0  # 0: no exponent-statistics run
+    exponent_warmup_steps: int = 10
+    exponent_layers: int = 4
+    timeout_s: float = 600.0
+    kinds: tuple[str, ...] = ("collectives", "layers", "exponents")
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        from .zoo import scaled_shape
+
+        for system in self.systems:
+            if system not in SYSTEMS:
+                raise CaptureError(f"--systems: {system!r} is not a system (expected {', '.join(SYSTEMS)})")
+        if not self.layers or any(depth < 1 for depth in self.layers):
+            raise CaptureError(f"--layers {','.join(map(str, self.layers))}: expected depths >= 1")
+        for depth in self.layers:
+            scaled_shape(self.model, self.width_scale, depth)  # unknown model or too deep: one line
+        for name in ("iterations", "micro_batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise CaptureError(f"--{name.replace('_', '-')} is {getattr(self, name)}: expected >= 1")
+        if self.warmup_iterations < 1:
+            raise CaptureError("--warmup must be >= 1 (the first iteration builds the engines' state)")
+        if self.exponent_steps and self.exponent_steps <= self.exponent_warmup_steps:
+            raise CaptureError(
+                f"--exponent-steps {self.exponent_steps}: must exceed the {self.exponent_warmup_steps} warm-up steps"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": PLAN_SCHEMA, **dataclasses.asdict(self)}
+
+
+def model_label(key: str, width_scale: int) -> str:
+    """The runs table's model name: the zoo key, with the width divisor when the model is scaled."""
+    return key if width_scale == 1 else f"{key}-w{width_scale}"
+
+
+def run_id_for(label: str, system: str, depth: int, topology: Topology) -> str:
+    return f"{label}-{system}-L{depth}-{topology.name}"
+
+
+def _blocks_to_elements(blocks: float | None, block_numel: int) -> int | None:
+    return None if blocks is None else int(round(blocks * block_numel))
+
+
+def layer_jobs(plan: CapturePlan) -> list[tuple[Topology, LayersJob]]:
+    from .zoo import default_width_scale, parameter_count, scaled_shape
+
+    scale = plan.width_scale or default_width_scale(plan.model)
+    key = scaled_shape(plan.model, scale, 1).key
+    one_block = parameter_count(scaled_shape(key, scale, 2)) - parameter_count(scaled_shape(key, scale, 1))
+    label = model_label(key, scale)
+    jobs = []
+    for topology in plan.topologies:
+        for depth in plan.layers:
+            for system in plan.systems:
+                train = train_config_for(
+                    system,
+                    model=key,
+                    width_scale=scale,
+                    layers=depth,
+                    world_size=topology.world_size,
+                    global_batch=plan.micro_batch_size * topology.world_size,
+                    seq_len=plan.seq_len,
+                    seed=plan.seed,
+                    activation_checkpointing=plan.activation_checkpointing,
+                    timeout_s=plan.timeout_s,
+                    prefetch_bucket_size=_blocks_to_elements(plan.prefetch_bucket_blocks, one_block),
+                    max_live_parameters=_blocks_to_elements(plan.max_live_blocks, one_block),
+                    max_reuse_distance=_blocks_to_elements(plan.max_reuse_distance_blocks, one_block),
+                )
+                job = LayersJob(
+                    run_id=run_id_for(label, system, depth, topology),
+                    system=system,
+                    train=train,
+                    warmup_iterations=plan.warmup_iterations,
+                    iterations=plan.iterations,
+                )
+                jobs.append((topology, job))
+    return jobs
+
+
+@dataclass
+class Step:
+    """One unit of a capture: a job on one topology, and where its finished result lives."""
+
+    kind: str
+    name: str
+    topology: Topology
+    job: dict[str, Any]
+    iterations: int
+
+
+def plan_steps(plan: CapturePlan) -> list[Step]:
+    from .zoo import default_width_scale, scaled_shape
+
+    scale = plan.width_scale or default_width_scale(plan.model)
+    key = scaled_shape(plan.model, scale, 1).key
+    steps: list[Step] = []
+    for topology in plan.topologies:
+        if "collectives" in plan.kinds and plan.collectives:
+            steps.append(
+                Step(
+                    "collectives",
+                    f"collectives-{topology.name}",
+                    topology,
+                    {
+                        "kind": "collectives",
+                        "min_bytes": 1024,
+                        "max_bytes": plan.collectives_max_bytes,
+                        "warmup": 2,
+                        "repetitions": plan.collectives_repetitions,
+                        "ranks_per_node": topology.ranks_per_node,
+                        "timeout_s": plan.timeout_s,
+                    },
+                    1,
+                )
+            )
+        if "layers" in plan.kinds:
+            for job_topology, job in layer_jobs(plan):
+                if job_topology == topology:
+                    steps.append(
+                        Step(
+                            "layers",
+                            job.run_id,
+                            topology,
+                            job.to_json() | {"timeout_s": plan.timeout_s},
+                            job.warmup_iterations + job.iterations,
+                        )
+                    )
+    if "exponents" in plan.kinds and plan.exponent_steps:
+        topology = plan.topologies[0]
+        train = train_config_for(
+            "zero3",
+            model=key,
+            width_scale=scale,
+            layers=plan.exponent_layers,
+            world_size=topology.world_size,
+            global_batch=plan.micro_batch_size * topology.world_size,
+            seq_len=plan.seq_len,
+            seed=plan.seed,
+            steps=plan.exponent_steps,
+            activation_checkpointing=plan.activation_checkpointing,
+            timeout_s=plan.timeout_s,
+        )
+        run_id = f"{model_label(key, scale)}-exponents-L{plan.exponent_layers}-{topology.name}"
+        steps.append(
+            Step(
+                "exponents",
+                run_id,
+                topology,
+                {
+                    "kind": "exponents",
+                    "run_id": run_id,
+                    "train": dataclasses.asdict(train),
+                    "warmup_steps": plan.exponent_warmup_steps,
+                    "timeout_s": plan.timeout_s,
+                },
+                plan.exponent_steps,
+            )
+        )
+    return steps
+
+
+def _same_job(finished: Path, job: dict[str, Any]) -> bool:
+    try:
+        return json.loads((finished / "job.json").read_text()) == json.loads(json.dumps(job))
+    except (OSError, ValueError):
+        return False
+
+
+def _finished(directory: Path, kind: str) -> bool:
+    expected = {"layers": "run.json", "collectives": "collectives.json", "exponents": "run.json"}[kind]
+    return (directory / expected).is_file()
+
+
+def capture_all(
+    plan: CapturePlan,
+    out_dir: Path,
+    on_step: Callable[[str, Step, dict], None] | None = None,
+    emulated_cluster_factory=None,
+) -> dict[str, Any]:
+    """Capture every step of `plan` not already finished in `out_dir`; returns what was done."""
+    plan.check()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_path = out_dir / "plan.json"
+    document = plan.to_json()
+    if plan_path.exists():
+        previous = json.loads(plan_path.read_text())
+        if previous != json.loads(json.dumps(document)):
+            changed = sorted(
+                k for k in document if previous.get(k) != json.loads(json.dumps(document)).get(k)
+            )
+            raise CaptureError(
+                f"--out {out_dir}: holds a capture of another plan (differs in {', '.join(changed)}); "
+                "use a new --out directory or the same options"
+            )
+    else:
+        _write_atomic(plan_path, json.dumps(document, indent=1))
+    partial = out_dir / ".partial"
+    if partial.exists():
+        shutil.rmtree(partial)  # an interrupted run: discarded, redone
+    steps = plan_steps(plan)
+    notify = on_step or (lambda event, step, info: None)
+    done = {"captured": [], "kept": [], "links": {}}
+    by_topology: dict[Topology, list[Step]] = {}
+    for step in steps:
+        by_topology.setdefault(step.topology, []).append(step)
+    for topology, topology_steps in by_topology.items():
+        todo = []
+        for step in topology_steps:
+            finished = out_dir / _kind_dir(step.kind) / step.name
+            if _finished(finished, step.kind) and _same_job(finished, step.job):
+                done["kept"].append(step.name)
+                notify("kept", step, {})
+            else:
+                todo.append(step)
+        if not todo:
+            continue
+        cluster = None
+        try:
+            if topology.emulated:
+                cluster = (emulated_cluster_factory or _open_emulated)(topology, plan)
+                link = _link_record(topology, cluster, out_dir)
+                done["links"][topology.name] = link
+                notify("link", todo[0], link)
+            for step in todo:
+                scratch = partial / step.name
+                notify("start", step, {})
+                run_job(
+                    step.job,
+                    scratch,
+                    topology.world_size,
+                    topology.ranks_per_node,
+                    cluster=cluster,
+                    timeout_s=plan.timeout_s,
+                    on_progress=lambda record, step=step: notify("progress", step, record),
+                )
+                if cluster is not None:
+                    _write_atomic(scratch / "topology.json", json.dumps(_topology_record(topology, out_dir)))
+                else:
+                    _write_atomic(scratch / "topology.json", json.dumps(_topology_record(topology, out_dir)))
+                target = out_dir / _kind_dir(step.kind) / step.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if target.exists():
+                    shutil.rmtree(target)
+                os.replace(scratch, target)
+                done["captured"].append(step.name)
+                notify("done", step, {})
+        finally:
+            if cluster is not None:
+                cluster.close()
+    if partial.exists():
+        shutil.rmtree(partial, ignore_errors=True)
+    return done
+
+
+def _kind_dir(kind: str) -> str:
+    return {"layers": "runs", "collectives": "collectives", "exponents": "exponents"}[kind]
+
+
+def _open_emulated(topology: Topology, plan: CapturePlan):
+    from .emulated import EmulatedCluster
+
+    cluster = EmulatedCluster(
+        topology.nodes, topology.ranks_per_node, topology.link_rate, link_latency_s=topology.link_latency_s
+    )
+    cluster.open()
+    return cluster
+
+
+def _link_record(topology: Topology, cluster, out_dir: Path) -> dict[str, Any]:
+    """The inter-node rate gloo actually gets on this topology (measured once per topology, kept)."""
+    from .emulated import parse_rate_Bps, probe_link
+
+    path = out_dir / "links" / f"{topology.name}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    probe = probe_link(cluster)
+    record = {
+        "topology": topology.name,
+        "link_rate": topology.link_rate,
+        "link_rate_Bps": parse_rate_Bps(topology.link_rate),
+        "link_latency_s": topology.link_latency_s,
+        **probe,
+        "cluster": cluster.describe(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, json.dumps(record, indent=1))
+    return record
+
+
+def _topology_record(topology: Topology, out_dir: Path) -> dict[str, Any]:
+    link = {}
+    if topology.emulated:
+        path = out_dir / "links" / f"{topology.name}.json"
+        link = json.loads(path.read_text()) if path.exists() else {}
+    return {
+        "name": topology.name,
+        "nodes": topology.nodes,
+        "ranks_per_node": topology.ranks_per_node,
+        "link_rate": topology.link_rate,
+        "link_rate_Bps": link.get("link_rate_Bps", 0.0),
+        "link_latency_s": topology.link_latency_s,
+        "measured_link_Bps": link.get("measured_link_Bps", 0.0),
+    }
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    staging = path.with_name(f".{path.name}.partial")
+    staging.write_text(text)
+    os.replace(staging, path)
+
+
+def nodes_for(world_size: int, ranks_per_node: int) -> int:
+    return math.ceil(world_size / ranks_per_node)

@@ -1,0 +1,375 @@
+"""The rank side of a capture: what one launched rank does for a `layers` job (timed iterations of a real
+engine, every event recorded), a `collectives` job (the sweep) and an `exponents` job (training with
+per-parameter exponent statistics). `measure.rank` starts these in each rank process; `measure.launch`
+starts the processes and collects what rank 0 and every rank wrote into the job's directory.
+
+Clock alignment: every rank leaves a barrier, then starts the iteration. When all ranks run on one host they
+share CLOCK_MONOTONIC (`time.perf_counter`), so the iteration's origin is the earliest rank's start and the
+spread of starts is recorded (`clock_spread_s`); across hosts each rank's own barrier exit is its origin and
+the spread is unknown (recorded as 0, and the run's versions say `clock: barrier`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .train import TrainConfig, TrainError
+
+SYSTEMS = {
+    "zero3": ("zero3", False),
+    "fsdp": ("fsdp", False),
+    "ciera": ("zero3", True),
+    "ciera-fsdp": ("fsdp", True),
+}
+
+
+@dataclass(frozen=True)
+class LayersJob:
+    """One run of `ciera measure layers`: `warmup_iterations` untimed, then `iterations` recorded."""
+
+    run_id: str
+    system: str
+    train: TrainConfig
+    warmup_iterations: int = 2
+    iterations: int = 3
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "layers", **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, document: dict[str, Any]) -> LayersJob:
+        fields = {key: value for key, value in document.items() if key != "kind"}
+        train = dict(fields.pop("train"))
+        if train.get("exit_rank_at") is not None:
+            train["exit_rank_at"] = tuple(train["exit_rank_at"])
+        return cls(train=TrainConfig(**train), **fields)
+
+
+def train_config_for(system: str, **options: Any) -> TrainConfig:
+    """The TrainConfig of a system name: zero3 / fsdp (plain engines), ciera (ZeRO-3 + CIERA),
+    ciera-fsdp (FSDP2 + CIERA)."""
+    if system not in SYSTEMS:
+        raise TrainError(f"system {system!r}: expected one of {', '.join(SYSTEMS)}")
+    engine, ciera = SYSTEMS[system]
+    return TrainConfig(engine=engine, ciera=ciera, **options)
+
+
+def layer_of_parameter(name: str, num_layers: int) -> int:
+    """Trace-format layer of a zoo-model parameter: embedding 0, block i → i + 1, final norm and LM head L+1."""
+    if name.startswith("embed_tokens."):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    if name.startswith(("final_norm.", "lm_head.")):
+        return num_layers + 1
+    raise TrainError(
+        f"parameter {name!r}: cannot place it in a layer (embedding, blocks.i, final_norm, lm_head)"
+    )
+
+
+def host_description() -> dict[str, str]:
+    """What the run ran on: the device, the host and the software versions."""
+    import torch
+
+    hardware = "cpu"
+    if torch.cuda.is_available():
+        hardware = torch.cuda.get_device_name()
+    else:
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    hardware = f"cpu: {line.split(':', 1)[1].strip()}"
+                    break
+        except OSError:
+            pass
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import deepspeed
+
+        versions["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        versions["ciera"] = version("ciera")
+    except Exception:  # noqa: BLE001 — not installed as a distribution (a source checkout)
+        versions["ciera"] = "source"
+    return {
+        "hardware": hardware,
+        "host": socket.gethostname(),
+        "versions": json.dumps(versions, sort_keys=True),
+    }
+
+
+# ---------------------------------------------------------------------------------------- layers job
+
+
+def _attribute_gathers(run, model, layer_of: dict[int, int], recorder) -> None:
+    """Tell the recorder which layer each engine gather moves (prefetches run inside other layers)."""
+    if run.cfg.engine == "zero3":
+        for param in model.parameters():
+            inner = getattr(param, "all_gather_coalesced", None)
+            if inner is None:
+                continue
+
+            def all_gather_coalesced(params, *args, inner=inner, **kwargs):
+                layer = _main_layer(params, layer_of)
+                with recorder.gather_layer(layer):
+                    handle = inner(params, *args, **kwargs)
+                return _AttributedHandle(handle, recorder, layer)
+
+            param.all_gather_coalesced = all_gather_coalesced
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    module_layer = {id(module): layer for module, layer in _fsdp_module_layers(model)}
+    if getattr(FSDPParamGroup, "_ciera_measure_wrapped", False):
+        FSDPParamGroup._ciera_measure_layers = module_layer
+        return
+    FSDPParamGroup._ciera_measure_layers = module_layer
+    for method in ("unshard", "wait_for_unshard", "post_backward"):
+        original = getattr(FSDPParamGroup, method)
+
+        def wrapped(self, *args, original=original, **kwargs):
+            layers = FSDPParamGroup._ciera_measure_layers
+            layer = next((layers[id(m)] for m in self.modules if id(m) in layers), -1)
+            with recorder.gather_layer(layer):
+                return original(self, *args, **kwargs)
+
+        setattr(FSDPParamGroup, method, wrapped)
+    FSDPParamGroup._ciera_measure_wrapped = True
+
+
+def _main_layer(params, layer_of: dict[int, int]) -> int:
+    """The layer holding most of the elements of a coalesced gather (a bucket may reach into the next)."""
+    counts: dict[int, int] = {}
+    for param in params:
+        layer = layer_of.get(id(param), -1)
+        counts[layer] = counts.get(layer, 0) + int(getattr(param, "ds_numel", param.numel()))
+    return max(counts, key=lambda layer: (counts[layer], -layer)) if counts else -1
+
+
+def _fsdp_module_layers(model) -> list[tuple[Any, int]]:
+    # The root group holds the embedding and the head: its gathers are counted at layer 0.
+    return [(model, 0)] + [(block, index + 1) for index, block in enumerate(model.blocks)]
+
+
+class _AttributedHandle:
+    """DeepSpeed's gather handle, waited on inside its layer's attribution."""
+
+    def __init__(self, handle, recorder, layer: int) -> None:
+        self._handle, self._recorder, self._layer = handle, recorder, layer
+
+    def wait(self, *args, **kwargs):
+        with self._recorder.gather_layer(self._layer):
+            return self._handle.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
+
+
+def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, progress) -> None:
+    """Run `job` on this rank (process group initialised); every rank writes events-rank{r}.parquet, rank 0
+    writes run.json."""
+    import pandas as pd
+    import torch
+    import torch.distributed as dist
+
+    from .corpus import batch
+    from .events import EventRecorder, finish_events
+    from .train import start_run
+
+    cfg = job.train
+    recorder = EventRecorder.install()  # before the engine exists: it keeps the wrapped collectives
+    model, categories, run, threads = start_run(cfg, world_size)
+    num_layers = len(model.blocks)
+    layer_of_name = {name: layer_of_parameter(name, num_layers) for name, _ in model.named_parameters()}
+    layer_of = {id(param): layer_of_name[name] for name, param in model.named_parameters()}
+    layer_numel = [0] * (num_layers + 2)
+    for name, param in model.named_parameters():
+        layer_numel[layer_of_name[name]] += int(getattr(param, "ds_numel", param.numel()))
+    recorder.attach(
+        [(0, model.embed_tokens)] + [(index + 1, block) for index, block in enumerate(model.blocks)],
+        head_module=model.final_norm,
+        top_module=model,
+    )
+    _attribute_gathers(run, model, layer_of, recorder)
+    per_rank = cfg.global_batch // world_size
+    total = job.warmup_iterations + job.iterations
+    losses: list[float] = []
+    for iteration in range(total):
+        if iteration == job.warmup_iterations:
+            for engine in run.engines():  # CIERA's engines exist once the first gathers ran
+                engine.codec_timer = recorder.codec_timer
+        if cfg.exit_rank_at == (rank, iteration):
+            os._exit(17)  # a crash: no exception, no cleanup, no message
+        inputs, targets = batch(iteration, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
+        inputs = inputs[rank * per_rank : (rank + 1) * per_rank]
+        targets = targets[rank * per_rank : (rank + 1) * per_rank]
+        dist.barrier()
+        with recorder.iteration(iteration):
+            with recorder.phase("fwd"):
+                loss = run.forward(inputs, targets)
+            with recorder.phase("bwd"):
+                recorder.set_backward_layer(num_layers + 1)
+                run.backward(loss)
+            with recorder.phase("optim"):
+                run.optimizer_step()
+        value = float(loss.detach().float().item())
+        if not math.isfinite(value):
+            raise TrainError(f"loss is {value} at iteration {iteration}: capture stopped")
+        losses.append(value)
+        if rank == 0:
+            progress({"iteration": iteration, "of": total, "loss": value})
+    measured = recorder.iterations[job.warmup_iterations :]
+    host = socket.gethostname()
+    timing = [(log.start_s, log.end_s) for log in measured]
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (host, timing))
+    one_host = len({entry[0] for entry in gathered}) == 1
+    rows = []
+    iteration_s, spreads = [], []
+    for index, log in enumerate(measured):
+        starts = [entry[1][index][0] for entry in gathered]
+        ends = [entry[1][index][1] for entry in gathered]
+        origin_s = min(starts) if one_host else log.start_s
+        if one_host:
+            iteration_s.append(max(ends) - min(starts))
+            spreads.append(max(starts) - min(starts))
+        else:
+            iteration_s.append(max(end - start for start, end in zip(starts, ends, strict=True)))
+        for event in finish_events(log):
+            rows.append(
+                {
+                    "run_id": job.run_id,
+                    "rank": rank,
+                    "iteration": index,
+                    "layer": event.layer,
+                    "phase": event.phase,
+                    "stream": event.stream,
+                    "issued_s": max(0.0, event.issued_s - origin_s),
+                    "start_s": max(0.0, event.start_s - origin_s),
+                    "end_s": max(0.0, event.end_s - origin_s),
+                    "raw_bytes": event.raw_bytes,
+                    "wire_bytes": event.wire_bytes,
+                }
+            )
+    frame = pd.DataFrame(rows)
+    staging = out_dir / f".events-rank{rank}.parquet.partial"
+    frame.to_parquet(staging, index=False)
+    os.replace(staging, out_dir / f"events-rank{rank}.parquet")
+    schedule = run.schedule_config()
+    final_losses = torch.tensor(losses[job.warmup_iterations :] or [0.0], dtype=torch.float64)
+    dist.all_reduce(final_losses)
+    if rank == 0:
+        document = {
+            "run_id": job.run_id,
+            "job": job.to_json(),
+            "world_size": world_size,
+            "threads_per_rank": threads,
+            "layer_numel": layer_numel,
+            "iteration_s": iteration_s,
+            "clock": "shared" if one_host else "barrier",
+            "clock_spread_s": max(spreads) if spreads else 0.0,
+            "schedule": schedule,
+            "mean_loss": (final_losses / world_size).tolist(),
+            "gathers_per_parameter": run.gathers_per_parameter(),
+            "ciera": run.ciera_stats(),
+            **host_description(),
+        }
+        _write_json_atomic(out_dir / "run.json", document)
+    dist.barrier()
+
+
+def _write_json_atomic(path: Path, document: dict) -> None:
+    staging = path.with_name(f".{path.name}.partial")
+    staging.write_text(json.dumps(document, indent=1))
+    os.replace(staging, path)
+
+
+# ---------------------------------------------------------------------------------------- collectives job
+
+
+def run_collectives_rank(job: dict, out_dir: Path, rank: int, world_size: int, progress) -> None:
+    """The nccl-tests-style sweep on this group (measure.collectives); rank 0 writes collectives.json."""
+    from .collectives import sweep_collectives
+
+    rows = sweep_collectives(
+        min_bytes=int(job["min_bytes"]),
+        max_bytes=int(job["max_bytes"]),
+        warmup=int(job["warmup"]),
+        repetitions=int(job["repetitions"]),
+        ranks_per_node=int(job["ranks_per_node"]),
+        on_progress=progress if rank == 0 else None,
+    )
+    if rank == 0:
+        _write_json_atomic(out_dir / "collectives.json", {"rows": rows, **host_description()})
+
+
+# ---------------------------------------------------------------------------------------- exponents job
+
+
+def run_exponents_rank(job: dict, out_dir: Path, rank: int, world_size: int, progress) -> None:
+    """Real training; after every step the full weights' exponent statistics against the step before
+    (measure.exponents.ExponentRecorder). Rank 0 writes exponents.parquet and shard_changes.parquet with
+    the steps after warm-up (iteration t compares step t's weights with step t−1's)."""
+    import torch.distributed as dist
+
+    from .corpus import batch
+    from .exponents import ExponentRecorder
+
+    train = dict(job["train"])
+    train.pop("exit_rank_at", None)
+    cfg = TrainConfig(**train)
+    from .train import start_run
+
+    model, categories, run, _threads = start_run(cfg, world_size)
+    num_layers = len(model.blocks)
+    layer_of = {name: layer_of_parameter(name, num_layers) for name, _ in model.named_parameters()}
+    recorder = ExponentRecorder(layer_of, categories) if rank == 0 else None
+    per_rank = cfg.global_batch // world_size
+    warmup = int(job["warmup_steps"])
+    for step in range(cfg.steps):
+        inputs, targets = batch(step, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
+        loss = run.step(
+            inputs[rank * per_rank : (rank + 1) * per_rank], targets[rank * per_rank : (rank + 1) * per_rank]
+        )
+        value = float(loss.detach().float().item())
+        if not math.isfinite(value):
+            raise TrainError(f"loss is {value} at step {step}: capture stopped")
+        if step + 1 >= warmup:  # the baseline is the last warm-up step's weights
+            weights = run.full_parameters()  # collective: every rank takes part
+            if recorder is not None:
+                recorder.update(weights)
+        if rank == 0:
+            progress({"iteration": step, "of": cfg.steps, "loss": value})
+    if recorder is not None:
+        exponents, shard_changes = recorder.frames(job["run_id"])
+        for frame in (exponents, shard_changes):
+            frame["iteration"] = frame["iteration"] + warmup  # step numbers, not positions after warm-up
+        for name, frame in (("exponents", exponents), ("shard_changes", shard_changes)):
+            staging = out_dir / f".{name}.parquet.partial"
+            frame.to_parquet(staging, index=False)
+            os.replace(staging, out_dir / f"{name}.parquet")
+        layer_numel = [0] * (num_layers + 2)
+        for name, param in model.named_parameters():
+            layer_numel[layer_of[name]] += int(getattr(param, "ds_numel", param.numel()))
+        _write_json_atomic(
+            out_dir / "run.json",
+            {
+                "run_id": job["run_id"],
+                "world_size": world_size,
+                "layer_numel": layer_numel,
+                **host_description(),
+            },
+        )
+    dist.barrier()

@@ -1,0 +1,129 @@
+"""Start the ranks of one capture job and watch them: plain local processes, or processes inside the
+emulated cluster's node namespaces (`measure.emulated`). Each rank runs `python -m measure.rank JOB_DIR`
+with its stdout/stderr in JOB_DIR/rank{r}.log (files, never pipes: a full pipe would stall a rank).
+
+A rank that exits non-zero stops the job at once: the others are killed (they would wait for it until the
+process group's timeout) and `CaptureError` names the rank, its exit code and its last log line. No progress
+for `timeout_s` stops the job the same way; Ctrl-C kills every rank before the interrupt goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .train import TrainError
+
+
+class CaptureError(TrainError):
+    """A capture that cannot start or cannot finish: one line."""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    # The rank's own one-line error, when it wrote one; else the last line.
+    own = [line for line in lines if line.startswith("rank ")]
+    return (own or lines or [""])[-1].strip()[:300]
+
+
+def rank_environment(rank: int, world_size: int, ranks_per_node: int, port: int) -> dict[str, str]:
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.cwd() / ".torch_extensions")
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank % ranks_per_node),
+        "LOCAL_WORLD_SIZE": str(ranks_per_node),
+        "MASTER_PORT": str(port),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "TORCH_EXTENSIONS_DIR": cache,
+        "OMP_NUM_THREADS": str(threads),
+        "NUMBA_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def run_job(
+    job: dict[str, Any],
+    job_dir: Path,
+    world_size: int,
+    ranks_per_node: int,
+    cluster=None,
+    timeout_s: float = 600.0,
+    on_progress: Callable[[dict], None] | None = None,
+) -> None:
+    """Run `job` on `world_size` ranks; results are in `job_dir` when it returns."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / "job.json").write_text(json.dumps(job, indent=1))
+    port = _free_port() if cluster is None else 29500 + (os.getpid() % 1000)
+    processes: list[subprocess.Popen] = []
+    logs = [job_dir / f"rank{rank}.log" for rank in range(world_size)]
+    argv = [sys.executable, "-m", "measure.rank", str(job_dir)]
+    try:
+        for rank in range(world_size):
+            env = os.environ | rank_environment(rank, world_size, ranks_per_node, port)
+            with logs[rank].open("w") as log:
+                if cluster is None:
+                    env["MASTER_ADDR"] = "127.0.0.1"
+                    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+                else:
+                    process = cluster.popen(rank, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            processes.append(process)
+        _watch(processes, logs, job_dir / "progress.jsonl", timeout_s, on_progress)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _watch(processes, logs, progress_path: Path, timeout_s: float, on_progress) -> None:
+    seen = 0
+    last_progress_s = time.monotonic()
+    while True:
+        if progress_path.exists():
+            lines = progress_path.read_text().splitlines()
+            for line in lines[seen:]:
+                last_progress_s = time.monotonic()
+                if on_progress is not None:
+                    on_progress(json.loads(line))
+            seen = len(lines)
+        codes = [process.poll() for process in processes]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            time.sleep(0.5)  # let the others write what they saw
+            described = []
+            for rank, code in failed:
+                why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                line = _last_line(logs[rank])
+                described.append(f"rank {rank} stopped ({why})" + (f": {line}" if line else ""))
+            raise CaptureError("capture failed: " + "; ".join(described))
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() - last_progress_s > timeout_s:
+            raise CaptureError(
+                f"capture failed: no progress for {timeout_s:.0f} s (a rank is missing or stuck); "
+                f"rank logs in {logs[0].parent}"
+            )
+        time.sleep(0.2)

@@ -1,0 +1,73 @@
+"""One rank of a capture: `python -m measure.rank JOB_DIR`.
+
+Started by `measure.launch` (local processes, or processes inside the emulated cluster's namespaces) or by
+torchrun / the deepspeed launcher on a real cluster. The process group comes from the environment (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT); JOB_DIR/job.json says what to run; results go to JOB_DIR. A failure
+is one line on stderr and exit code 1 (the launcher reports it and stops the other ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+
+def _progress_writer(out_dir: Path):
+    path = out_dir / "progress.jsonl"
+
+    def progress(record: dict) -> None:
+        with path.open("a") as stream:
+            stream.write(json.dumps(record) + "\n")
+
+    return progress
+
+
+def main(argv: list[str]) -> int:
+    out_dir = Path(argv[0])
+    job = json.loads((out_dir / "job.json").read_text())
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch.distributed as dist
+
+    try:
+        from .events import EventRecorder
+
+        if job["kind"] == "layers":
+            EventRecorder.install()  # wraps torch.distributed before any engine keeps a reference
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=float(job.get("timeout_s", 300))),
+        )
+        progress = _progress_writer(out_dir) if rank == 0 else (lambda record: None)
+        if job["kind"] == "layers":
+            from .capture import LayersJob, run_layers_rank
+
+            run_layers_rank(LayersJob.from_json(job), out_dir, rank, world_size, progress)
+        elif job["kind"] == "collectives":
+            from .capture import run_collectives_rank
+
+            run_collectives_rank(job, out_dir, rank, world_size, progress)
+        elif job["kind"] == "exponents":
+            from .capture import run_exponents_rank
+
+            run_exponents_rank(job, out_dir, rank, world_size, progress)
+        else:
+            raise ValueError(f"job kind {job['kind']!r}: expected layers, collectives or exponents")
+    except Exception as error:  # noqa: BLE001 — one line for the launcher, which stops every rank
+        message = str(error).splitlines()[0] if str(error) else ""
+        print(f"rank {rank}: {type(error).__name__}: {message}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

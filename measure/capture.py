@@ -46,7 +46,8 @@ class LayersJob:
 
     @classmethod
     def from_json(cls, document: dict[str, Any]) -> LayersJob:
-        fields = {key: value for key, value in document.items() if key != "kind"}
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {key: value for key, value in document.items() if key in names}
         train = dict(fields.pop("train"))
         if train.get("exit_rank_at") is not None:
             train["exit_rank_at"] = tuple(train["exit_rank_at"])

@@ -13,10 +13,11 @@ from rich.console import Console
 from rich.table import Table
 
 from .corpus import CorpusError
+from .emulated import EmulationError
 from .train import ENGINES, TrainConfig, TrainError
 from .zoo import ZooError, default_width_scale, full_shape, parameter_count, scaled_shape, zoo_keys
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ZooError, CorpusError, TrainError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ZooError, CorpusError, TrainError, EmulationError)
 
 SCHEMA = "ciera.models/1"
 
@@ -101,15 +102,15 @@ def models_command(
     Console().print(table)
 
 
-def _write_json(path: Path, document: dict) -> None:
+def write_json(path: Path, document: dict, option: str = "--json") -> None:
     """Atomic: a temporary file in the same directory, renamed over the target."""
     import os
     import tempfile
 
     if path.is_dir():
-        raise TrainError(f"--json {path}: is a directory, expected a file path")
+        raise TrainError(f"{option} {path}: is a directory, expected a file path")
     if not path.parent.is_dir():
-        raise TrainError(f"--json {path}: directory {path.parent} does not exist")
+        raise TrainError(f"{option} {path}: directory {path.parent} does not exist")
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(handle, "w") as stream:
         json.dump(document, stream, indent=2)
@@ -180,7 +181,7 @@ def train_command(
     if ciera not in ("on", "off"):
         raise TrainError(f"--ciera {ciera!r}: expected on or off")
     if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
-        _write_json(json_path, {})  # raises the one-line error before any training
+        write_json(json_path, {})  # raises the one-line error before any training
     config = TrainConfig(
         model=model,
         engine=engine,
@@ -263,9 +264,12 @@ def train_command(
             )
         Console().print(rates)
     if json_path is not None:
-        _write_json(json_path, document)
+        write_json(json_path, document)
 
 
 def register(app: typer.Typer) -> None:
+    from .measure_cli import app as measure_app
+
     app.command("models")(models_command)
     app.command("train")(train_command)
+    app.add_typer(measure_app, name="measure")

@@ -1,0 +1,183 @@
+"""From a capture directory (`measure.campaign`) to a trace bundle: the runs table from each run's job,
+result and topology; events from every rank's file; the per-layer and iteration tables derived from the
+events (`traces.derive_layer_tables`, with the measured end-to-end iteration times); collectives from the
+sweeps; exponents and shard changes from the exponent-statistics run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+import traces
+
+from .capture import SYSTEMS, LayersJob
+from .launch import CaptureError
+from .zoo import scaled_shape
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CaptureError(f"{path}: cannot read the capture's record ({error})") from None
+
+
+def _versions(run: dict[str, Any], extra: dict[str, Any]) -> str:
+    versions = json.loads(run.get("versions", "{}"))
+    versions.update(extra)
+    return json.dumps(versions, sort_keys=True)
+
+
+def _run_row(
+    run_id: str,
+    label: str,
+    train: dict[str, Any],
+    system: str,
+    world_size: int,
+    topology: dict[str, Any],
+    run: dict[str, Any],
+    schedule: dict[str, Any],
+    warmup: int,
+    extra_versions: dict[str, Any],
+) -> dict[str, Any]:
+    shape = scaled_shape(train["model"], train["width_scale"], train["layers"])
+    full = scaled_shape(train["model"], train["width_scale"], None)
+    ranks_per_node = int(topology["ranks_per_node"])
+    return {
+        "run_id": run_id,
+        "source": "measured",
+        "model": label,
+        "dtype": "bf16",
+        "layers": shape.num_layers,
+        "full_layers": full.num_layers,
+        "seq_len": train["seq_len"],
+        "micro_batch_size": train["global_batch"] // world_size,
+        "world_size": world_size,
+        "gpus_per_node": ranks_per_node,
+        "hardware": run["hardware"],
+        "cluster": topology["name"],
+        "system": system,
+        "block_size": train["block_size"],
+        "activation_checkpointing": bool(train["activation_checkpointing"]),
+        "optimizer": "adam",
+        "versions": _versions(run, extra_versions),
+        "engine": train["engine"],
+        "backend": "gloo",
+        "nodes": math.ceil(world_size / ranks_per_node),
+        "prefetch_bucket_size": int(schedule["prefetch_bucket_size"]),
+        "max_reuse_distance": int(schedule["max_reuse_distance"]),
+        "max_live_parameters": int(schedule["max_live_parameters"]),
+        "reshard_after_forward": bool(schedule["reshard_after_forward"]),
+        "link_rate_Bps": float(topology["link_rate_Bps"]),
+        "link_latency_s": float(topology["link_latency_s"]),
+        "measured_link_Bps": float(topology["measured_link_Bps"]),
+        "warmup_iterations": warmup,
+        "clock_spread_s": float(run.get("clock_spread_s", 0.0)),
+    }
+
+
+def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
+    """The bundle of every finished step in `out_dir`."""
+    from .campaign import model_label
+
+    runs, events, iteration_rows, numel_rows = [], [], [], []
+    for run_dir in sorted((out_dir / "runs").glob("*/")):
+        job = LayersJob.from_json(_read_json(run_dir / "job.json"))
+        run = _read_json(run_dir / "run.json")
+        topology = _read_json(run_dir / "topology.json")
+        train = _read_json(run_dir / "job.json")["train"]
+        label = model_label(job.train.model, job.train.width_scale or 1)
+        runs.append(
+            _run_row(
+                job.run_id,
+                label,
+                train,
+                job.system,
+                run["world_size"],
+                topology,
+                run,
+                run["schedule"],
+                job.warmup_iterations,
+                {
+                    "clock": run["clock"],
+                    "threads_per_rank": run["threads_per_rank"],
+                    "ciera_system": SYSTEMS[job.system][1],
+                },
+            )
+        )
+        for rank in range(run["world_size"]):
+            events.append(pd.read_parquet(run_dir / f"events-rank{rank}.parquet"))
+        for index, seconds in enumerate(run["iteration_s"]):
+            iteration_rows.append({"run_id": job.run_id, "iteration": index, "iteration_s": seconds})
+        for layer, numel in enumerate(run["layer_numel"]):
+            numel_rows.append({"run_id": job.run_id, "layer": layer, "numel": numel})
+    exponents, shard_changes = [], []
+    for run_dir in sorted((out_dir / "exponents").glob("*/")):
+        job = _read_json(run_dir / "job.json")
+        run = _read_json(run_dir / "run.json")
+        topology = _read_json(run_dir / "topology.json")
+        train = job["train"]
+        runs.append(
+            _run_row(
+                job["run_id"],
+                model_label(train["model"], train["width_scale"] or 1),
+                train,
+                "zero3",
+                run["world_size"],
+                topology,
+                run,
+                {
+                    "prefetch_bucket_size": 0,
+                    "max_reuse_distance": 0,
+                    "max_live_parameters": 0,
+                    "reshard_after_forward": False,
+                },
+                int(job["warmup_steps"]),
+                {"purpose": "exponent statistics", "steps": train["steps"]},
+            )
+        )
+        exponents.append(pd.read_parquet(run_dir / "exponents.parquet"))
+        shard_changes.append(pd.read_parquet(run_dir / "shard_changes.parquet"))
+    collectives = []
+    for sweep_dir in sorted((out_dir / "collectives").glob("*/")):
+        topology = _read_json(sweep_dir / "topology.json")
+        rows = _read_json(sweep_dir / "collectives.json")["rows"]
+        for row in rows:
+            collectives.append({"cluster": topology["name"], **row, "source": "measured"})
+    if not runs:
+        raise CaptureError(f"{out_dir}: no finished run to assemble (runs/ and exponents/ are empty)")
+    runs_frame = pd.DataFrame(runs, columns=traces.empty_table("runs").columns)
+    events_frame = _concat(events, "events")
+    layers_frame, iterations_frame = traces.derive_layer_tables(
+        runs_frame,
+        events_frame,
+        pd.DataFrame(numel_rows, columns=["run_id", "layer", "numel"]),
+        iteration_s=pd.DataFrame(iteration_rows, columns=["run_id", "iteration", "iteration_s"]),
+    )
+    return traces.TraceBundle(
+        runs=_typed(runs_frame, "runs"),
+        layers=_typed(layers_frame, "layers"),
+        iterations=_typed(iterations_frame, "iterations"),
+        collectives=_typed(pd.DataFrame(collectives), "collectives"),
+        exponents=_concat(exponents, "exponents"),
+        events=events_frame,
+        shard_changes=_concat(shard_changes, "shard_changes"),
+    )
+
+
+def _concat(frames: list[pd.DataFrame], table: str) -> pd.DataFrame:
+    if not frames:
+        return traces.empty_table(table)
+    return _typed(pd.concat(frames, ignore_index=True), table)
+
+
+def _typed(frame: pd.DataFrame, table: str) -> pd.DataFrame:
+    """Columns in the schema's order and dtypes (an empty frame gets the schema's empty table)."""
+    empty = traces.empty_table(table)
+    if frame.empty:
+        return empty
+    return frame[list(empty.columns)].astype(empty.dtypes.to_dict())

@@ -1,0 +1,334 @@
+"""`ciera measure`: capture a trace bundle on the group this machine can form — plain local ranks, or the
+emulated two-level cluster (`--link-rate`, root on Linux) — with real DeepSpeed ZeRO-3 / FSDP2 training.
+
+    ciera measure all --model mixtral --out DIR [--nodes 2 --ranks-per-node 1,2 --link-rate 200mbit,1gbit]
+    ciera measure layers | collectives | exponents   (the same options; one kind of capture)
+    ciera measure timeline --bundle DIR --run RUN_ID [--iteration 0] --out FILE.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .campaign import CapturePlan, Topology, capture_all, plan_steps
+from .capture import SYSTEMS
+from .cli import write_json
+from .launch import CaptureError
+
+app = typer.Typer(
+    help="Capture real traces (events, collectives sweeps, exponent statistics) into a trace bundle.",
+    no_args_is_help=True,
+)
+
+
+def _ints(option: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise CaptureError(
+            f"{option} {text!r}: expected comma-separated whole numbers, e.g. 2,4,6,8"
+        ) from None
+    if not values:
+        raise CaptureError(f"{option} {text!r}: expected at least one number")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _topologies(
+    nodes: int, ranks_per_node: str, link_rates: str | None, latency_s: float
+) -> tuple[Topology, ...]:
+    per_node = _ints("--ranks-per-node", ranks_per_node)
+    if link_rates is None:
+        if nodes != 1:
+            raise CaptureError(
+                f"--nodes {nodes} needs --link-rate: nodes are network namespaces joined by a shaped link "
+                "(without --link-rate the ranks run as plain local processes, one node)"
+            )
+        return tuple(Topology(1, g) for g in per_node)
+    from .emulated import EmulationError, check_environment, parse_rate_Bps
+
+    rates = _names(link_rates)
+    for rate in rates:
+        try:
+            parse_rate_Bps(rate)
+        except (EmulationError, ValueError) as error:
+            raise CaptureError(f"--link-rate: {error}") from None
+    try:
+        check_environment()
+    except EmulationError as error:
+        raise CaptureError(f"--link-rate needs the emulated cluster: {error}") from None
+    return tuple(Topology(nodes, g, rate, latency_s) for g, rate in itertools.product(per_node, rates))
+
+
+def _check_capacity(plan: CapturePlan) -> None:
+    """Say before starting when this machine cannot hold a topology."""
+    from .emulated import EmulationError, check_capacity
+    from .zoo import parameter_count, scaled_shape
+
+    params = parameter_count(scaled_shape(plan.model, plan.width_scale, max(plan.layers)))
+    for topology in plan.topologies:
+        # Python + torch + DeepSpeed per rank, and bf16 weights, fp32 master weights and Adam states.
+        per_rank_bytes = 700e6 + 18.0 * params
+        try:
+            check_capacity(topology.nodes, topology.ranks_per_node, per_rank_bytes)
+        except EmulationError as error:
+            raise CaptureError(f"topology {topology.name}: {error}") from None
+
+
+def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
+    from .assemble import assemble_bundle
+
+    plan.check()
+    _check_capacity(plan)
+    console = Console(stderr=True)
+    if any(topology.emulated for topology in plan.topologies):
+        from .emulated import clean_leftovers
+
+        removed = clean_leftovers()
+        if removed:
+            console.print(f"removed leftovers of a killed capture: {', '.join(removed)}")
+    steps = plan_steps(plan)
+    total = sum(step.iterations for step in steps)
+    started_s = time.perf_counter()
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} iterations"),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("capture", total=total, status="")
+        base = {"done": 0}
+
+        def on_step(event: str, step, info: dict) -> None:
+            if event == "kept":
+                base["done"] += step.iterations
+                progress.update(task, completed=base["done"])
+                progress.console.print(f"kept {step.name} (finished before)")
+            elif event == "link":
+                progress.console.print(
+                    f"{step.topology.name}: nominal {info['link_rate_Bps'] / 1e6:.1f} MB/s, gloo gets "
+                    f"{info['measured_link_Bps'] / 1e6:.1f} MB/s across nodes"
+                )
+            elif event == "start":
+                progress.update(task, description=step.name, status="starting ranks")
+            elif event == "progress":
+                progress.update(
+                    task,
+                    completed=base["done"] + info["iteration"] + 1,
+                    status=f"{info['iteration'] + 1}/{info['of']}"
+                    + (f" loss {info['loss']:.3f}" if "loss" in info else ""),
+                )
+            elif event == "done":
+                base["done"] += step.iterations
+                progress.update(task, completed=base["done"], status="done")
+
+        try:
+            done = capture_all(plan, out, on_step)
+        except KeyboardInterrupt:
+            raise CaptureError(
+                f"interrupted: finished runs are kept in {out}; the same command goes on from there"
+            ) from None
+    bundle = assemble_bundle(out)
+    import traces
+
+    path = traces.write_bundle(bundle, out / "bundle", overwrite=True)
+    wall_s = time.perf_counter() - started_s
+    _summary(bundle, path, done, wall_s)
+    if json_path is not None:
+        write_json(
+            json_path,
+            {
+                "schema": "ciera.measure/1",
+                "bundle": str(path),
+                "plan": plan.to_json(),
+                "captured": done["captured"],
+                "kept": done["kept"],
+                "links": done["links"],
+                "wall_s": wall_s,
+                "runs": _run_summaries(bundle),
+            },
+        )
+
+
+def _run_summaries(bundle) -> list[dict]:
+    iterations = bundle.iterations.groupby("run_id")["iteration_s"].median()
+    gathered = bundle.events[bundle.events["stream"] == "allgather"].groupby("run_id")
+    wire = gathered["wire_bytes"].sum() / bundle.events.groupby("run_id")["rank"].nunique()
+    raw = gathered["raw_bytes"].sum() / bundle.events.groupby("run_id")["rank"].nunique()
+    counts = bundle.iterations.groupby("run_id")["iteration"].nunique()
+    summaries = []
+    for run in bundle.runs.itertuples():
+        if run.run_id not in iterations.index:
+            continue
+        n = counts[run.run_id]
+        summaries.append(
+            {
+                "run_id": run.run_id,
+                "system": run.system,
+                "layers": int(run.layers),
+                "cluster": run.cluster,
+                "median_iteration_s": float(iterations[run.run_id]),
+                "allgather_raw_bytes_per_iteration": float(raw.get(run.run_id, 0.0) / n),
+                "allgather_wire_bytes_per_iteration": float(wire.get(run.run_id, 0.0) / n),
+            }
+        )
+    return summaries
+
+
+def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:
+    console = Console()
+    summaries = _run_summaries(bundle)
+    table = Table(box=box.SIMPLE_HEAD, title=f"measured runs in {path} (median iteration, all-gather bytes)")
+    for column in ("cluster", "L", "system", "iteration", "gathered (raw)", "on the wire", "vs zero3"):
+        table.add_column(column, justify="left" if column in ("cluster", "system") else "right")
+    baseline = {
+        (s["cluster"], s["layers"]): s["median_iteration_s"] for s in summaries if s["system"] == "zero3"
+    }
+    for s in sorted(summaries, key=lambda s: (s["cluster"], s["layers"], s["system"])):
+        base = baseline.get((s["cluster"], s["layers"]))
+        table.add_row(
+            s["cluster"],
+            str(s["layers"]),
+            s["system"],
+            f"{s['median_iteration_s'] * 1e3:.0f} ms",
+            f"{s['allgather_raw_bytes_per_iteration'] / 1e6:.2f} MB",
+            f"{s['allgather_wire_bytes_per_iteration'] / 1e6:.2f} MB",
+            f"{base / s['median_iteration_s']:.2f}x" if base else "-",
+        )
+    console.print(table)
+    console.print(
+        f"{len(done['captured'])} captured, {len(done['kept'])} kept from before; wall {wall_s:.0f} s; "
+        f"bundle: {path} ({len(bundle.runs)} runs, {len(bundle.events)} events)"
+    )
+
+
+# ---------------------------------------------------------------------------------------- commands
+
+
+ModelOption = Annotated[str, typer.Option("--model", help="Zoo model (key, alias or name; `ciera models`).")]
+OutOption = Annotated[
+    Path, typer.Option("--out", help="Capture directory (resumable); the bundle is DIR/bundle.")
+]
+NodesOption = Annotated[
+    int, typer.Option("--nodes", help="Nodes (network namespaces; > 1 needs --link-rate).")
+]
+RanksOption = Annotated[
+    str, typer.Option("--ranks-per-node", help="Ranks per node; a list captures each (e.g. 1,2).")
+]
+RateOption = Annotated[
+    str | None,
+    typer.Option(
+        "--link-rate", help="Inter-node link rate in tc syntax (e.g. 200mbit,1gbit); root on Linux."
+    ),
+]
+LatencyOption = Annotated[float, typer.Option("--link-latency", help="One-way inter-node delay, seconds.")]
+WidthOption = Annotated[int, typer.Option("--width-scale", help="Width divisor (0: the zoo's default).")]
+LayersOption = Annotated[str, typer.Option("--layers", help="Depths to capture, comma-separated.")]
+SystemsOption = Annotated[str, typer.Option("--systems", help=f"Systems: {', '.join(SYSTEMS)}.")]
+IterationsOption = Annotated[int, typer.Option("--iterations", help="Timed iterations per run.")]
+WarmupOption = Annotated[int, typer.Option("--warmup", help="Untimed iterations first (>= 1).")]
+JsonOption = Annotated[Path | None, typer.Option("--json", help="Write the capture's summary as JSON.")]
+TimeoutOption = Annotated[
+    float, typer.Option("--timeout-s", help="A rank that shows no progress for this long stops the capture.")
+]
+
+
+def _plan(kinds, model, width_scale, nodes, ranks_per_node, link_rate, link_latency, layers, systems,
+          iterations, warmup, exponent_steps, timeout_s, collectives_max_mib) -> CapturePlan:  # fmt: skip
+    return CapturePlan(
+        model=model,
+        width_scale=width_scale or None,
+        layers=_ints("--layers", layers),
+        systems=_names(systems),
+        topologies=_topologies(nodes, ranks_per_node, link_rate, link_latency),
+        iterations=iterations,
+        warmup_iterations=warmup,
+        exponent_steps=exponent_steps,
+        timeout_s=timeout_s,
+        collectives_max_bytes=int(collectives_max_mib) << 20,
+        kinds=kinds,
+    )
+
+
+def _command(kinds: tuple[str, ...], default_exponent_steps: int):
+    def command(
+        out: OutOption,
+        model: ModelOption = "mixtral-8x7b",
+        width_scale: WidthOption = 32,
+        nodes: NodesOption = 1,
+        ranks_per_node: RanksOption = "2",
+        link_rate: RateOption = None,
+        link_latency: LatencyOption = 0.0,
+        layers: LayersOption = "2,4,6,8",
+        systems: SystemsOption = "zero3,fsdp,ciera",
+        iterations: IterationsOption = 3,
+        warmup: WarmupOption = 2,
+        exponent_steps: Annotated[
+            int,
+            typer.Option("--exponent-steps", help="Training steps of the exponent-statistics run (0: none)."),
+        ] = default_exponent_steps,
+        collectives_max_mib: Annotated[
+            int,
+            typer.Option(
+                "--collectives-max-mib", help="Largest collective of the sweep, MiB (>= 64 by nccl-tests)."
+            ),
+        ] = 64,
+        timeout_s: TimeoutOption = 600.0,
+        json_path: JsonOption = None,
+    ) -> None:
+        plan = _plan(kinds, model, width_scale, nodes, ranks_per_node, link_rate, link_latency, layers,
+                     systems, iterations, warmup, exponent_steps, timeout_s, collectives_max_mib)  # fmt: skip
+        _run(plan, out, json_path)
+
+    return command
+
+
+app.command("all", help="Collectives sweeps, layer runs and exponent statistics: a whole bundle.")(
+    _command(("collectives", "layers", "exponents"), 40)
+)
+app.command("layers", help="Timed iterations of the real engines, every event recorded (depth x system).")(
+    _command(("layers",), 0)
+)
+app.command(
+    "collectives", help="nccl-tests-style sweep: all_gather, reduce_scatter, all_reduce, 1 KiB..64 MiB."
+)(_command(("collectives",), 0))
+app.command("exponents", help="Exponent, block and shard change rates per parameter over real training.")(
+    _command(("exponents",), 40)
+)
+
+
+@app.command("timeline")
+def timeline_command(
+    bundle: Annotated[str, typer.Option("--bundle", help="Bundle directory, or `measured`.")],
+    run: Annotated[str, typer.Option("--run", help="run_id of a measured run with events.")],
+    out: Annotated[Path, typer.Option("--out", help="Chrome-trace JSON file (opens in Perfetto).")],
+    iteration: Annotated[int, typer.Option("--iteration", help="Iteration of the run.")] = 0,
+) -> None:
+    """Write one measured iteration as Chrome-trace JSON: one process per rank, one thread per stream — the
+    format `ciera simulate --timeline` writes, so both open side by side in Perfetto."""
+    import traces
+
+    from .timeline import measured_timeline
+
+    loaded = traces.read_bundle(traces.resolve_bundle(bundle))
+    document = measured_timeline(loaded, run, iteration)
+    write_json(out, document, "--out")
+    Console().print(
+        f"wrote {out}: run {run} iteration {iteration}, {len(document['traceEvents'])} trace events"
+    )

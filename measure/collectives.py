@@ -1,0 +1,235 @@
+"""An nccl-tests-style sweep of the collectives the simulator's cost model is fitted to (the trace bundle's
+`collectives` table), on the process group this process belongs to: gloo on CPU, NCCL on GPU.
+
+Sizes double from ``min_bytes`` to ``max_bytes``. A size S follows nccl-tests: for ``all_gather`` the
+gathered output (each rank contributes S / n), for ``reduce_scatter`` the input per rank (each rank keeps
+S / n), for ``all_reduce`` the buffer. A size that does not divide into the group is rounded up to a
+multiple of n × the element size, and the row records the bytes actually moved.
+
+One measurement: a barrier, then one collective timed on every rank (on CUDA, synchronised before the
+clock stops); the slowest rank's time counts (an all-reduce MAX of the per-rank times, so every rank holds
+the same number). ``warmup`` untimed collectives run first, then ``repetitions`` measurements; a row has
+their median, min and max, algbw = S / median and busbw = algbw · (n−1)/n (all_gather, reduce_scatter) or
+algbw · 2(n−1)/n (all_reduce).
+
+Groups: the whole group (``nodes`` = the nodes it spans), then node 0's sub-group (``nodes`` = 1) when the
+whole group spans more than one node and a node has at least two ranks. Ranks are node-major (node k holds
+ranks k·G … k·G+G−1, G = ``ranks_per_node``); every node's sub-group is created on every rank in the same
+order (``new_group`` is collective over the whole group), only node 0's ranks take part in its sweep, the
+others wait at a barrier and then receive its rows. Every rank returns the same rows.
+
+A rank that never joins a collective makes the others fail with the process group's error when its
+timeout runs out; nothing here waits longer than that (so the timeout must exceed one node's sweep, which
+the other nodes' ranks spend at a barrier).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def sweep_sizes(min_bytes: int, max_bytes: int, group_size: int, element_size: int) -> list[int]:
+    """The bytes the sweep measures: min_bytes, 2·min_bytes, … ≤ max_bytes, each rounded up to a multiple
+    of group_size × element_size (a size that rounds to one already listed is measured once)."""
+    unit = group_size * element_size
+    sizes: list[int] = []
+    requested = min_bytes
+    while requested <= max_bytes:
+        size = -(-requested // unit) * unit
+        if not sizes or size != sizes[-1]:
+            sizes.append(size)
+        requested *= 2
+    return sizes
+
+
+def bus_factor(op: str, group_size: int) -> float:
+    """busbw / algbw of ``op`` on ``group_size`` ranks (nccl-tests' convention)."""
+    n = group_size
+    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def _row(op: str, world_size: int, nodes: int, size: int, times_s: Sequence[float], repetitions: int) -> dict:
+    median_s, min_s, max_s = times_s
+    algbw = size / median_s if median_s > 0 else float("inf")
+    return {
+        "op": op,
+        "world_size": world_size,
+        "nodes": nodes,
+        "bytes": size,
+        "time_s": median_s,
+        "time_min_s": min_s,
+        "time_max_s": max_s,
+        "repetitions": repetitions,
+        "algbw_Bps": algbw,
+        "busbw_Bps": algbw * bus_factor(op, world_size),
+    }
+
+
+class _Timer:
+    """Barrier, clock and synchronisation for one device: a CUDA device is synchronised around the clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch
+
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._token = torch.zeros(1, device=device) if self.cuda else None
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self, group) -> None:
+        import torch.distributed as dist
+
+        if self.cuda:  # NCCL's barrier guesses a device; a one-element all-reduce on ours does not
+            dist.all_reduce(self._token, group=group)
+            self.synchronize()
+        else:
+            dist.barrier(group=group)
+
+    def time(self, run: Callable[[], object], group) -> float:
+        self.barrier(group)
+        start = time.perf_counter()
+        run()
+        self.synchronize()
+        return time.perf_counter() - start
+
+
+def _collective(op: str, size: int, group_size: int, device, dtype, group) -> Callable[[], object]:
+    """One call of ``op`` moving ``size`` bytes (nccl-tests' S), buffers allocated once."""
+    import torch
+    import torch.distributed as dist
+
+    count = size // torch.empty((), dtype=dtype).element_size()
+    if op == "all_reduce":
+        buffer = torch.zeros(count, dtype=dtype, device=device)
+        return lambda: dist.all_reduce(buffer, group=group)
+    full = torch.zeros(count, dtype=dtype, device=device)
+    part = torch.zeros(count // group_size, dtype=dtype, device=device)
+    if op == "all_gather":  # looked up per call: whatever wraps torch.distributed's gather sees it
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(full, part, group=group)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return lambda: scatter(part, full, group=group)
+
+
+def _sweep_group(
+    group, group_size: int, plan: list[tuple[str, int]], warmup: int, repetitions: int, timer: _Timer, dtype
+) -> list[tuple[float, float, float]]:
+    """(median, min, max) of the slowest rank's time per (op, bytes) of ``plan``, on this group's ranks."""
+    import torch
+    import torch.distributed as dist
+
+    stats = []
+    for op, size in plan:
+        run = _collective(op, size, group_size, timer.device, dtype, group)
+        for _ in range(warmup):
+            run()
+        timer.synchronize()
+        times = torch.tensor([timer.time(run, group) for _ in range(repetitions)], dtype=torch.float64)
+        times = times.to(timer.device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        slowest = times.cpu().tolist()
+        stats.append((statistics.median(slowest), min(slowest), max(slowest)))
+    return stats
+
+
+def _check(ops, min_bytes, max_bytes, warmup, repetitions, ranks_per_node) -> None:
+    if not ops:
+        raise ValueError(f"ops is empty: expected some of {', '.join(OPS)}")
+    for op in ops:
+        if op not in OPS:
+            raise ValueError(f"op {op!r}: expected one of {', '.join(OPS)}")
+    for name, value, least in (
+        ("min_bytes", min_bytes, 1),
+        ("max_bytes", max_bytes, 1),
+        ("warmup", warmup, 0),
+        ("repetitions", repetitions, 1),
+        ("ranks_per_node", ranks_per_node, 1),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} is {value!r}: expected an integer ≥ {least}")
+    if max_bytes < min_bytes:
+        raise ValueError(f"max_bytes is {max_bytes}: expected at least min_bytes ({min_bytes})")
+
+
+def sweep_collectives(
+    ops: Sequence[str] = OPS,
+    min_bytes: int = 1024,
+    max_bytes: int = 64 << 20,
+    warmup: int = 2,
+    repetitions: int = 5,
+    *,
+    ranks_per_node: int,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    on_progress: Callable[[dict], Any] | None = None,
+) -> list[dict]:
+    """Rows (dicts: op, world_size, nodes, bytes, time_s, time_min_s, time_max_s, repetitions, algbw_Bps,
+    busbw_Bps) for the whole default group, then node 0's sub-group (see the module docstring), each by
+    op, then bytes. Every rank of the group must call it with the same arguments; every rank returns the
+    same rows. ``dtype``: the element type moved (default bfloat16). ``on_progress(row)`` is called with
+    each row as this rank learns it (node 0's sub-group rows reach the other nodes' ranks at its end)."""
+    import torch
+    import torch.distributed as dist
+
+    ops = tuple(ops)
+    _check(ops, min_bytes, max_bytes, warmup, repetitions, ranks_per_node)
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialised: init_process_group first")
+    dtype = torch.bfloat16 if dtype is None else dtype
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    element_size = torch.empty((), dtype=dtype).element_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    nodes = -(-world // ranks_per_node)
+    timer = _Timer(device)
+    progress = on_progress or (lambda row: None)
+
+    def plan(group_size: int) -> list[tuple[str, int]]:
+        return [
+            (op, size) for op in ops for size in sweep_sizes(min_bytes, max_bytes, group_size, element_size)
+        ]
+
+    def rows(group_size: int, group_nodes: int, stats) -> list[dict]:
+        out = []
+        for (op, size), times in zip(plan(group_size), stats, strict=True):
+            out.append(_row(op, group_size, group_nodes, size, times, repetitions))
+            progress(out[-1])
+        return out
+
+    result = rows(world, nodes, _sweep_group(None, world, plan(world), warmup, repetitions, timer, dtype))
+
+    node_ranks = [list(range(k * ranks_per_node, min((k + 1) * ranks_per_node, world))) for k in range(nodes)]
+    if nodes < 2 or len(node_ranks[0]) < 2:
+        return result  # one node: the whole group is node 0; one rank a node: nothing to measure within
+    # new_group is collective over the whole group: every rank creates every node's group, in node order.
+    groups = [dist.new_group(ranks) for ranks in node_ranks if len(ranks) >= 2]
+    size = len(node_ranks[0])
+    stats = torch.zeros((len(plan(size)), 3), dtype=torch.float64, device=device)
+    if rank in node_ranks[0]:
+        stats = torch.tensor(
+            _sweep_group(groups[0], size, plan(size), warmup, repetitions, timer, dtype),
+            dtype=torch.float64,
+            device=device,
+        )
+    timer.barrier(None)  # the other nodes' ranks wait here while node 0 measures
+    dist.broadcast(stats, src=node_ranks[0][0])
+    result += rows(size, 1, stats.cpu().tolist())
+    timer.barrier(None)
+    for ranks, group in zip((r for r in node_ranks if len(r) >= 2), groups, strict=True):
+        if rank in ranks:
+            dist.destroy_process_group(group)
+    return result

@@ -1,15 +1,17 @@
-"""Raw vs compressed vs CCP all-gather on a tc-limited link: 2 gloo ranks in 2 network namespaces.
+"""Raw vs compressed vs CCP all-gather on a tc-limited link: 2 gloo ranks on 2 emulated nodes.
 
     python benchmarks/allgather_netns.py --json out/allgather_netns.json [--rate 1gbit] [--delay-ms 0]
         [--numel 4194304] [--shards 4] [--iters 8] [--q 0.01]
 
-Needs root and iproute2 (`ip`, `tc`); otherwise it prints one line saying why and exits 2. It creates two
-network namespaces ``ciera-bench-<pid>-a`` / ``-b`` joined by a veth pair (10.213.77.1/30 and .2, used
-only inside them), puts ``tbf rate RATE burst 128kb latency 50ms`` on both veth ends (``--delay-ms``:
-a netem delay in front of it, where the kernel has netem), and always removes them on exit (finally,
-atexit, SIGINT/SIGTERM/SIGHUP; namespaces of this prefix left by a run that no longer exists are removed
-at start). Rank 0 runs in namespace a, rank 1 in b, each with one torch and one numba thread (2 cores,
-2 ranks), gloo bound to the veth (GLOO_SOCKET_IFNAME).
+Needs root and iproute2 (`ip`, `tc`); otherwise it prints one line saying why and exits 2. The link is
+``measure.emulated.EmulatedCluster(2 nodes, 1 rank per node, RATE)``: network namespaces
+``ciera-m-<pid>-n0`` / ``-n1``, each joined by a veth pair to a bridge in ``ciera-m-<pid>-hub``
+(addresses 10.214.<pid % 256>.1 and .2, used only inside them), ``tbf rate RATE`` on both ends of each
+veth (``--delay-ms``: a netem delay in front of the node ends' tbf, where the kernel has netem: one-way
+delay between the ranks = delay-ms), always removed on exit (finally, atexit, SIGINT/SIGTERM/SIGHUP;
+``ciera-m-`` namespaces left by a run that no longer exists are removed at start). See
+docs/emulated-cluster.md. Rank 0 runs on node 0, rank 1 on node 1, each with one torch and one numba
+thread (2 cores, 2 ranks), gloo bound to the node's veth (GLOO_SOCKET_IFNAME).
 
 Each rank holds ``--shards`` BF16 N(0, 0.02) shards of ``--numel`` values. Every iteration perturbs every
 shard (a share q of its 512-value blocks get one exponent moved, ``selection.perturb_blocks``), then
@@ -27,9 +29,7 @@ import argparse
 import atexit
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,8 +40,18 @@ from _output import emit_json  # noqa: E402  (benchmarks/ is on sys.path when ru
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO_ROOT))
 
-PREFIX = "ciera-bench-"
-ADDRESSES = ("10.213.77.1", "10.213.77.2")
+from measure.emulated import (  # noqa: E402
+    EmulatedCluster,
+    EmulationError,
+    node_address,
+    wait_for_ranks,
+)
+from measure.emulated import EmulationUnavailable as Unavailable  # noqa: E402
+from measure.emulated import check_environment as _check_environment  # noqa: E402
+from measure.emulated import clean_leftovers as _clean_leftovers  # noqa: E402
+
+# The addresses of the link this process opens (the subnet comes from the pid that creates it).
+ADDRESSES = (node_address(os.getpid(), 0), node_address(os.getpid(), 1))
 PORT = 29613
 CHILD_TIMEOUT_S = 600
 
@@ -51,7 +61,8 @@ CHILD_TIMEOUT_S = 600
 
 def _rank_main(args) -> None:
     rank = args.rank
-    os.environ.update(MASTER_ADDR=ADDRESSES[0], MASTER_PORT=str(PORT), RANK=str(rank), WORLD_SIZE="2")
+    # MASTER_ADDR and GLOO_SOCKET_IFNAME come from EmulatedCluster.popen.
+    os.environ.update(MASTER_PORT=str(PORT), RANK=str(rank), WORLD_SIZE="2")
     import numba
     import numpy as np
     import torch
@@ -185,124 +196,14 @@ def _rank_main(args) -> None:
 # --------------------------------------------------------------------------------------------- root side
 
 
-class Unavailable(Exception):
-    """The machine cannot run this benchmark (not root, no iproute2, no network namespaces)."""
-
-
-def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, capture_output=True, text=True)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip() or done.stdout.strip()}")
-    return done
-
-
-def _namespaces() -> list[str]:
-    listing = _run("ip", "netns", "list").stdout
-    return [line.split()[0] for line in listing.splitlines() if line.strip()]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _delete_namespace(name: str) -> None:
-    # Processes of a dead run may still sit in it (rank processes whose parent was SIGKILLed): a deleted
-    # name would not end the namespace while they live, so end them first (they are ours: this prefix).
-    for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-    _run("ip", "netns", "delete", name, check=False)
-
-
-def _clean_leftovers() -> list[str]:
-    """Remove namespaces of this prefix whose creating process no longer exists."""
-    removed = []
-    for name in _namespaces():
-        if not name.startswith(PREFIX):
-            continue
-        owner = name[len(PREFIX) :].split("-")[0]
-        if owner.isdigit() and _pid_alive(int(owner)) and int(owner) != os.getpid():
-            continue  # another live run
-        _delete_namespace(name)
-        removed.append(name)
-    return removed
-
-
-def _check_environment() -> None:
-    if sys.platform != "linux":
-        raise Unavailable("network namespaces need Linux")
-    if os.geteuid() != 0:
-        raise Unavailable("needs root (creates network namespaces, a veth pair and tc qdiscs)")
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise Unavailable(f"'{tool}' not found (install iproute2)")
-    done = _run("ip", "netns", "list", check=False)
-    if done.returncode != 0:
-        raise Unavailable(f"'ip netns' does not work here: {done.stderr.strip()}")
-
-
-class Link:
-    """Two namespaces and a rate-limited veth pair between them; ``close()`` removes everything."""
+class Link(EmulatedCluster):
+    """Two emulated nodes of one rank each (``namespaces``, ``devices``: node 0's and node 1's); the
+    rate-limited link between them; ``close()`` removes everything (also at exit and on signals)."""
 
     def __init__(self, rate: str, delay_ms: float) -> None:
-        pid = os.getpid()
-        self.namespaces = (f"{PREFIX}{pid}-a", f"{PREFIX}{pid}-b")
-        self.devices = (f"cb{pid}a", f"cb{pid}b")  # interface names: at most 15 characters
-        self.rate, self.delay_ms = rate, delay_ms
-        self.processes: list[subprocess.Popen] = []
-        self._closed = False
-
-    def open(self) -> None:
-        (ns_a, ns_b), (dev_a, dev_b) = self.namespaces, self.devices
-        for ns in self.namespaces:
-            _run("ip", "netns", "add", ns)
-        # Both ends are created inside their namespaces: no interface ever appears in the root namespace,
-        # and deleting the namespaces deletes the pair.
-        _run("ip", "link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
-        for ns, dev, address in zip(self.namespaces, self.devices, ADDRESSES, strict=True):
-            _run("ip", "-n", ns, "addr", "add", f"{address}/30", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", dev, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            tbf = ["tbf", "rate", self.rate, "burst", "128kb", "latency", "50ms"]
-            if self.delay_ms > 0:
-                netem = ["netem", "delay", f"{self.delay_ms}ms", "limit", "100000"]
-                done = _run(
-                    "tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *netem, check=False
-                )
-                if done.returncode != 0:
-                    raise Unavailable(
-                        f"--delay-ms needs the netem qdisc, which this kernel lacks: {done.stderr.strip()}"
-                    )
-                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf)
-            else:
-                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf)
-
-    def qdiscs(self) -> list[str]:
-        return [
-            line.strip()
-            for ns, dev in zip(self.namespaces, self.devices, strict=True)
-            for line in _run("tc", "-n", ns, "qdisc", "show", "dev", dev).stdout.splitlines()
-            if line.strip()
-        ]
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for ns in self.namespaces:
-            _delete_namespace(ns)
+        super().__init__(2, 1, rate, delay_ms / 1e3)
+        self.namespaces = tuple(self.node_namespaces)
+        self.devices = (self.interface(0), self.interface(1))
 
 
 def _rank_command(args, rank: int, result: Path) -> list[str]:
@@ -350,7 +251,7 @@ def _report(args, link: Link, ranks: list[dict], load_before, load_after, wall_s
             "rate": args.rate,
             "delay_ms": args.delay_ms,
             "qdiscs": link.qdiscs(),
-            "addresses": list(ADDRESSES),
+            "addresses": [link.address(0), link.address(1)],
             "small_round_ms": round(max(r["small_round_s"] for r in ranks) * 1e3, 3),
         },
         "numel_per_shard": args.numel,
@@ -396,8 +297,11 @@ def _main(args) -> int:
     removed = _clean_leftovers()
     if removed:
         print(f"allgather_netns: removed leftover namespaces {removed}", file=sys.stderr)
-    link = Link(args.rate, args.delay_ms)
-    close_on_exit(link)
+    try:
+        link = Link(args.rate, args.delay_ms)
+    except EmulationError as reason:
+        print(f"allgather_netns: error: {reason}")
+        return 2
     start_s = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="ciera-netns-") as scratch:
@@ -414,15 +318,8 @@ def _main(args) -> int:
             }
             results = [Path(scratch) / f"rank{rank}.json" for rank in (0, 1)]
             load_before = os.getloadavg()
-            for rank, ns in enumerate(link.namespaces):
-                rank_env = env | {"GLOO_SOCKET_IFNAME": link.devices[rank]}
-                link.processes.append(
-                    subprocess.Popen(
-                        ["ip", "netns", "exec", ns, *_rank_command(args, rank, results[rank])],
-                        env=rank_env,
-                        cwd=_REPO_ROOT,
-                    )
-                )
+            for rank in (0, 1):
+                link.popen(rank, _rank_command(args, rank, results[rank]), env=env, cwd=_REPO_ROOT)
             failed = wait_for_ranks(link.processes, CHILD_TIMEOUT_S)
             if failed or any(not path.exists() for path in results):
                 print(
@@ -443,8 +340,8 @@ def _main(args) -> int:
 
 
 def close_on_exit(link) -> None:
-    """Close ``link`` (remove what it created) at exit, and turn SIGINT/SIGTERM/SIGHUP into an exit so
-    that it runs then too."""
+    """Close ``link`` at exit, and turn SIGINT/SIGTERM/SIGHUP into an exit so that it runs then too (for
+    links that are not an EmulatedCluster, whose ``open()`` arranges this itself)."""
     atexit.register(link.close)
 
     def on_signal(signum, _frame):
@@ -452,25 +349,6 @@ def close_on_exit(link) -> None:
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, on_signal)
-
-
-def wait_for_ranks(processes: list, timeout_s: float, poll_s: float = 0.1) -> list[str]:
-    """Wait until every rank process has exited, one has failed, or ``timeout_s`` passed; what went wrong
-    (empty when every rank exited 0). A failed rank ends the wait at once: the other would wait for it
-    until gloo's timeout."""
-    deadline = time.monotonic() + timeout_s
-    failed = []
-    while any(p.poll() is None for p in processes):
-        if any(p.poll() not in (None, 0) for p in processes):
-            break
-        if time.monotonic() > deadline:
-            failed.append(f"ranks still running after {timeout_s} s")
-            break
-        time.sleep(poll_s)
-    for rank, process in enumerate(processes):
-        if process.poll() not in (None, 0):
-            failed.append(f"rank {rank} exited with {process.returncode}")
-    return failed
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
-"""benchmarks/allgather_netns.py: 2 gloo ranks in 2 network namespaces over a tc-limited veth.
+"""benchmarks/allgather_netns.py: 2 gloo ranks on 2 emulated nodes (measure.emulated) over a tc-limited link.
 
 Slow (spawns two torch processes); needs root and iproute2, skipped otherwise. Checks the gathers were
-bit-exact and that the namespaces the run created are gone afterwards.
+bit-exact and that the namespaces and interfaces the run created are gone afterwards.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = _REPO_ROOT / "benchmarks" / "allgather_netns.py"
-_PREFIX = "ciera-bench-"
+_PREFIX = "ciera-m-"
 
 
 def _netns_names() -> list[str]:
@@ -57,8 +57,9 @@ def test_netns_benchmark_bit_exact_and_cleans_up(tmp_path):
     assert process.returncode == 0, output
     ours = f"{_PREFIX}{process.pid}-"
     assert not [name for name in _netns_names() if name.startswith(ours)], "namespaces left behind"
+    # Nothing was ever created in the root namespace (the veth ends live in the run's namespaces).
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
-    assert f"cb{process.pid}a" not in links and f"cb{process.pid}b" not in links
+    assert f"cm{process.pid}" not in links
 
     result = json.loads(out.read_text())
     assert result["bit_exact"] is True
@@ -70,7 +71,9 @@ def test_netns_benchmark_bit_exact_and_cleans_up(tmp_path):
     for mode in ("compressed", "ccp"):
         assert 0.45 < modes[mode]["bytes_ratio_vs_raw"] < 0.6
         assert modes[mode]["median_ms"] > 0
-    assert any("tbf" in line for line in result["link"]["qdiscs"])
+    # tbf on both ends of both veths: what each node sends and what it receives.
+    assert sum("tbf" in line for line in result["link"]["qdiscs"]) == 4
+    assert result["link"]["addresses"] == [f"10.214.{process.pid % 256}.1", f"10.214.{process.pid % 256}.2"]
 
 
 def test_netns_benchmark_refuses_politely_without_root():

@@ -248,13 +248,8 @@ def _finished(directory: Path, kind: str) -> bool:
     return (directory / expected).is_file()
 
 
-def capture_all(
-    plan: CapturePlan,
-    out_dir: Path,
-    on_step: Callable[[str, Step, dict], None] | None = None,
-    emulated_cluster_factory=None,
-) -> dict[str, Any]:
-    """Capture every step of `plan` not already finished in `out_dir`; returns what was done."""
+def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> None:
+    """Check `plan`, create `out_dir`, and record the plan there — or refuse when it holds another plan."""
     plan.check()
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path = out_dir / "plan.json"
@@ -271,6 +266,16 @@ def capture_all(
             )
     else:
         _write_atomic(plan_path, json.dumps(document, indent=1))
+
+
+def capture_all(
+    plan: CapturePlan,
+    out_dir: Path,
+    on_step: Callable[[str, Step, dict], None] | None = None,
+    emulated_cluster_factory=None,
+) -> dict[str, Any]:
+    """Capture every step of `plan` not already finished in `out_dir`; returns what was done."""
+    prepare_out_dir(plan, out_dir)
     partial = out_dir / ".partial"
     if partial.exists():
         shutil.rmtree(partial)  # an interrupted run: discarded, redone

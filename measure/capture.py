@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .exponents import layer_index
 from .train import TrainConfig, TrainError
 
 SYSTEMS = {
@@ -61,19 +62,6 @@ def train_config_for(system: str, **options: Any) -> TrainConfig:
         raise TrainError(f"system {system!r}: expected one of {', '.join(SYSTEMS)}")
     engine, ciera = SYSTEMS[system]
     return TrainConfig(engine=engine, ciera=ciera, **options)
-
-
-def layer_of_parameter(name: str, num_layers: int) -> int:
-    """Trace-format layer of a zoo-model parameter: embedding 0, block i → i + 1, final norm and LM head L+1."""
-    if name.startswith("embed_tokens."):
-        return 0
-    if name.startswith("blocks."):
-        return int(name.split(".")[1]) + 1
-    if name.startswith(("final_norm.", "lm_head.")):
-        return num_layers + 1
-    raise TrainError(
-        f"parameter {name!r}: cannot place it in a layer (embedding, blocks.i, final_norm, lm_head)"
-    )
 
 
 def host_description() -> dict[str, str]:
@@ -150,6 +138,12 @@ def _attribute_gathers(run, model, layer_of: dict[int, int], recorder) -> None:
     FSDPParamGroup._ciera_measure_wrapped = True
 
 
+def _injected_exit(run_id: str, rank: int, iteration: int) -> bool:
+    """Fault injection for testing what a dying rank does to a capture: CIERA_MEASURE_EXIT_AT names
+    `run_id:rank:iteration` (the rank's process exits without a word there)."""
+    return os.environ.get("CIERA_MEASURE_EXIT_AT") == f"{run_id}:{rank}:{iteration}"
+
+
 def _main_layer(params, layer_of: dict[int, int]) -> int:
     """The layer holding most of the elements of a coalesced gather (a bucket may reach into the next)."""
     counts: dict[int, int] = {}
@@ -193,7 +187,7 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
     recorder = EventRecorder.install()  # before the engine exists: it keeps the wrapped collectives
     model, categories, run, threads = start_run(cfg, world_size)
     num_layers = len(model.blocks)
-    layer_of_name = {name: layer_of_parameter(name, num_layers) for name, _ in model.named_parameters()}
+    layer_of_name = {name: layer_index(name, num_layers) for name, _ in model.named_parameters()}
     layer_of = {id(param): layer_of_name[name] for name, param in model.named_parameters()}
     layer_numel = [0] * (num_layers + 2)
     for name, param in model.named_parameters():
@@ -211,7 +205,7 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
         if iteration == job.warmup_iterations:
             for engine in run.engines():  # CIERA's engines exist once the first gathers ran
                 engine.codec_timer = recorder.codec_timer
-        if cfg.exit_rank_at == (rank, iteration):
+        if cfg.exit_rank_at == (rank, iteration) or _injected_exit(job.run_id, rank, iteration):
             os._exit(17)  # a crash: no exception, no cleanup, no message
         inputs, targets = batch(iteration, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
         inputs = inputs[rank * per_rank : (rank + 1) * per_rank]
@@ -335,7 +329,7 @@ def run_exponents_rank(job: dict, out_dir: Path, rank: int, world_size: int, pro
 
     model, categories, run, _threads = start_run(cfg, world_size)
     num_layers = len(model.blocks)
-    layer_of = {name: layer_of_parameter(name, num_layers) for name, _ in model.named_parameters()}
+    layer_of = {name: layer_index(name, num_layers) for name, _ in model.named_parameters()}
     recorder = ExponentRecorder(layer_of, categories) if rank == 0 else None
     per_rank = cfg.global_batch // world_size
     warmup = int(job["warmup_steps"])

@@ -38,9 +38,10 @@ def _last_line(path: Path) -> str:
         lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
         return ""
-    # The rank's own one-line error, when it wrote one; else the last line.
+    # The rank's own one-line error, when it wrote one (a killed rank writes none; its log is in the
+    # job directory).
     own = [line for line in lines if line.startswith("rank ")]
-    return (own or lines or [""])[-1].strip()[:300]
+    return (own or [""])[-1].strip()[:300]
 
 
 def rank_environment(rank: int, world_size: int, ranks_per_node: int, port: int) -> dict[str, str]:

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .campaign import CapturePlan, Topology, capture_all, plan_steps
+from .campaign import CapturePlan, Topology, capture_all, plan_steps, prepare_out_dir
 from .capture import SYSTEMS
 from .cli import write_json
 from .launch import CaptureError
@@ -92,6 +92,7 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
 
     plan.check()
     _check_capacity(plan)
+    prepare_out_dir(plan, out)
     console = Console(stderr=True)
     if any(topology.emulated for topology in plan.topologies):
         from .emulated import clean_leftovers

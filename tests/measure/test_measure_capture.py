@@ -1,0 +1,196 @@
+"""`ciera measure`: a tiny real capture on 2 local ranks (DeepSpeed ZeRO-3, ZeRO-3 + CIERA, FSDP2) gives a
+bundle the reader accepts and the simulator loads, with consistent events; resume, faults and misuse give
+one line; measured timelines are Chrome traces."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import traces
+
+pytest.importorskip("deepspeed")
+
+MODEL = ["--model", "mixtral-8x7b", "--width-scale", "64"]
+TINY = [*MODEL, "--layers", "1", "--iterations", "2", "--warmup", "1", "--timeout-s", "120"]
+
+
+def ciera(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ciera_cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ | (env or {}),
+    )
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("capture") / "cap"
+    done = ciera("measure", "layers", "--out", str(out), *TINY, "--systems", "zero3,ciera,fsdp")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def test_capture_gives_a_valid_bundle_of_measured_runs(captured: Path) -> None:
+    bundle = traces.read_bundle(captured / "bundle")
+    assert set(bundle.runs["source"]) == {"measured"}
+    assert sorted(bundle.runs["system"]) == ["ciera", "fsdp", "zero3"]
+    assert set(bundle.runs["layers"]) == {1}
+    runs = bundle.runs.set_index("run_id")
+    assert (runs["engine"] == np.where(runs["system"] == "fsdp", "fsdp", "zero3")).all()
+    assert (runs["backend"] == "gloo").all() and (runs["nodes"] == 1).all()
+    zero3 = runs[runs["engine"] == "zero3"]
+    assert (zero3["prefetch_bucket_size"] > 0).all() and (zero3["max_reuse_distance"] == 0).all()
+    assert set(bundle.iterations.groupby("run_id")["iteration"].nunique()) == {2}
+    done = ciera("traces", "validate", str(captured / "bundle"))
+    assert done.returncode == 0, done.stderr
+
+
+def test_events_are_consistent(captured: Path) -> None:
+    bundle = traces.read_bundle(captured / "bundle")
+    events = bundle.events
+    assert (events["end_s"] >= events["start_s"]).all()
+    assert (events["start_s"] >= events["issued_s"]).all()
+    # Per rank, iteration and stream: no overlap.
+    for _, group in events.groupby(["run_id", "rank", "iteration", "stream"]):
+        ordered = group.sort_values("start_s")
+        assert (ordered["start_s"].to_numpy()[1:] >= ordered["end_s"].to_numpy()[:-1] - 1e-6).all()
+    # The iteration time is at least every rank's main-thread busy time.
+    busy = (
+        events[events["stream"].isin(["compute", "optim"])]
+        .assign(duration=lambda f: f["end_s"] - f["start_s"])
+        .groupby(["run_id", "iteration", "rank"])["duration"]
+        .sum()
+        .groupby(["run_id", "iteration"])
+        .max()
+    )
+    iteration_s = bundle.iterations.set_index(["run_id", "iteration"])["iteration_s"]
+    assert (iteration_s.reindex(busy.index) >= busy - 1e-9).all()
+    # Per-layer sums match the per-layer table (the reader checks it too; here it is shown directly).
+    gathers = events[events["stream"] == "allgather"]
+    per_layer = gathers.groupby(["run_id", "iteration", "layer", "phase"])["raw_bytes"].sum() / 2
+    table = bundle.layers.set_index(["run_id", "iteration", "layer", "phase"])["allgather_bytes"]
+    np.testing.assert_allclose(table.reindex(per_layer.index).to_numpy(), per_layer.to_numpy(), rtol=1e-6)
+    # CIERA moves fewer bytes than it would raw; the plain engines move what they gather.
+    by_system = (
+        gathers.merge(bundle.runs[["run_id", "system"]]).groupby("system")[["raw_bytes", "wire_bytes"]].sum()
+    )
+    assert by_system.loc["ciera", "wire_bytes"] < by_system.loc["ciera", "raw_bytes"]
+    assert by_system.loc["zero3", "wire_bytes"] == by_system.loc["zero3", "raw_bytes"]
+    # Every phase shows up, and CIERA's codec runs in its own streams.
+    assert {"fwd", "bwd", "recompute", "optim"} <= set(events["phase"])
+    assert {"codec_send", "codec_recv"} <= set(events[events["run_id"].str.contains("-ciera-")]["stream"])
+
+
+def test_rerun_keeps_finished_runs_and_refuses_another_plan(captured: Path) -> None:
+    done = ciera("measure", "layers", "--out", str(captured), *TINY, "--systems", "zero3,ciera,fsdp")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("kept ") == 3
+    other = ciera("measure", "layers", "--out", str(captured), *TINY, "--systems", "zero3")
+    assert other.returncode == 2
+    assert other.stderr.count("\n") == 1 and "another plan" in other.stderr and "systems" in other.stderr
+
+
+def test_measured_timeline_is_a_chrome_trace(captured: Path, tmp_path: Path) -> None:
+    bundle = traces.read_bundle(captured / "bundle")
+    run_id = bundle.runs[bundle.runs["system"] == "ciera"]["run_id"].iloc[0]
+    out = tmp_path / "timeline.json"
+    done = ciera(
+        "measure", "timeline", "--bundle", str(captured / "bundle"), "--run", run_id, "--out", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    document = json.loads(out.read_text())
+    assert document["otherData"]["schema"] == "ciera.timeline/1"
+    complete = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in complete} == {1, 2}  # one process per rank
+    threads = {e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"}
+    assert {"compute", "allgather", "codec_send", "codec_recv"} <= threads
+    bad = ciera(
+        "measure", "timeline", "--bundle", str(captured / "bundle"), "--run", "nope", "--out", str(out)
+    )
+    assert bad.returncode == 2 and "--run 'nope'" in bad.stderr
+
+
+def test_simulator_loads_the_measured_bundle(captured: Path) -> None:
+    label = traces.read_bundle(captured / "bundle").runs["model"].iloc[0]
+    done = ciera(
+        "simulate", "--bundle", str(captured / "bundle"), "--models", label, "--gpus", "4", "--dtype", "bf16"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert label in done.stdout
+
+
+def test_a_rank_killed_mid_capture_stops_the_others_and_keeps_finished_runs(tmp_path: Path) -> None:
+    out = tmp_path / "cap"
+    args = [
+        "measure",
+        "layers",
+        "--out",
+        str(out),
+        *MODEL,
+        "--layers",
+        "1",
+        "--iterations",
+        "2",
+        "--warmup",
+        "1",
+    ]
+    victim = "mixtral-8x7b-w64-zero3-L1-local-2"
+    started = time.monotonic()
+    done = ciera(*args, "--systems", "fsdp,zero3", env={"CIERA_MEASURE_EXIT_AT": f"{victim}:1:1"})
+    assert done.returncode == 2
+    assert time.monotonic() - started < 120
+    last_line = done.stderr.strip().splitlines()[-1]  # after the progress bar's last frame
+    assert last_line == "error: capture failed: rank 1 stopped (exit code 17)", done.stderr[-2000:]
+    assert (out / "runs" / "mixtral-8x7b-w64-fsdp-L1-local-2" / "run.json").is_file()  # finished: kept
+    assert not (out / "runs" / victim).exists()  # the partial run is not written
+    assert not (out / "bundle").exists()
+
+
+def test_ctrl_c_stops_the_ranks_and_the_next_run_redoes_it(tmp_path: Path) -> None:
+    out = tmp_path / "cap"
+    args = ["measure", "layers", "--out", str(out), *MODEL, "--layers", "1", "--systems", "zero3"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ciera_cli.main", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list((out / ".partial").glob("*/rank0.log")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2, stderr[-2000:]
+    assert "interrupted" in stderr
+    leftover = subprocess.run(["pgrep", "-f", f"measure.rank {out}"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""  # no rank outlives the capture
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--systems", "zero3,zeropp"], "'zeropp' is not a system"),
+        (["--layers", "2,x"], "--layers"),
+        (["--nodes", "2"], "--nodes 2 needs --link-rate"),
+        (["--ranks-per-node", "4000"], "more than this machine"),
+        (["--warmup", "0"], "--warmup"),
+    ],
+)
+def test_misuse_is_one_line_before_any_rank_starts(tmp_path: Path, args: list[str], expected: str) -> None:
+    done = ciera("measure", "layers", "--out", str(tmp_path / "cap"), *args, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert expected in done.stderr and done.stderr.count("\n") == 1
+    assert not (tmp_path / "cap" / "runs").exists()

@@ -129,10 +129,11 @@ def report_command(
         Path | None, typer.Option("--timeline", help="Chrome-trace JSON from `ciera simulate --timeline`.")
     ] = None,
     bundle_path: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--bundle",
-            help="Trace bundle for the simulation and the exponent plots; default: the shipped one.",
+            help="Trace bundle for the simulation and the exponent plots: a directory, or a shipped one "
+            "by name (analytic, the default, or measured).",
         ),
     ] = None,
     models: Annotated[
@@ -151,7 +152,7 @@ def report_command(
     title: Annotated[str, typer.Option("--title", help="Report title.")] = DEFAULT_TITLE,
 ) -> None:
     """Write one self-contained HTML report (plotly inlined, works offline)."""
-    from traces import default_bundle_path, read_bundle
+    from traces import default_bundle_path, read_bundle, resolve_bundle
 
     console = Console(stderr=True)
     started_s = time.perf_counter()
@@ -170,7 +171,7 @@ def report_command(
             )
         records, metadata = load_records(records_path)
         timeline_events = load_timeline(timeline_path) if timeline_path is not None else []
-    resolved_bundle_path = bundle_path or (
+    resolved_bundle_path = (resolve_bundle(bundle_path) if bundle_path else None) or (
         Path(metadata["bundle"]) if records_path and metadata.get("bundle") else None
     )
     if resolved_bundle_path is None and default_bundle_path().exists():

@@ -100,7 +100,11 @@ def _print_table(records: list[SimRecord], console: Console, notes: list[str]) -
 
 def simulate_command(
     bundle: Annotated[
-        Path | None, typer.Option("--bundle", help="Trace bundle directory (default: the packaged one).")
+        str | None,
+        typer.Option(
+            "--bundle",
+            help="Trace bundle directory, or a shipped one by name: analytic (the default) or measured.",
+        ),
     ] = None,
     models: Annotated[
         list[str] | None, typer.Option("--models", help="Models to simulate (comma-separated or repeated).")
@@ -156,7 +160,7 @@ def simulate_command(
                 "(as DeepSpeed evaluates it); use --dtype fp16"
             )
         notes.append(f"{', '.join(skipped)}: fp16 only (as in DeepSpeed's ZeRO++), skipped for bf16")
-    bundle_path = bundle if bundle is not None else traces.default_bundle_path()
+    bundle_path = traces.resolve_bundle(bundle) if bundle is not None else traces.default_bundle_path()
     if bundle is None and not bundle_path.is_dir():
         raise SimInputError(
             f"--bundle: the packaged default bundle is missing at {bundle_path}; "

@@ -8,6 +8,7 @@ Model shapes (data both `measure` and `sim` read): `ModelShape`, `load_model_sha
 `ModelShapeError` (traces/data/models/*.toml).
 """
 
+import os
 from pathlib import Path
 
 from .bundle import TABLE_NAMES, TraceBundle, empty_table, read_bundle, validate_bundle, write_bundle
@@ -20,6 +21,31 @@ from .schema import BACKENDS, CATEGORIES, DTYPES, ENGINES, PHASES, SCHEMA_VERSIO
 def default_bundle_path() -> Path:
     """The bundle shipped with the package: analytic traces of six MoE models on the method's testbed."""
     return Path(__file__).parent / "data" / "default"
+
+
+def measured_bundle_path() -> Path:
+    """The measured bundle shipped with the package: real DeepSpeed ZeRO-3 / FSDP2 / CIERA runs captured
+    with `ciera measure all` on the emulated two-level cluster (docs/measurement.md says how)."""
+    return Path(__file__).parent / "data" / "measured"
+
+
+# Bundles the CLI knows by name (`--bundle measured`); anything else is a directory path.
+NAMED_BUNDLES = {
+    "analytic": default_bundle_path,
+    "default": default_bundle_path,
+    "measured": measured_bundle_path,
+}
+
+
+def resolve_bundle(name_or_path: str | os.PathLike[str]) -> Path:
+    """`analytic` / `default` / `measured`: the shipped bundles; else the path as given."""
+    text = os.fspath(name_or_path)
+    if text in NAMED_BUNDLES:
+        path = NAMED_BUNDLES[text]()
+        if not path.is_dir():
+            raise TraceError(f"--bundle {text}: the shipped bundle is missing at {path} (a partial install?)")
+        return path
+    return Path(text)
 
 
 __all__ = [
@@ -36,6 +62,8 @@ __all__ = [
     "TraceBundle",
     "TraceError",
     "default_bundle_path",
+    "measured_bundle_path",
+    "resolve_bundle",
     "derive_layer_tables",
     "empty_table",
     "load_model_shape",

@@ -145,7 +145,7 @@ def _shard_codec_times(
         has_trace = traced > 0
         if has_trace.any():
             share = np.divide(numel, layer_numel, out=np.zeros_like(numel), where=layer_numel > 0)
-            values = times[column].to_numpy()
+            values = times[column].to_numpy(dtype=float, copy=True)
             values[has_trace] = traced[has_trace] * share[has_trace] * scale[column]
             times[column] = values
     return times

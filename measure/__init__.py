@@ -1,17 +1,19 @@
-"""Measurement on a real group. Built so far: the model zoo, the corpus, real training runs and their
-exponent statistics.
+"""Measurement on a real group: the model zoo, the corpus, real training runs, and trace capture.
 
 - `measure.zoo`: `build_model(key, layers, width_scale, seed)` (torch, imported only when building),
   `parameter_categories(model)`, `scaled_shape`, `parameter_count`, `zoo_keys`, `ZooError`.
 - `measure.corpus`: byte-level tokens of the CPython documentation topics, deterministic `batches`.
 - `measure.train`: `ciera train` — a zoo model under DeepSpeed ZeRO-3 or FSDP2, CIERA on or off, on
-  spawned gloo ranks or under torchrun (`TrainConfig`, `train`, `run_rank`).
-- `measure.exponents`: exponent and block change rates per category between steps (`ExponentTracker`).
+  spawned gloo ranks or under torchrun (`TrainConfig`, `train`, `run_rank`, `start_run`).
+- `measure.exponents`: exponent, block and shard change rates (`ExponentTracker` per category for
+  `ciera train --exponent-stats`; `ExponentRecorder` per parameter for the bundle's tables; `layer_index`).
+- `ciera measure` (docs/measurement.md): `measure.emulated` (the emulated two-level cluster: network
+  namespaces, a bridge, tc-shaped links, `probe_link`), `measure.events` (`EventRecorder`: per-event
+  timelines of a rank), `measure.collectives` (`sweep_collectives`, nccl-tests style), `measure.capture`
+  (what one rank runs), `measure.launch` (starting and watching the ranks), `measure.campaign`
+  (`CapturePlan`, `capture_all`, `capture_launched`: resumable captures), `measure.assemble` (a capture
+  directory to a trace bundle), `measure.timeline` (measured iterations as Chrome traces).
 - `ciera models` lists the zoo (measure/cli.py).
-
-Trace capture into a bundle (`ciera measure`: per-event timelines, collectives sweeps, exponent tables) is
-not built yet: until it is, the shipped bundle is analytic (`ciera analytic-bundle`) and every report
-says so.
 """
 
 from .corpus import CorpusError, batch, batches, corpus_info

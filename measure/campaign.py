@@ -48,7 +48,11 @@ class Topology:
     @property
     def name(self) -> str:
         if not self.emulated:
-            return f"local-{self.world_size}"
+            return (
+                f"local-{self.world_size}"
+                if self.nodes == 1
+                else f"cluster-{self.nodes}x{self.ranks_per_node}"
+            )
         latency = f"-{self.link_latency_s * 1e3:g}ms" if self.link_latency_s else ""
         return f"emulated-{self.nodes}x{self.ranks_per_node}-{self.link_rate}{latency}"
 
@@ -315,10 +319,7 @@ def capture_all(
                     timeout_s=plan.timeout_s,
                     on_progress=lambda record, step=step: notify("progress", step, record),
                 )
-                if cluster is not None:
-                    _write_atomic(scratch / "topology.json", json.dumps(_topology_record(topology, out_dir)))
-                else:
-                    _write_atomic(scratch / "topology.json", json.dumps(_topology_record(topology, out_dir)))
+                _write_atomic(scratch / "topology.json", json.dumps(_topology_record(topology, out_dir)))
                 target = out_dir / _kind_dir(step.kind) / step.name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 if target.exists():
@@ -393,3 +394,94 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def nodes_for(world_size: int, ranks_per_node: int) -> int:
     return math.ceil(world_size / ranks_per_node)
+
+
+# ---------------------------------------------------------------------------------------- under a launcher
+
+
+def launched_topology() -> Topology:
+    """The topology torchrun / the deepspeed launcher formed: WORLD_SIZE ranks, LOCAL_WORLD_SIZE per node."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if per_node < 1 or world_size % per_node:
+        raise CaptureError(
+            f"WORLD_SIZE={world_size} LOCAL_WORLD_SIZE={per_node}: expected whole nodes of equal size"
+        )
+    return Topology(nodes=world_size // per_node, ranks_per_node=per_node)
+
+
+def capture_launched(
+    plan: CapturePlan, out_dir: Path, on_step: Callable[[str, Step, dict], None] | None = None
+) -> dict[str, Any] | None:
+    """This process is one rank started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, LOCAL_WORLD_SIZE): every rank runs every step of `plan` in-process, in the
+    same order, on the launcher's group; `out_dir` must be on a file system every rank sees. Rank 0 keeps
+    the books (what is finished, the renames) and returns what was done; the others return None. A rank
+    that does not join within `plan.timeout_s` makes the others fail with one line instead of waiting."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from .capture import run_collectives_rank, run_exponents_rank, run_layers_rank
+    from .events import EventRecorder
+
+    rank = int(os.environ["RANK"])
+    topology = launched_topology()
+    plan = dataclasses.replace(plan, topologies=(topology,))
+    if rank == 0:
+        prepare_out_dir(plan, out_dir)
+    EventRecorder.install()  # before any engine keeps a reference to the collectives
+    os.environ.setdefault("LOCAL_RANK", str(rank % topology.ranks_per_node))
+    try:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=plan.timeout_s))
+        dist.barrier()
+    except Exception as error:  # noqa: BLE001 — a missing rank: one line, not a hang
+        raise CaptureError(
+            f"rank {rank}: the process group of {topology.world_size} ranks did not form within "
+            f"{plan.timeout_s:.0f} s (a rank is missing?): {str(error).splitlines()[0] if str(error) else ''}"
+        ) from None
+    notify = on_step or (lambda event, step, info: None)
+    done: dict[str, Any] = {"captured": [], "kept": [], "links": {}}
+    try:
+        for step in plan_steps(plan):
+            finished = out_dir / _kind_dir(step.kind) / step.name
+            decision = (
+                [_finished(finished, step.kind) and _same_job(finished, step.job)] if rank == 0 else [None]
+            )
+            dist.broadcast_object_list(decision, src=0)
+            if decision[0]:
+                done["kept"].append(step.name)
+                notify("kept", step, {})
+                continue
+            scratch = out_dir / ".partial" / step.name
+            if rank == 0:
+                if scratch.exists():
+                    shutil.rmtree(scratch)
+                scratch.mkdir(parents=True)
+                (scratch / "job.json").write_text(json.dumps(step.job, indent=1))
+            dist.barrier()
+            notify("start", step, {})
+            progress = (
+                (lambda record, step=step: notify("progress", step, record))
+                if rank == 0
+                else (lambda r: None)
+            )
+            if step.kind == "layers":
+                run_layers_rank(LayersJob.from_json(step.job), scratch, rank, topology.world_size, progress)
+            elif step.kind == "collectives":
+                run_collectives_rank(step.job, scratch, rank, topology.world_size, progress)
+            else:
+                run_exponents_rank(step.job, scratch, rank, topology.world_size, progress)
+            dist.barrier()
+            if rank == 0:
+                _write_atomic(scratch / "topology.json", json.dumps(_topology_record(topology, out_dir)))
+                finished.parent.mkdir(parents=True, exist_ok=True)
+                if finished.exists():
+                    shutil.rmtree(finished)
+                os.replace(scratch, finished)
+            done["captured"].append(step.name)
+            notify("done", step, {})
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return done if rank == 0 else None

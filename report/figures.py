@@ -59,7 +59,7 @@ CATEGORY_COLOURS = {
     "norm": "#72b7b2",
     "embedding": "#54a24b",
 }
-STREAM_ORDER = ("compute", "allgather", "reduce_scatter", "codec_sender", "codec_receiver")
+STREAM_ORDER = ("compute", "allgather", "reduce_scatter", "codec_send", "codec_recv")
 
 ANALYTIC_BAR_OPACITY = 0.6
 DEFAULT_BLOCK_SIZE = 512  # DESIGN.md's B, shown when the bundle has it

@@ -1,7 +1,7 @@
 """Discrete-event replay of one training iteration on one representative rank (ranks are symmetric).
 
 An iteration is an operation graph: every operation runs on one per-rank stream (compute, allgather,
-reduce_scatter, codec_sender, codec_receiver), in that stream's program order like a CUDA stream, after the
+reduce_scatter, codec_send, codec_recv), in that stream's program order like a CUDA stream, after the
 operations it depends on have finished (or, for prefetch triggers, started). Collectives also hold the
 rank's network link, granted in the order they are issued, so an AllGather and a ReduceScatter never move
 bytes at the same time at full speed each.
@@ -22,7 +22,7 @@ import numpy as np
 import simpy
 
 # The per-rank streams, in the order timelines list them.
-STREAMS = ("compute", "allgather", "reduce_scatter", "codec_sender", "codec_receiver")
+STREAMS = ("compute", "allgather", "reduce_scatter", "codec_send", "codec_recv")
 # What an operation's time is when it holds up the compute stream (see `attribute`).
 CATEGORY_TO_BREAKDOWN = {
     "compute": "compute",

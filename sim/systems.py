@@ -355,7 +355,7 @@ def build_system(
         ccp_sender[j] = graph.add(
             Op(
                 f"hash+compress L{step.layer} {step.phase}",
-                "codec_sender",
+                "codec_send",
                 layer_plan["sender_s"],
                 "codec",
                 cv=step.compute_cv,
@@ -372,7 +372,7 @@ def build_system(
         gather_done[k] = graph.add(
             Op(
                 f"decompress L{step.layer} {step.phase}",
-                "codec_receiver" if overlap_codec else "compute",
+                "codec_recv" if overlap_codec else "compute",
                 layer_plan["receiver_s"],
                 "codec",
                 deps_done=(gather_done[k],),

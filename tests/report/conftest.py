@@ -11,7 +11,7 @@ import pytest
 from sim import SYSTEMS
 from traces import TraceBundle, empty_table
 
-STREAMS = ("compute", "allgather", "reduce_scatter", "codec_sender", "codec_receiver")
+STREAMS = ("compute", "allgather", "reduce_scatter", "codec_send", "codec_recv")
 GPUS = (4, 8, 16, 32, 64, 128)
 
 

@@ -105,7 +105,7 @@ def test_json_and_timeline(bundle_dir: Path, tmp_path: Path, capsys, monkeypatch
     assert complete and all(e["dur"] > 0 and e["ts"] >= 0 for e in complete)
     assert len({e["pid"] for e in complete}) == len(SYSTEMS) - 1  # first dtype is bf16: no zeropp
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert {"compute", "allgather", "reduce_scatter", "codec_sender", "codec_receiver"} <= names
+    assert {"compute", "allgather", "reduce_scatter", "codec_send", "codec_recv"} <= names
     assert not list(tmp_path.glob(".*partial"))
 
 

@@ -199,6 +199,97 @@ def _records_table(records: list[dict[str, Any]]) -> str:
     )
 
 
+# What `ciera measure` ran under each system name (measure.capture.SYSTEMS): CIERA compresses every BF16
+# parameter (exponent reuse), without selection or pipelining, inside the real engine.
+MEASURED_SYSTEM_LABELS = {
+    "zero3": "ZeRO-3",
+    "fsdp": "FSDP2",
+    "ciera": "ZeRO-3 + CIERA",
+    "ciera-fsdp": "FSDP2 + CIERA",
+}
+
+
+def measured_run_rows(bundle: TraceBundle) -> list[dict[str, Any]]:
+    """One row per measured run with timed iterations: its cluster, link, depth, system, iteration times,
+    the all-gather bytes per iteration (raw and on the wire, means over ranks) and the speedup over the
+    ZeRO-3 run of the same cluster and depth — every number straight from the bundle."""
+    runs = bundle.runs[bundle.runs["source"] == "measured"]
+    iterations = bundle.iterations[bundle.iterations["run_id"].isin(runs["run_id"])]
+    if iterations.empty:
+        return []
+    times = iterations.groupby("run_id")["iteration_s"].agg(["median", "min", "max", "size"])
+    gathers = bundle.events[bundle.events["stream"] == "allgather"]
+    per_rank_iteration = gathers.groupby(["run_id", "rank", "iteration"])[["raw_bytes", "wire_bytes"]].sum()
+    gathered = per_rank_iteration.groupby("run_id").mean()
+    rows = []
+    for run in runs.itertuples():
+        if run.run_id not in times.index:
+            continue
+        rows.append(
+            {
+                "run_id": run.run_id,
+                "cluster": run.cluster,
+                "nodes": int(run.nodes),
+                "ranks_per_node": int(run.gpus_per_node),
+                "link_rate_Bps": float(run.link_rate_Bps),
+                "measured_link_Bps": float(run.measured_link_Bps),
+                "layers": int(run.layers),
+                "system": run.system,
+                "iterations": int(times.loc[run.run_id, "size"]),
+                "iteration_median_s": float(times.loc[run.run_id, "median"]),
+                "iteration_min_s": float(times.loc[run.run_id, "min"]),
+                "iteration_max_s": float(times.loc[run.run_id, "max"]),
+                "allgather_raw_bytes": float(gathered["raw_bytes"].get(run.run_id, 0.0)),
+                "allgather_wire_bytes": float(gathered["wire_bytes"].get(run.run_id, 0.0)),
+                "hardware": run.hardware,
+            }
+        )
+    baseline = {(r["cluster"], r["layers"]): r["iteration_median_s"] for r in rows if r["system"] == "zero3"}
+    for row in rows:
+        base = baseline.get((row["cluster"], row["layers"]))
+        row["speedup_vs_zero3"] = base / row["iteration_median_s"] if base else None
+    return sorted(rows, key=lambda r: (r["cluster"], r["layers"], r["system"]))
+
+
+def _measured_runs_table(rows: list[dict[str, Any]]) -> str:
+    headers = [
+        ("cluster", "text"),
+        ("link nominal / gloo (MB/s)", ""),
+        ("L", ""),
+        ("system", "text"),
+        ("iteration median (ms)", ""),
+        ("min–max (ms)", ""),
+        ("× ZeRO-3", ""),
+        ("Allgather raw MB/iter", ""),
+        ("on the wire MB/iter", ""),
+    ]
+    head = "".join(f'<th class="{css}">{html.escape(name)}</th>' for name, css in headers)
+    body = []
+    for r in rows:
+        link = (
+            f"{r['link_rate_Bps'] / 1e6:.1f} / {r['measured_link_Bps'] / 1e6:.1f}"
+            if r["link_rate_Bps"]
+            else "loopback"
+        )
+        cells = [
+            f'<td class="text">{html.escape(r["cluster"])}</td>',
+            f"<td>{link}</td>",
+            f"<td>{r['layers']}</td>",
+            f'<td class="text" style="color:{system_colour(r["system"])};font-weight:600">'
+            f"{html.escape(MEASURED_SYSTEM_LABELS.get(r['system'], r['system']))}</td>",
+            f"<td>{r['iteration_median_s'] * 1e3:.1f}</td>",
+            f"<td>{r['iteration_min_s'] * 1e3:.1f}–{r['iteration_max_s'] * 1e3:.1f}</td>",
+            f"<td>{_format_number(r['speedup_vs_zero3'], 3)}</td>",
+            f"<td>{r['allgather_raw_bytes'] / 1e6:.2f}</td>",
+            f"<td>{r['allgather_wire_bytes'] / 1e6:.2f}</td>",
+        ]
+        body.append(f'<tr class="measured">{"".join(cells)}</tr>')
+    return (
+        f'<div class="table-scroll"><table class="records" id="measured-table"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table></div>"
+    )
+
+
 def _provenance_banner(records: list[dict[str, Any]], bundle: TraceBundle | None) -> str:
     measured = sum(is_measured_point(r) for r in records)
     analytic = sum(provenance_label(r) == "analytic projection" for r in records)
@@ -254,6 +345,8 @@ def build_report(
     if has_exponents:
         figures["fig-exponents"] = exponent_figure(bundle.exponents, bundle.runs)
 
+    measured_rows = measured_run_rows(bundle) if bundle is not None else []
+
     def section(anchor: str, heading: str, lede: str, body: str) -> str:
         return f'<section id="{anchor}"><h2>{heading}</h2><p class="lede">{lede}</p>{body}</section>'
 
@@ -303,6 +396,24 @@ def build_report(
             if has_exponents
             else '<p class="empty">The trace bundle holds no exponent statistics.</p>',
         ),
+        *(
+            [
+                section(
+                    "measured",
+                    "Measured runs",
+                    "Real training iterations captured with <code>ciera measure</code> on "
+                    + html.escape(", ".join(sorted({r["hardware"] for r in measured_rows})))
+                    + ": each row is one run of the trace bundle (median and range over its timed "
+                    "iterations; the iteration ends when the last rank ends). × ZeRO-3 compares with the ZeRO-3 "
+                    "run of the same cluster and depth; Allgather bytes are per rank's view of one iteration "
+                    "(raw: what the gathers would move uncompressed; on the wire: what they moved). These are "
+                    "measurements, not simulation output.",
+                    _measured_runs_table(measured_rows),
+                )
+            ]
+            if measured_rows
+            else []
+        ),
         section(
             "records",
             "All records",
@@ -328,6 +439,7 @@ def build_report(
             ("breakdown", "Breakdown"),
             ("timeline", "Timeline"),
             ("exponents", "Exponent churn"),
+            *([("measured", "Measured runs")] if measured_rows else []),
             ("records", "Records"),
         )
     )

@@ -229,3 +229,50 @@ def test_under_a_launcher_a_missing_rank_is_one_line_not_a_hang(tmp_path: Path) 
     assert done.returncode == 2
     assert time.monotonic() - started < 60
     assert "did not form within 5 s (a rank is missing?)" in done.stderr.strip().splitlines()[-1]
+
+
+def _our_namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith("ciera-m-")]
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or os.geteuid() != 0,
+    reason="the emulated cluster needs root on Linux (network namespaces, veth, tc)",
+)
+def test_emulated_capture_after_a_killed_one_cleans_up_and_records_its_link(tmp_path: Path) -> None:
+    out = tmp_path / "cap"
+    args = ["measure", "layers", "--out", str(out), *MODEL, "--layers", "1", "--systems", "zero3",
+            "--iterations", "1", "--warmup", "1", "--nodes", "2", "--ranks-per-node", "1", "--link-rate", "1gbit"]  # fmt: skip
+    before = set(_our_namespaces())
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "ciera_cli.main", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    while not list((out / ".partial").glob("*/rank0.log")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed.kill()  # SIGKILL: no cleanup runs
+    killed.wait()
+    assert set(_our_namespaces()) - before  # left behind
+    done = ciera(*args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "removed leftovers of a killed capture" in done.stderr
+    assert set(_our_namespaces()) <= before  # nothing of ours is left
+    bundle = traces.read_bundle(out / "bundle")
+    run = bundle.runs.iloc[0]
+    assert (run.cluster, run.nodes, run.gpus_per_node, run.world_size) == ("emulated-2x1-1gbit", 2, 1, 2)
+    assert run.link_rate_Bps == 125e6
+    assert 0.2 * run.link_rate_Bps < run.measured_link_Bps < 1.1 * run.link_rate_Bps
+
+
+def test_report_shows_the_measured_runs(captured: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    done = ciera("report", "--bundle", str(captured / "bundle"), "--html", str(out), "--gpus", "4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    page = out.read_text()
+    section = page[page.index('<section id="measured">') :]
+    section = section[: section.index("</section>")]
+    assert "These are measurements, not simulation output" in section
+    assert section.count('<tr class="measured">') == 3
+    for label in ("ZeRO-3 + CIERA", "FSDP2", "ZeRO-3"):
+        assert f">{label}</td>" in section

@@ -189,6 +189,7 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
     # what is wanted, and torch's note that no input requires a gradient is not news.
     warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     recorder = EventRecorder.install()  # before the engine exists: it keeps the wrapped collectives
+    recorder.iterations.clear()  # under a launcher one process runs every job of the plan
     model, categories, run, threads = start_run(cfg, world_size)
     num_layers = len(model.blocks)
     layer_of_name = {name: layer_index(name, num_layers) for name, _ in model.named_parameters()}

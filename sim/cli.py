@@ -209,5 +209,78 @@ def simulate_command(
         print(f"wrote {timeline_path}", file=sys.stderr)
 
 
+def replay_command(
+    bundle: Annotated[
+        str, typer.Option("--bundle", help="Trace bundle with events: a directory, or `measured`.")
+    ] = "measured",
+    run: Annotated[
+        str | None, typer.Option("--run", help="Replay one run (default: every run with events).")
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write every number as JSON.")] = None,
+) -> None:
+    """Replay measured iterations from their events (durations and the dependencies between streams) and
+    compare with the measured iteration times (sim/replay.py)."""
+    from .replay import replay_bundle, replay_run
+
+    if json_path is not None:
+        check_output_path(json_path, "--json")
+    loaded = traces.read_bundle(traces.resolve_bundle(bundle))
+    if loaded.events.empty:
+        raise SimInputError(
+            f"--bundle {bundle}: holds no events (an analytic or schema-v1 bundle); nothing to replay"
+        )
+    if run is not None:
+        if run not in set(loaded.events["run_id"]):
+            raise SimInputError(f"--run {run!r}: no run with events of that id in --bundle {bundle}")
+        per_iteration = replay_run(loaded, run)
+        rows = [
+            {
+                "run_id": run,
+                "iterations": len(per_iteration),
+                "measured_s": float(per_iteration["measured_s"].median()),
+                "replayed_s": float(per_iteration["replayed_s"].median()),
+                "max_abs_error": float(per_iteration["error"].abs().max()),
+                **loaded.runs.set_index("run_id")
+                .loc[run, ["cluster", "system", "layers", "world_size"]]
+                .to_dict(),
+            }
+        ]
+    else:
+        rows = replay_bundle(loaded).to_dict("records")
+    table = Table(title=f"replayed measured iterations ({bundle})")
+    for column in ("cluster", "L", "system", "W", "iterations", "measured", "replayed", "max |error|"):
+        table.add_column(column, justify="left" if column in ("cluster", "system") else "right")
+    for row in rows:
+        table.add_row(
+            str(row["cluster"]),
+            str(int(row["layers"])),
+            str(row["system"]),
+            str(int(row["world_size"])),
+            str(int(row["iterations"])),
+            f"{row['measured_s'] * 1e3:.1f} ms",
+            f"{row['replayed_s'] * 1e3:.1f} ms",
+            f"{row['max_abs_error'] * 100:.3f} %",
+        )
+    console = Console()
+    console.print(table)
+    worst = max(row["max_abs_error"] for row in rows)
+    console.print(f"{len(rows)} runs replayed; largest |replayed − measured| / measured: {worst * 100:.3f} %")
+    if json_path is not None:
+        write_json_atomic(
+            {
+                "schema": "ciera.replay/1",
+                "bundle": str(bundle),
+                "runs": [
+                    {k: (int(v) if k in ("layers", "world_size", "iterations") else v) for k, v in r.items()}
+                    for r in rows
+                ],
+                "max_abs_error": worst,
+            },
+            json_path,
+            "--json",
+        )
+
+
 def register(app: typer.Typer) -> None:
     app.command("simulate")(simulate_command)
+    app.command("replay")(replay_command)

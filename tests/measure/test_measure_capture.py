@@ -209,13 +209,18 @@ def test_under_torchrun_every_rank_runs_the_plan(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
          str(_free_port()), "-m", "ciera_cli.main", "measure", "layers", "--out", str(out), *MODEL,
-         "--layers", "1", "--systems", "fsdp", "--iterations", "1", "--warmup", "1"],
+         "--layers", "1", "--systems", "zero3,fsdp", "--iterations", "1", "--warmup", "1"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     bundle = traces.read_bundle(out / "bundle")
-    assert list(bundle.runs["run_id"]) == ["mixtral-8x7b-w64-fsdp-L1-local-2"]
+    assert sorted(bundle.runs["run_id"]) == [
+        "mixtral-8x7b-w64-fsdp-L1-local-2",
+        "mixtral-8x7b-w64-zero3-L1-local-2",
+    ]
     assert sorted(set(bundle.events["rank"])) == [0, 1]
+    # One process ran both jobs: each run holds only its own timed iterations.
+    assert set(bundle.iterations.groupby("run_id")["iteration"].nunique()) == {1}
 
 
 def test_under_a_launcher_a_missing_rank_is_one_line_not_a_hang(tmp_path: Path) -> None:
@@ -276,3 +281,12 @@ def test_report_shows_the_measured_runs(captured: Path, tmp_path: Path) -> None:
     assert section.count('<tr class="measured">') == 3
     for label in ("ZeRO-3 + CIERA", "FSDP2", "ZeRO-3"):
         assert f">{label}</td>" in section
+
+
+def test_replay_reproduces_every_captured_iteration(captured: Path, tmp_path: Path) -> None:
+    out = tmp_path / "replay.json"
+    done = ciera("replay", "--bundle", str(captured / "bundle"), "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    document = json.loads(out.read_text())
+    assert len(document["runs"]) == 3
+    assert document["max_abs_error"] < 1e-9

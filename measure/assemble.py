@@ -105,7 +105,8 @@ def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
                 {
                     "clock": run["clock"],
                     "threads_per_rank": run["threads_per_rank"],
-                    "ciera_system": SYSTEMS[job.system][1],
+                    "ciera": SYSTEMS[job.system][1],
+                    "ciera_select": bool(job.train.select),
                 },
             )
         )

@@ -70,6 +70,7 @@ class CapturePlan:
     seq_len: int = 64
     seed: int = 0
     activation_checkpointing: bool = True
+    select: bool = False  # CIERA's BSC: compress only the shards whose measured benefit pays (ZeRO-3)
     # ZeRO-3 schedule, in blocks of the captured model (None: DeepSpeed's default in elements).
     prefetch_bucket_blocks: float | None = 1.0
     max_live_blocks: float | None = 1.0
@@ -142,6 +143,7 @@ def layer_jobs(plan: CapturePlan) -> list[tuple[Topology, LayersJob]]:
                     seq_len=plan.seq_len,
                     seed=plan.seed,
                     activation_checkpointing=plan.activation_checkpointing,
+                    select=plan.select and SYSTEMS[system][1],
                     timeout_s=plan.timeout_s,
                     prefetch_bucket_size=_blocks_to_elements(plan.prefetch_bucket_blocks, one_block),
                     max_live_parameters=_blocks_to_elements(plan.max_live_blocks, one_block),
@@ -260,10 +262,11 @@ def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> None:
     document = plan.to_json()
     if plan_path.exists():
         previous = json.loads(plan_path.read_text())
-        if previous != json.loads(json.dumps(document)):
-            changed = sorted(
-                k for k in document if previous.get(k) != json.loads(json.dumps(document)).get(k)
-            )
+        current = json.loads(json.dumps(document))
+        # A plan recorded before a field existed ran with that field's default.
+        defaults = json.loads(json.dumps(CapturePlan().to_json()))
+        changed = sorted(k for k in current if previous.get(k, defaults.get(k)) != current[k])
+        if changed:
             raise CaptureError(
                 f"--out {out_dir}: holds a capture of another plan (differs in {', '.join(changed)}); "
                 "use a new --out directory or the same options"

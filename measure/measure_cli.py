@@ -318,11 +318,18 @@ def _command(kinds: tuple[str, ...], default_exponent_steps: int):
             ),
         ] = 64,
         timeout_s: TimeoutOption = 600.0,
+        select: Annotated[
+            bool,
+            typer.Option(
+                "--select/--no-select",
+                help="CIERA with BSC: compress only the shards whose measured benefit pays (ZeRO-3).",
+            ),
+        ] = False,
         json_path: JsonOption = None,
     ) -> None:
         plan = _plan(kinds, model, width_scale, nodes, ranks_per_node, link_rate, link_latency, layers,
                      systems, iterations, warmup, exponent_steps, timeout_s, collectives_max_mib)  # fmt: skip
-        _run(plan, out, json_path)
+        _run(dataclasses.replace(plan, select=select), out, json_path)
 
     return command
 

@@ -201,6 +201,8 @@ def simulate_command(
             timeline_path,
             "--timeline",
         )
+    # What the profiles substituted or chose (e.g. no exponent statistics, q assumed) belongs on the console.
+    notes += sorted({note for record in records for note in record.notes})
     out = Console()
     _print_table(records, out if out.is_terminal else Console(width=150), notes)
     if json_path is not None:

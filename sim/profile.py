@@ -75,15 +75,29 @@ class BundleIndex:
     def selected_runs(self, model: str, dtype: str) -> pd.DataFrame:
         key = (model, dtype)
         if key not in self._selected:
-            self._selected[key] = _select_runs(self.runs, model, dtype)
+            # Runs without layer rows (exponent-statistics runs) carry no iteration to profile.
+            with_layers = self.runs[self.runs["run_id"].isin(self.layers_by_run.keys())]
+            self._selected[key] = _select_runs(with_layers, model, dtype)
         return self._selected[key]
 
 
 def _select_runs(all_runs: pd.DataFrame, model: str, dtype: str) -> pd.DataFrame:
+    """One run per traced (L, W): measured before analytic, and the baseline engine's run (`zero3`, then
+    `fsdp`) before a run captured under CIERA — the profile is the plain engine's iteration, which every
+    simulated system then transforms. Runs of several clusters at one (L, W): the first cluster by name
+    (`cluster_choices` names them, and the simulator says so)."""
     runs = all_runs[(all_runs["model"] == model) & (all_runs["dtype"] == dtype)]
-    # Measured runs take precedence over analytic ones for the same (L, W).
-    ranked = runs.assign(_rank=(runs["source"] != "measured").astype(int)).sort_values(["_rank", "run_id"])
-    return ranked.drop_duplicates(["layers", "world_size"]).drop(columns="_rank")
+    system_rank = runs["system"].map({"zero3": 0, "fsdp": 1}).fillna(2).astype(int)
+    ranked = runs.assign(_rank=(runs["source"] != "measured").astype(int), _system=system_rank).sort_values(
+        ["_rank", "_system", "cluster", "run_id"]
+    )
+    return ranked.drop_duplicates(["layers", "world_size"]).drop(columns=["_rank", "_system"])
+
+
+def cluster_choices(all_runs: pd.DataFrame, model: str, dtype: str) -> list[str]:
+    """The clusters whose runs of (model, dtype) the bundle holds; more than one means a choice was made."""
+    runs = all_runs[(all_runs["model"] == model) & (all_runs["dtype"] == dtype)]
+    return sorted(set(runs["cluster"]))
 
 
 def available_models(bundle: traces.TraceBundle) -> list[str]:
@@ -192,6 +206,18 @@ def build_profile(
     sources = set(runs["source"])
     source = sources.pop() if len(sources) == 1 else "mixed"
     notes: list[str] = []
+    clusters = cluster_choices(index.runs, model, dtype)
+    if len(clusters) > 1:
+        used = ", ".join(sorted(set(runs["cluster"])))
+        notes.append(
+            f"{model}: the bundle holds runs of {len(clusters)} clusters ({', '.join(clusters)}); the profile "
+            f"uses {used} (per-cluster simulation is not built yet)"
+        )
+    systems_used = sorted(set(runs["system"]))
+    if systems_used != ["zero3"]:
+        notes.append(
+            f"{model}: profile built from runs of system {', '.join(systems_used)} (no zero3 run there)"
+        )
     shards = _shard_table(index, runs, deepest, full_layers, layers, preset, notes)
     return ModelProfile(
         model=model,
@@ -237,8 +263,11 @@ def _shard_table(
     statistics of traced block ((l − 1) mod L) + 1 of the deepest run that has exponent statistics
     (a run at the same world size when there is one: rates are per parameter, W only re-partitions them)."""
     with_stats = runs[runs["run_id"].isin(index.exponents_by_run.keys())]
-    if with_stats.empty:
-        same_model = index.selected_runs(str(deepest.model), str(deepest.dtype))
+    if with_stats.empty:  # any run of the model with statistics (e.g. a dedicated exponent-statistics run)
+        # deepest["dtype"], not deepest.dtype: a Series' .dtype is its own dtype, not the column.
+        same_model = index.runs[
+            (index.runs["model"] == deepest["model"]) & (index.runs["dtype"] == deepest["dtype"])
+        ]
         with_stats = same_model[same_model["run_id"].isin(index.exponents_by_run.keys())]
     layer_numel = layers.groupby("layer")["numel"].max()
     fallback_q = preset.ciera.fallback_block_change_rate

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -22,13 +21,15 @@ traces_app = typer.Typer(
 
 @traces_app.command("validate")
 def validate_command(
-    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    bundle: Annotated[str, typer.Argument(help="Bundle directory, or a shipped one: analytic, measured.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the row counts as JSON.")] = False,
 ) -> None:
     """Check a bundle against the schema and consistency rules; exit 2 on the first problem.
 
     What the reader substituted (a version-1 bundle read as version 2) is printed as notes."""
-    loaded = read_bundle(bundle)
+    from . import resolve_bundle
+
+    loaded = read_bundle(resolve_bundle(bundle))
     counts = {name: len(loaded.table(name)) for name in TABLE_NAMES}
     if json_out:
         print(json.dumps({"bundle": str(bundle), "valid": True, "rows": counts, "notes": list(loaded.notes)}))

@@ -322,12 +322,7 @@ def capture_all(
                     timeout_s=plan.timeout_s,
                     on_progress=lambda record, step=step: notify("progress", step, record),
                 )
-                _write_atomic(scratch / "topology.json", json.dumps(_topology_record(topology, out_dir)))
-                target = out_dir / _kind_dir(step.kind) / step.name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if target.exists():
-                    shutil.rmtree(target)
-                os.replace(scratch, target)
+                _publish(scratch, out_dir / _kind_dir(step.kind) / step.name, topology, out_dir)
                 done["captured"].append(step.name)
                 notify("done", step, {})
         finally:
@@ -336,6 +331,15 @@ def capture_all(
     if partial.exists():
         shutil.rmtree(partial, ignore_errors=True)
     return done
+
+
+def _publish(scratch: Path, target: Path, topology: Topology, out_dir: Path) -> None:
+    """A finished step: its topology recorded, then its directory renamed into place in one step."""
+    _write_atomic(scratch / "topology.json", json.dumps(_topology_record(topology, out_dir)))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(scratch, target)
 
 
 def _kind_dir(kind: str) -> str:
@@ -477,11 +481,7 @@ def capture_launched(
                 run_exponents_rank(step.job, scratch, rank, topology.world_size, progress)
             dist.barrier()
             if rank == 0:
-                _write_atomic(scratch / "topology.json", json.dumps(_topology_record(topology, out_dir)))
-                finished.parent.mkdir(parents=True, exist_ok=True)
-                if finished.exists():
-                    shutil.rmtree(finished)
-                os.replace(scratch, finished)
+                _publish(scratch, finished, topology, out_dir)
             done["captured"].append(step.name)
             notify("done", step, {})
             dist.barrier()

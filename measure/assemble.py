@@ -105,7 +105,7 @@ def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
                 {
                     "clock": run["clock"],
                     "threads_per_rank": run["threads_per_rank"],
-                    "ciera": SYSTEMS[job.system][1],
+                    "ciera_enabled": SYSTEMS[job.system][1],
                     "ciera_select": bool(job.train.select),
                 },
             )

@@ -21,5 +21,14 @@ def test_console_script_lists_every_stage_command():
         [sys.executable, "-m", "ciera_cli.main", "--help"], capture_output=True, text=True
     )
     assert result.returncode == 0
-    for command in ("simulate", "replay", "report", "traces", "analytic-bundle", "models", "train", "measure"):
+    for command in (
+        "simulate",
+        "replay",
+        "report",
+        "traces",
+        "analytic-bundle",
+        "models",
+        "train",
+        "measure",
+    ):
         assert command in result.stdout

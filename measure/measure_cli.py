@@ -81,6 +81,17 @@ def _topologies(
     return tuple(Topology(nodes, g, rate, latency_s) for g, rate in itertools.product(per_node, rates))
 
 
+def _check_packages(plan: CapturePlan) -> None:
+    """torch, and DeepSpeed where a system runs on it: one line naming what to install, before any rank."""
+    from .train import TrainConfig, check_environment
+
+    engines = {SYSTEMS[system][0] for system in plan.systems}
+    if "exponents" in plan.kinds and plan.exponent_steps:
+        engines.add("zero3")
+    for engine in sorted(engines, reverse=True):  # zero3 first: it needs torch and deepspeed
+        check_environment(TrainConfig(engine=engine))
+
+
 def _check_capacity(plan: CapturePlan) -> None:
     """Say before starting when this machine cannot hold a topology."""
     from .emulated import EmulationError, check_capacity
@@ -108,6 +119,7 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
             )
         plan = dataclasses.replace(plan, topologies=(launched_topology(),))
     plan.check()
+    _check_packages(plan)
     if launched is None:
         _check_capacity(plan)
         prepare_out_dir(plan, out)

@@ -31,8 +31,11 @@ def main(argv: list[str]) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import torch.distributed as dist
-
+    try:
+        import torch.distributed as dist
+    except ImportError as error:
+        print(f'rank {rank}: {error}: pip install -e ".[runtime]"', file=sys.stderr, flush=True)
+        return 1
     try:
         from .events import EventRecorder
 

@@ -290,3 +290,15 @@ def test_replay_reproduces_every_captured_iteration(captured: Path, tmp_path: Pa
     document = json.loads(out.read_text())
     assert len(document["runs"]) == 3
     assert document["max_abs_error"] < 1e-9
+
+
+def test_without_torch_the_capture_says_what_to_install(tmp_path: Path) -> None:
+    probe = (
+        "import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None; "
+        "from ciera_cli.main import main; "
+        f"sys.argv = ['ciera', 'measure', 'layers', '--out', {str(tmp_path / 'cap')!r}]; main()"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == 'error: torch is not installed: pip install -e ".[runtime]"'
+    assert not (tmp_path / "cap").exists()

@@ -264,6 +264,16 @@ def build_system(
         if step_index >= 0:
             trigger_waiters.setdefault(step_index, []).append((op_index, "start"))
 
+    def wait_for_issue(issue_step: int, op_index: int) -> None:
+        """A gather (or its quantize) is issued when step `issue_step` starts. At prefetch depth 0 that is
+        on demand: when the engine reaches the step, i.e. once the step before it has run — waiting for
+        the step's own start would wait for itself."""
+        if prefetch > 0:
+            wait_for_start_of(issue_step, op_index)
+        elif issue_step - 1 >= 0:
+            op = graph.ops[op_index]
+            op.deps_done = (*op.deps_done, compute_index[issue_step - 1])
+
     def add_gather_chain(j: int) -> None:
         """Sender work (if any), the collective, and receiver work for the gather of step j."""
         nonlocal total_gathered
@@ -299,7 +309,7 @@ def build_system(
                     noise_index=noise_index(step.layer, step.phase, "codec"),
                 )
             )
-            wait_for_start_of(issue_step, quantize)
+            wait_for_issue(issue_step, quantize)
             numel = size / 2
             wire = numel * zpp.weight_bits / 8 + np.ceil(numel / zpp.quantization_group_size) * 4
             comm_s = collectives.allgather_s(wire, world_size)
@@ -326,7 +336,7 @@ def build_system(
                 noise_index=noise_index(step.layer, step.phase, "allgather"),
             )
         )
-        wait_for_start_of(issue_step, gather)
+        wait_for_issue(issue_step, gather)
         ready = gather
         if zeropp and step.phase == "fwd":
             ready = graph.add(

@@ -126,6 +126,12 @@ def simulate_command(
         list[str] | None,
         typer.Option("--set", help="Override a preset field, KEY=VALUE with dotted keys (repeatable)."),
     ] = None,
+    layers: Annotated[
+        int | None,
+        typer.Option(
+            "--layers", help="Simulate this many blocks instead of the full model (e.g. a traced depth)."
+        ),
+    ] = None,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write the records as JSON to this file.")
     ] = None,
@@ -191,13 +197,22 @@ def simulate_command(
             systems=system_names,
             dtypes=dtypes,
             progress=report,
+            layers=layers,
         )
     if json_path is not None:
         write_json_atomic(records_to_json(records, preset), json_path, "--json")
     if timeline_path is not None:
         first = records[0]
         write_json_atomic(
-            timeline(loaded, preset, first.model, first.dtype, max(world_sizes), systems=system_names),
+            timeline(
+                loaded,
+                preset,
+                first.model,
+                first.dtype,
+                max(world_sizes),
+                systems=system_names,
+                layers=layers,
+            ),
             timeline_path,
             "--timeline",
         )

@@ -140,13 +140,23 @@ def _linear_fit(depths: np.ndarray, totals: np.ndarray) -> tuple[float, float, f
 
 
 def build_profile(
-    index: BundleIndex, model: str, dtype: str, compute_world_size: int, preset: ClusterPreset
+    index: BundleIndex,
+    model: str,
+    dtype: str,
+    compute_world_size: int,
+    preset: ClusterPreset,
+    target_layers: int | None = None,
 ) -> ModelProfile:
+    """The profile at the model's full depth, or at `target_layers` blocks (a traced depth replays the
+    traced configuration; any other is projected by the same fit)."""
     runs = index.selected_runs(model, dtype)
     runs = runs[runs["world_size"] == compute_world_size]
     if runs.empty:
         raise SimInputError(f"bundle: model {model!r} has no {dtype} run at world size {compute_world_size}")
-    full_layers = int(runs["full_layers"].max())
+    model_layers = int(runs["full_layers"].max())
+    if target_layers is not None and not 1 <= target_layers <= model_layers:
+        raise SimInputError(f"--layers {target_layers}: model {model!r} has 1..{model_layers} blocks")
+    full_layers = target_layers or model_layers
     rows = pd.concat(
         [index.layers_by_run[run_id] for run_id in runs["run_id"] if run_id in index.layers_by_run]
     )
@@ -212,6 +222,13 @@ def build_profile(
         notes.append(
             f"{model}: the bundle holds runs of {len(clusters)} clusters ({', '.join(clusters)}); the profile "
             f"uses {used} (per-cluster simulation is not built yet)"
+        )
+    measured_clusters = sorted(set(runs[runs["source"] == "measured"]["cluster"]))
+    if measured_clusters and preset.name not in measured_clusters:
+        notes.append(
+            f"{model}: compute and codec times measured on {', '.join(measured_clusters)}, collectives modelled "
+            f"with preset {preset.name!r} (its α–β), not the measured ones: even at a traced depth and world "
+            "size this is not a replay (`ciera replay` replays the measured events)"
         )
     systems_used = sorted(set(runs["system"]))
     if systems_used != ["zero3"]:

@@ -132,8 +132,9 @@ def check_request(systems: Sequence[str], gpus: Sequence[int], dtypes: Sequence[
 class Simulator:
     """Caches profiles and collective model for one bundle and preset."""
 
-    def __init__(self, bundle: traces.TraceBundle, preset: ClusterPreset) -> None:
+    def __init__(self, bundle: traces.TraceBundle, preset: ClusterPreset, layers: int | None = None) -> None:
         self.bundle = bundle
+        self.layers = layers  # simulate this many blocks instead of the full model
         self.index = BundleIndex(bundle)
         self.preset = preset
         self.collectives = CollectiveModel.from_preset(preset, bundle.collectives)
@@ -147,7 +148,9 @@ class Simulator:
         source_w = compute_world_size_for(self.index, model, dtype, world_size)
         key = (model, dtype, source_w)
         if key not in self._profiles:
-            self._profiles[key] = build_profile(self.index, model, dtype, source_w, self.preset)
+            self._profiles[key] = build_profile(
+                self.index, model, dtype, source_w, self.preset, target_layers=self.layers
+            )
         return self._profiles[key]
 
     def run(self, system: str, model: str, dtype: str, world_size: int) -> _Outcome:
@@ -233,11 +236,13 @@ def simulate(
     systems: Sequence[str] = SYSTEMS,
     dtypes: Sequence[str] = DTYPES,
     progress: Callable[[int, int], None] | None = None,
+    layers: int | None = None,
 ) -> list[SimRecord]:
-    """One record per (model, dtype, gpus, system); zeropp only for fp16 (as in DeepSpeed's evaluation)."""
+    """One record per (model, dtype, gpus, system); zeropp only for fp16 (as in DeepSpeed's evaluation).
+    `layers`: simulate that many blocks instead of each model's full depth."""
     check_request(systems, gpus, dtypes)
     names = resolve_models(bundle, models)
-    simulator = Simulator(bundle, cluster)
+    simulator = Simulator(bundle, cluster, layers=layers)
     jobs = [
         (model, dtype, world_size)
         for model in names
@@ -267,12 +272,13 @@ def timeline(
     dtype: str,
     gpus: int,
     systems: Iterable[str] = SYSTEMS,
+    layers: int | None = None,
 ) -> dict[str, Any]:
     """One simulated iteration per system as Chrome trace JSON (opens in Perfetto / chrome://tracing):
     one process per system, one thread per stream, complete events with µs timestamps."""
     check_request(list(systems), [gpus], [dtype])
     (model,) = resolve_models(bundle, [model])
-    simulator = Simulator(bundle, cluster)
+    simulator = Simulator(bundle, cluster, layers=layers)
     events: list[dict[str, Any]] = []
     for pid, system in enumerate(systems, start=1):
         if dtype == "bf16" and system in FP16_ONLY_SYSTEMS:

@@ -12,7 +12,14 @@ import sys
 import typer
 
 # (module, attribute) pairs: each module has `register(app)` and `USER_ERRORS`, a tuple of exception types.
-STAGE_CLI_MODULES = ("traces.cli", "measure.cli", "sim.cli", "sim.analytic_cli", "report.cli")
+STAGE_CLI_MODULES = (
+    "traces.cli",
+    "measure.cli",
+    "sim.cli",
+    "sim.analytic_cli",
+    "validation.cli",
+    "report.cli",
+)
 
 app = typer.Typer(
     name="ciera",

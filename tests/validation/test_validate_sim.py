@@ -1,0 +1,96 @@
+"""`ciera validate sim` on the shipped measured bundle: replay exact, every non-seen run predicted and
+categorised, the JSON contract, and one-line errors for bad held-out files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import traces
+from sim.predict import link_seconds
+from validation.sim_check import (
+    SCHEMA,
+    ValidationInputError,
+    default_held_out_path,
+    load_held_out,
+    validate_sim,
+)
+
+
+@pytest.fixture(scope="module")
+def document() -> dict:
+    bundle = traces.read_bundle(traces.measured_bundle_path())
+    return validate_sim(bundle, load_held_out(default_held_out_path()), 0.04)
+
+
+def test_seen_runs_replay_exactly_and_every_other_run_is_predicted(document: dict) -> None:
+    assert document["schema"] == SCHEMA
+    assert len(document["replay"]) == 9  # 1 cluster x depths 2, 4, 6 x 3 systems
+    assert document["replay_max_abs_error"] < 1e-9
+    assert len(document["held_out"]) == 48 - 9
+    assert {row["category"] for row in document["held_out"]} == {"depth", "link", "topology"}
+    for row in document["held_out"]:
+        assert row["predicted_s"] > 0 and row["basis"]
+        assert row["error"] == pytest.approx(row["predicted_s"] / row["measured_s"] - 1.0)
+        assert (row["speedup_error"] is None) == (row["system"] == "zero3")
+    errors = np.abs([row["error"] for row in document["held_out"]])
+    assert document["held_out_mean_abs_error"] == pytest.approx(errors.mean())
+    assert document["passed"] == (
+        document["held_out_mean_abs_error"] <= 0.04 and document["held_out_max_abs_error"] <= 0.08
+    )
+
+
+def test_a_ring_collective_spends_w_minus_1_over_w_of_its_size_on_the_link() -> None:
+    np.testing.assert_allclose(link_seconds(np.array([1e6]), 4, 2, 1e6), [0.75])
+    np.testing.assert_allclose(link_seconds(np.array([1e6]), 4, 1, 1e6), [0.0])  # one node: no link
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", r"table \[seen\] missing"),
+        ("[seen]\nclusters = []\nlayers = [2]\n", "field 'seen.clusters'"),
+        ("[seen]\nclusters = ['x']\nlayers = [0]\n", "field 'seen.layers'"),
+        ("[seen\n", "cannot read"),
+    ],
+)
+def test_bad_held_out_files_are_one_line(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "held.toml"
+    path.write_text(text)
+    with pytest.raises(ValidationInputError, match=expected):
+        load_held_out(path)
+
+
+def test_unknown_seen_cluster_and_nothing_held_out_are_refused(tmp_path: Path) -> None:
+    bundle = traces.read_bundle(traces.measured_bundle_path())
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[seen]\nclusters = ['nope']\nlayers = [2]\n")
+    with pytest.raises(ValidationInputError, match="seen cluster 'nope' is not in the bundle"):
+        validate_sim(bundle, load_held_out(unknown), 0.04)
+    everything = tmp_path / "all.toml"
+    clusters = sorted(set(bundle.runs["cluster"]))
+    everything.write_text(f"[seen]\nclusters = {clusters!r}\nlayers = [2, 4, 6, 8]\n")
+    with pytest.raises(ValidationInputError, match="nothing is held out"):
+        validate_sim(bundle, load_held_out(everything), 0.04)
+
+
+def test_cli_writes_the_json_and_exits_by_the_verdict(tmp_path: Path, document: dict) -> None:
+    out = tmp_path / "validate.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "ciera_cli.main", "validate", "sim", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == (0 if document["passed"] else 1), done.stderr[-2000:]
+    written = json.loads(out.read_text())
+    assert written["held_out_mean_abs_error"] == pytest.approx(document["held_out_mean_abs_error"])
+    assert ("PASSED" if document["passed"] else "FAILED") in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "ciera_cli.main", "validate", "sim", "--tolerance", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --tolerance 2.0")

@@ -30,5 +30,6 @@ def test_console_script_lists_every_stage_command():
         "models",
         "train",
         "measure",
+        "validate",
     ):
         assert command in result.stdout

@@ -81,6 +81,10 @@ def host_description() -> dict[str, str]:
         except OSError:
             pass
     versions = {"python": platform.python_version(), "torch": torch.__version__}
+    # The host's usable cores: ranks sharing them run slower than one rank per core (a model needs it).
+    versions["host_cpus"] = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    )
     try:
         import deepspeed
 

@@ -27,6 +27,49 @@ from .replay import build_rank_graph, evaluate
 _RING_FACTOR_STREAMS = {"allgather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
 
 
+_SWEEP_OPS = {"allgather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
+
+
+class SweepModel:
+    """A cluster's collective time T(S) = α + S/β per op, fitted to its measured sweep over the whole
+    group: α the median time of the sizes up to 64 KiB (small collectives on a shared CPU are noisy, so
+    not a least-squares intercept), 1/β the least-squares slope of T − α over the sizes from 1 MiB.
+    `residual` is the fit's relative RMS error over every measured size."""
+
+    SMALL_BYTES = 64 << 10
+    LARGE_BYTES = 1 << 20
+
+    def __init__(self, rows: pd.DataFrame) -> None:
+        self.alpha_s: dict[str, float] = {}
+        self.inverse_beta: dict[str, float] = {}
+        self.residual: dict[str, float] = {}
+        for op, group in rows.groupby("op"):
+            sizes = group["bytes"].to_numpy(dtype=float)
+            times = group["time_s"].to_numpy(dtype=float)
+            small, large = sizes <= self.SMALL_BYTES, sizes >= self.LARGE_BYTES
+            alpha = float(np.median(times[small])) if small.any() else 0.0
+            slope = (
+                float(np.sum(sizes[large] * (times[large] - alpha)) / np.sum(sizes[large] ** 2))
+                if large.any()
+                else 0.0
+            )
+            self.alpha_s[str(op)], self.inverse_beta[str(op)] = alpha, max(slope, 0.0)
+            fitted = alpha + self.inverse_beta[str(op)] * sizes
+            self.residual[str(op)] = float(np.sqrt(np.mean(((fitted - times) / times) ** 2)))
+
+    @classmethod
+    def for_cluster(cls, collectives: pd.DataFrame, run: pd.Series) -> SweepModel | None:
+        rows = collectives[
+            (collectives["cluster"] == run["cluster"])
+            & (collectives["world_size"] == run["world_size"])
+            & (collectives["nodes"] == run["nodes"])
+        ]
+        return cls(rows) if len(rows) and set(rows["op"]) >= set(_SWEEP_OPS.values()) else None
+
+    def time_s(self, op: str, size_bytes: np.ndarray) -> np.ndarray:
+        return self.alpha_s[op] + self.inverse_beta[op] * size_bytes
+
+
 def link_seconds(size_bytes: np.ndarray, world_size: int, nodes: int, link_Bps: float) -> np.ndarray:
     """Time the bytes of a ring collective of full size S spend on one node's inter-node link."""
     if nodes <= 1 or link_Bps <= 0:
@@ -40,22 +83,41 @@ class Prediction:
     basis: str  # what it was predicted from
 
 
-def _replayed_median(events: pd.DataFrame, anchor: pd.Series, target: pd.Series) -> float:
-    """Median over iterations of the replayed iteration time of `anchor`'s events moved to `target`'s link."""
+def _collective_shift(ordered: pd.DataFrame, anchor: pd.Series, target: pd.Series, sweeps) -> np.ndarray:
+    """Per event: what its collective costs more (or less) on the target cluster than on the anchor's."""
+    streams = ordered["stream"].to_numpy(dtype=object)
+    size = ordered["wire_bytes"].to_numpy(dtype=float)
+    shift = np.zeros(len(ordered))
+    anchor_sweep, target_sweep = sweeps
+    for stream, op in _SWEEP_OPS.items():
+        chosen = streams == stream
+        if not chosen.any():
+            continue
+        if anchor_sweep is not None and target_sweep is not None:
+            shift[chosen] = target_sweep.time_s(op, size[chosen]) - anchor_sweep.time_s(op, size[chosen])
+        else:
+            ring = size[chosen] * _RING_FACTOR_STREAMS[stream]
+            shift[chosen] = link_seconds(
+                ring, int(target.world_size), int(target.nodes), float(target.measured_link_Bps)
+            ) - link_seconds(ring, int(anchor.world_size), int(anchor.nodes), float(anchor.measured_link_Bps))
+    return shift
+
+
+def _replayed_median(
+    events: pd.DataFrame, anchor: pd.Series, target: pd.Series, sweeps=(None, None)
+) -> float:
+    """Median over iterations of the replayed iteration time of `anchor`'s events moved to `target`'s
+    cluster (by the two clusters' measured sweeps when both have one, else by their measured link rates)."""
     times = []
     for _, per_iteration in events.groupby("iteration", sort=True):
         last_end = 0.0
         for _, per_rank in per_iteration.groupby("rank", sort=True):
             ordered = per_rank.sort_values(["start_s", "end_s"], kind="stable")
             graph = build_rank_graph(ordered)
-            durations = graph.duration_s.copy()
-            factor = ordered["stream"].map(_RING_FACTOR_STREAMS).fillna(0.0).to_numpy(dtype=float)
-            size = ordered["wire_bytes"].to_numpy(dtype=float) * factor
-            durations += link_seconds(
-                size, int(target.world_size), int(target.nodes), float(target.measured_link_Bps)
-            )
-            durations -= link_seconds(
-                size, int(anchor.world_size), int(anchor.nodes), float(anchor.measured_link_Bps)
+            durations = graph.duration_s + (
+                _collective_shift(ordered, anchor, target, sweeps)
+                if anchor.cluster != target.cluster
+                else 0.0
             )
             _, end = evaluate(graph, np.maximum(durations, 0.0))
             last_end = max(last_end, float(end.max(initial=0.0)))
@@ -63,10 +125,13 @@ def _replayed_median(events: pd.DataFrame, anchor: pd.Series, target: pd.Series)
     return float(np.median(times))
 
 
-def predict_iteration_s(seen: traces.TraceBundle, target: pd.Series) -> Prediction:
+def predict_iteration_s(
+    seen: traces.TraceBundle, target: pd.Series, collectives: pd.DataFrame | None = None
+) -> Prediction:
     """The median iteration time of the configuration `target` (a runs row), from the seen runs of the same
     model and system (the cluster whose topology is closest: same ranks per node first, then the same
     link)."""
+    collectives = seen.collectives if collectives is None else collectives
     runs = seen.runs
     candidates = runs[
         (runs["model"] == target["model"])
@@ -83,10 +148,14 @@ def predict_iteration_s(seen: traces.TraceBundle, target: pd.Series) -> Predicti
     cluster = candidates.assign(_distance=closeness).sort_values(["_distance", "cluster"]).iloc[0]["cluster"]
     anchors = candidates[candidates["cluster"] == cluster].sort_values("layers")
     by_run = dict(tuple(seen.events[seen.events["run_id"].isin(anchors["run_id"])].groupby("run_id")))
-    depths, times = [], []
+    target_sweep = SweepModel.for_cluster(collectives, target)
+    depths, times, link_basis = [], [], "sweeps"
     for anchor in anchors.itertuples():
+        anchor_sweep = SweepModel.for_cluster(collectives, pd.Series(anchor._asdict()))
+        if anchor_sweep is None or target_sweep is None:
+            link_basis = "link rates"
         depths.append(int(anchor.layers))
-        times.append(_replayed_median(by_run[anchor.run_id], anchor, target))
+        times.append(_replayed_median(by_run[anchor.run_id], anchor, target, (anchor_sweep, target_sweep)))
     depths_a, times_a = np.array(depths, dtype=float), np.array(times)
     if int(target["layers"]) in depths:
         value = float(times_a[depths.index(int(target["layers"]))])
@@ -99,5 +168,5 @@ def predict_iteration_s(seen: traces.TraceBundle, target: pd.Series) -> Predicti
         value = float(times_a[0] / depths_a[0] * int(target["layers"]))
         basis = f"replay of {cluster} at L={depths[0]}, scaled by depth"
     if cluster != target["cluster"]:
-        basis += f", link moved to {target['cluster']}"
+        basis += f", collectives moved to {target['cluster']} by the measured {link_basis}"
     return Prediction(value, basis)

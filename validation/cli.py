@@ -83,6 +83,16 @@ def sim_command(
                       f"{row['measured_s'] * 1e3:.0f} ms", f"{row['predicted_s'] * 1e3:.0f} ms",
                       f"{row['error'] * 100:+.1f} %", speedup)  # fmt: skip
     console.print(table)
+    calibration = Table(
+        title="α–β per op, fitted to each cluster's collectives sweep (whole group)", box=box.SIMPLE_HEAD
+    )
+    for column in ("cluster", "op", "α", "β", "relative RMS residual"):
+        calibration.add_column(column, justify="left" if column in ("cluster", "op") else "right")
+    for row in document["calibration"]:
+        beta = "-" if row["beta_Bps"] is None else f"{row['beta_Bps'] / 1e6:.1f} MB/s"
+        calibration.add_row(row["cluster"], row["op"], f"{row['alpha_s'] * 1e3:.2f} ms", beta,
+                            f"{row['relative_rms_residual'] * 100:.0f} %")  # fmt: skip
+    console.print(calibration)
     categories = ", ".join(
         f"{name} {value * 100:.1f} %"
         for name, value in document["held_out_mean_abs_error_by_category"].items()

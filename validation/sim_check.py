@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 import traces
-from sim.predict import predict_iteration_s
+from sim.predict import SweepModel, predict_iteration_s
 from sim.replay import replay_run
 
 SCHEMA = "ciera.validate.sim/1"
@@ -133,8 +133,22 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
         category: float(np.mean([abs(r["error"]) for r in held_rows if r["category"] == category]))
         for category in sorted({r["category"] for r in held_rows})
     }
+    calibration = []
+    for cluster in sorted(set(measured_runs["cluster"])):
+        run = measured_runs[measured_runs["cluster"] == cluster].iloc[0]
+        model = SweepModel.for_cluster(bundle.collectives, run)
+        if model is None:
+            continue
+        for op in sorted(model.alpha_s):
+            calibration.append({
+                "cluster": cluster, "op": op, "world_size": int(run.world_size), "nodes": int(run.nodes),
+                "alpha_s": model.alpha_s[op],
+                "beta_Bps": 1.0 / model.inverse_beta[op] if model.inverse_beta[op] > 0 else None,
+                "relative_rms_residual": model.residual[op],
+            })  # fmt: skip
     document = {
         "schema": SCHEMA,
+        "calibration": calibration,
         "tolerance": tolerance,
         "held_out_file": held_out.origin,
         "seen": {"clusters": list(held_out.seen_clusters), "layers": list(held_out.seen_layers)},

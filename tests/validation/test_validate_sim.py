@@ -40,6 +40,11 @@ def test_seen_runs_replay_exactly_and_every_other_run_is_predicted(document: dic
         assert (row["speedup_error"] is None) == (row["system"] == "zero3")
     errors = np.abs([row["error"] for row in document["held_out"]])
     assert document["held_out_mean_abs_error"] == pytest.approx(errors.mean())
+    calibrated = {(row["cluster"], row["op"]) for row in document["calibration"]}
+    assert len(calibrated) == 4 * 3  # every cluster's sweep, three ops
+    for row in document["calibration"]:
+        assert row["alpha_s"] > 0 and row["beta_Bps"] > 0 and row["relative_rms_residual"] >= 0
+    assert any("by the measured sweeps" in row["basis"] for row in document["held_out"])
     assert document["passed"] == (
         document["held_out_mean_abs_error"] <= 0.04 and document["held_out_max_abs_error"] <= 0.08
     )

@@ -158,6 +158,8 @@ def simulate_command(
         if path is not None:
             check_output_path(path, option)
     notes = []
+    if preset.defaulted:
+        notes.append(f"{preset.origin}: not given, defaults used: {', '.join(preset.defaulted)}")
     skipped = [s for s in system_names if s in FP16_ONLY_SYSTEMS]
     if skipped and "bf16" in dtypes:
         if dtypes == ["bf16"] and set(system_names) <= set(FP16_ONLY_SYSTEMS):

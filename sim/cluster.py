@@ -111,6 +111,8 @@ class ClusterPreset:
     simulation: SimulationSpec = field(default_factory=SimulationSpec)
     # Where the preset came from (file path), for error messages; not a TOML key.
     origin: str = field(default="", compare=False)
+    # Fields the TOML left out and their defaults filled (printed with every simulation: never silent).
+    defaulted: tuple[str, ...] = field(default=(), compare=False)
 
     def nodes(self, world_size: int) -> int:
         return math.ceil(world_size / self.gpus_per_node)
@@ -214,34 +216,40 @@ def _coerce(origin: str, key: str, value: Any, kind: Any) -> Any:
     raise bad(f"a value of type {kind}")  # pragma: no cover - every preset field is one of the above
 
 
-def _build(origin: str, cls: type, table: Any, prefix: str) -> Any:
+# Fields a preset may leave out without a word: text, and the calibration points (none is a valid choice).
+_SILENTLY_OPTIONAL = {"description", "hardware", "calibration"}
+
+
+def _build(origin: str, cls: type, table: Any, prefix: str, defaulted: list[str] | None = None) -> Any:
     if not isinstance(table, dict):
         raise SimInputError(f"{origin}: field '{prefix.rstrip('.')}': expected a table")
     kinds = _field_types(cls)
-    allowed = [f.name for f in dataclasses.fields(cls) if f.name != "origin"]
+    internal = {"origin", "defaulted"}
+    allowed = [f.name for f in dataclasses.fields(cls) if f.name not in internal]
     for key in table:
         if key not in allowed:
             raise SimInputError(f"{origin}: unknown field '{prefix}{key}', expected one of {allowed}")
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        if f.name == "origin" or f.name not in table:
-            if (
-                f.name != "origin"
-                and f.default is dataclasses.MISSING
-                and f.default_factory is dataclasses.MISSING
-            ):
+        if f.name in internal:
+            continue
+        if f.name not in table:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise SimInputError(f"{origin}: missing field '{prefix}{f.name}'")
+            if defaulted is not None and f.name not in _SILENTLY_OPTIONAL:
+                defaulted.append(f"{prefix}{f.name}")
             continue
         kind = kinds[f.name]
         raw = table[f.name]
         if _is_dataclass_type(kind):
-            values[f.name] = _build(origin, kind, raw, f"{prefix}{f.name}.")
+            values[f.name] = _build(origin, kind, raw, f"{prefix}{f.name}.", defaulted)
         elif typing.get_origin(kind) is tuple:
             if not isinstance(raw, list):
                 raise SimInputError(f"{origin}: field '{prefix}{f.name}': expected an array of tables")
             (item_kind, _) = typing.get_args(kind)
             values[f.name] = tuple(
-                _build(origin, item_kind, item, f"{prefix}{f.name}[{i}].") for i, item in enumerate(raw)
+                _build(origin, item_kind, item, f"{prefix}{f.name}[{i}].", defaulted)
+                for i, item in enumerate(raw)
             )
         else:
             values[f.name] = _coerce(origin, f"{prefix}{f.name}", raw, kind)
@@ -251,7 +259,7 @@ def _build(origin: str, cls: type, table: Any, prefix: str) -> Any:
 def _check_ranges(preset: ClusterPreset) -> None:
     def walk(obj: Any, prefix: str) -> typing.Iterator[tuple[str, Any]]:
         for f in dataclasses.fields(obj):
-            if f.name in ("origin", "calibration"):
+            if f.name in ("origin", "defaulted", "calibration"):
                 continue
             value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value):
@@ -335,7 +343,8 @@ def load_cluster(name_or_path: str, overrides: dict[str, str] | None = None) -> 
         raise SimInputError(f"{origin}: not valid TOML: {error}") from None
     for assignment in (overrides or {}).items():
         _apply_override(origin, data, assignment)
-    preset = _build(origin, ClusterPreset, data, "")
-    preset = dataclasses.replace(preset, origin=origin)
+    defaulted: list[str] = []
+    preset = _build(origin, ClusterPreset, data, "", defaulted)
+    preset = dataclasses.replace(preset, origin=origin, defaulted=tuple(defaulted))
     _check_ranges(preset)
     return preset

@@ -68,10 +68,17 @@ class CollectiveModel:
         )
         if preset.inter_node.beta_Bps > 0:
             return base
-        points, source = _measured_points(preset, measured), "measured"
-        if not points:
-            points, source = list(preset.calibration), "calibration"
-        multi_node = [p for p in points if p.nodes >= 2]
+        measured_multi = [p for p in _measured_points(preset, measured) if p.nodes >= 2]
+        # Measured collectives that all stay inside one node say nothing about the inter-node link: the
+        # preset's calibration points fit it then (inter_beta_source says which was used).
+        multi_node, source = (
+            (measured_multi, "measured")
+            if measured_multi
+            else (
+                [p for p in preset.calibration if p.nodes >= 2],
+                "calibration",
+            )
+        )
         if not multi_node:
             raise SimInputError(
                 f"{preset.origin}: field 'inter_node.beta_Bps': value 0 asks for a fit, but no calibration point "

@@ -138,6 +138,14 @@ class Simulator:
         self.index = BundleIndex(bundle)
         self.preset = preset
         self.collectives = CollectiveModel.from_preset(preset, bundle.collectives)
+        source = {
+            "preset": "set in the preset",
+            "measured": "fitted to the bundle's measured multi-node collectives",
+            "calibration": "fitted to the preset's calibration points",
+        }[self.collectives.inter_beta_source]
+        self.calibration_note = (
+            f"inter-node β {self.collectives.inter_beta_Bps / 1e9:.3g} GB/s of {preset.name}: {source}"
+        )
         self._profiles: dict[tuple[str, str, int], ModelProfile] = {}
         self._draws: dict[tuple[str, str], np.ndarray] = {}
         self.simulated_events = 0
@@ -222,7 +230,7 @@ class Simulator:
                     compute_world_size=profile.compute_world_size,
                     cluster=self.preset.name,
                     simulated_events=outcome.replay.events,
-                    notes=list(profile.notes),
+                    notes=[*profile.notes, self.calibration_note],
                 )
             )
         return records

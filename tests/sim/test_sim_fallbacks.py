@@ -1,0 +1,53 @@
+"""No silent fallbacks in the simulator: defaults a preset leaves out, the calibration used, and measured
+collectives that stay inside one node are said where the user looks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from sim.cluster import load_cluster
+from sim.collectives import CollectiveModel
+
+PRESET = Path(__file__).resolve().parents[2] / "sim" / "data" / "clusters" / "a100-hdr-testbed.toml"
+
+
+def _without_table(name: str, tmp_path: Path) -> Path:
+    kept, skipping = [], False
+    for line in PRESET.read_text().splitlines():
+        if line.startswith("["):
+            skipping = line.strip() == f"[{name}]"
+        if not skipping:
+            kept.append(line)
+    path = tmp_path / "partial.toml"
+    path.write_text("\n".join(kept) + "\n")
+    return path
+
+
+def test_a_preset_without_a_table_says_which_defaults_were_used(tmp_path: Path) -> None:
+    path = _without_table("zeropp", tmp_path)
+    assert load_cluster(str(path)).defaulted == ("zeropp",)
+    assert load_cluster("a100-hdr-testbed").defaulted == ()
+    done = subprocess.run(
+        [sys.executable, "-m", "ciera_cli.main", "simulate", "--cluster", str(path), "--gpus", "8",
+         "--models", "olmoe-1b-7b", "--dtype", "bf16"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "not given, defaults used: zeropp" in " ".join(done.stdout.split())
+    assert "fitted to the preset's calibration points" in " ".join(done.stdout.split())
+
+
+def test_measured_collectives_inside_one_node_leave_the_fit_to_the_preset_points() -> None:
+    preset = load_cluster("a100-hdr-testbed")
+    one_node = pd.DataFrame(
+        {"cluster": [preset.name], "op": ["all_gather"], "world_size": [8], "nodes": [1], "bytes": [1 << 26],
+         "time_s": [0.001], "algbw_Bps": [(1 << 26) / 0.001], "busbw_Bps": [(1 << 26) / 0.001 * 7 / 8],
+         "source": ["measured"]}
+    )  # fmt: skip
+    model = CollectiveModel.from_preset(preset, one_node)
+    assert model.inter_beta_source == "calibration"
+    assert model.inter_beta_Bps == CollectiveModel.from_preset(preset).inter_beta_Bps

@@ -153,6 +153,14 @@ def build_profile(
     runs = runs[runs["world_size"] == compute_world_size]
     if runs.empty:
         raise SimInputError(f"bundle: model {model!r} has no {dtype} run at world size {compute_world_size}")
+    # A depth fit needs the traced depths to differ in depth only.
+    for column in ("seq_len", "micro_batch_size", "hardware", "gpus_per_node", "full_layers"):
+        values = sorted(set(runs[column]))
+        if len(values) > 1:
+            raise SimInputError(
+                f"bundle: the {dtype} runs of {model!r} at world size {compute_world_size} differ in runs.{column} "
+                f"({', '.join(map(str, values))}): a projection over depth needs one configuration"
+            )
     model_layers = int(runs["full_layers"].max())
     if target_layers is not None and not 1 <= target_layers <= model_layers:
         raise SimInputError(f"--layers {target_layers}: model {model!r} has 1..{model_layers} blocks")

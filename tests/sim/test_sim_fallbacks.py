@@ -51,3 +51,21 @@ def test_measured_collectives_inside_one_node_leave_the_fit_to_the_preset_points
     model = CollectiveModel.from_preset(preset, one_node)
     assert model.inter_beta_source == "calibration"
     assert model.inter_beta_Bps == CollectiveModel.from_preset(preset).inter_beta_Bps
+
+
+def test_runs_that_differ_in_more_than_depth_are_refused() -> None:
+    import dataclasses
+
+    import pytest
+
+    import traces
+    from sim import simulate
+    from sim.errors import SimInputError
+
+    bundle = traces.read_bundle(traces.default_bundle_path())
+    runs = bundle.runs.copy()
+    chosen = (runs["model"] == "OLMoE-1B-7B") & (runs["world_size"] == 8) & (runs["layers"] == 4)
+    runs.loc[chosen, "seq_len"] = 2048
+    edited = dataclasses.replace(bundle, runs=runs)
+    with pytest.raises(SimInputError, match=r"differ in runs.seq_len \(1024, 2048\)"):
+        simulate(edited, load_cluster("a100-hdr-testbed"), models=["olmoe-1b-7b"], gpus=[8], dtypes=["bf16"])

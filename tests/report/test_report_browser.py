@@ -68,3 +68,22 @@ def test_render_check_script_prints_json(tmp_path, records):
     assert completed.returncode == 0, completed.stderr
     verdict = json.loads(completed.stdout)
     assert verdict["console_errors"] == [] and verdict["plots_rendered"] == 2 and verdict["ok"]
+
+
+def test_report_of_the_measured_bundle_renders_its_measured_runs(tmp_path):
+    _require_chromium()
+    import traces
+    from sim import simulate
+    from sim.cluster import load_cluster
+
+    bundle = traces.read_bundle(traces.measured_bundle_path())
+    records = [
+        record.to_dict()
+        for record in simulate(bundle, load_cluster("a100-hdr-testbed"), gpus=[8], dtypes=["bf16"])
+    ]
+    page = build_report(records, [], bundle, "Measured bundle")
+    assert page.count('<tr class="measured">') == 48
+    html_path = write_report(tmp_path / "measured.html", page)
+    result = check_render(html_path, timeout_s=90)
+    assert result.console_errors == []
+    assert result.plots_rendered == result.plots_expected

@@ -132,6 +132,14 @@ def simulate_command(
             "--layers", help="Simulate this many blocks instead of the full model (e.g. a traced depth)."
         ),
     ] = None,
+    sweep: Annotated[
+        str | None,
+        typer.Option(
+            "--sweep",
+            help="Repeat the simulation for each value of one preset field, KEY=V1,V2,... (e.g. "
+            "inter_node.beta_Bps=5e9,10e9,25e9): speedups per value, to see where CIERA stops paying.",
+        ),
+    ] = None,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write the records as JSON to this file.")
     ] = None,
@@ -145,6 +153,15 @@ def simulate_command(
     ] = None,
 ) -> None:
     """Replay one training iteration per system and project it to the requested GPU counts."""
+    if sweep is not None:
+        if timeline_path is not None:
+            raise SimInputError(
+                "--timeline with --sweep: a timeline shows one configuration; drop one of them"
+            )
+        _sweep_command(
+            sweep, bundle, models, gpus, systems, dtype, cluster, overrides or [], layers, json_path
+        )
+        return
     preset = load_cluster(cluster, parse_overrides(overrides or []))
     system_names = _split(systems) or list(SYSTEMS)
     for name in system_names:
@@ -226,6 +243,59 @@ def simulate_command(
         print(f"wrote {json_path}", file=sys.stderr)
     if timeline_path is not None:
         print(f"wrote {timeline_path}", file=sys.stderr)
+
+
+def _sweep_command(
+    sweep, bundle, models, gpus, systems, dtype, cluster, overrides, layers, json_path
+) -> None:
+    key, sep, text = sweep.partition("=")
+    values = [value.strip() for value in text.split(",") if value.strip()]
+    if not sep or not key.strip() or len(values) < 2:
+        raise SimInputError(f"--sweep {sweep!r}: expected KEY=V1,V2,... with two or more values")
+    if json_path is not None:
+        check_output_path(json_path, "--json")
+    system_names = _split(systems) or list(SYSTEMS)
+    dtypes = [dtype] if dtype else list(DTYPES)
+    loaded = traces.read_bundle(traces.resolve_bundle(bundle) if bundle else traces.default_bundle_path())
+    runs, notes = [], set()
+    for value in values:
+        preset = load_cluster(cluster, parse_overrides([*overrides, f"{key.strip()}={value}"]))
+        records = simulate(
+            loaded, preset, models=_split(models) or None, gpus=parse_gpus(gpus), systems=system_names,
+            dtypes=dtypes, layers=layers,
+        )  # fmt: skip
+        notes.update(note for record in records for note in record.notes)
+        runs.append((value, records))
+    table = Table(title=f"speedup vs zero3 (p50) as {key.strip()} varies ({cluster})")
+    for column in ("model", "dtype", "gpus", "system", *values):
+        table.add_column(column, justify="left" if column in ("model", "dtype", "system") else "right")
+    first = runs[0][1]
+    by_value = [{(r.model, r.dtype, r.gpus, r.system): r for r in records} for _, records in runs]
+    for record in first:
+        row_key = (record.model, record.dtype, record.gpus, record.system)
+        cells = [
+            f"{table_of[row_key].speedup_vs_zero3:.2f}×" if row_key in table_of else "-"
+            for table_of in by_value
+        ]
+        table.add_row(record.model, record.dtype, str(record.gpus), record.system, *cells)
+    console = Console()
+    console.print(table)
+    for note in sorted(notes):
+        if not note.startswith("inter-node β"):  # that one differs per value and is in the JSON
+            console.print(note, markup=False, highlight=False)
+    if json_path is not None:
+        write_json_atomic(
+            {
+                "schema": "ciera.simulate.sweep/1",
+                "key": key.strip(),
+                "values": values,
+                "cluster": cluster,
+                "runs": [{"value": value, **records_to_json(records)} for value, records in runs],
+            },
+            json_path,
+            "--json",
+        )
+        print(f"wrote {json_path}", file=sys.stderr)
 
 
 def replay_command(

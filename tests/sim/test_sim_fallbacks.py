@@ -69,3 +69,25 @@ def test_runs_that_differ_in_more_than_depth_are_refused() -> None:
     edited = dataclasses.replace(bundle, runs=runs)
     with pytest.raises(SimInputError, match=r"differ in runs.seq_len \(1024, 2048\)"):
         simulate(edited, load_cluster("a100-hdr-testbed"), models=["olmoe-1b-7b"], gpus=[8], dtypes=["bf16"])
+
+
+def test_sweep_repeats_the_simulation_per_value(tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "sweep.json"
+    args = [sys.executable, "-m", "ciera_cli.main", "simulate", "--models", "olmoe-1b-7b", "--gpus", "16",
+            "--dtype", "bf16"]  # fmt: skip
+    done = subprocess.run(
+        [*args, "--sweep", "inter_node.beta_Bps=2e9,25e9", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    document = json.loads(out.read_text())
+    assert document["schema"] == "ciera.simulate.sweep/1" and document["values"] == ["2e9", "25e9"]
+    speedups = [{r["system"]: r["speedup_vs_zero3"] for r in run["records"]} for run in document["runs"]]
+    # A faster link leaves less for fewer bytes to save.
+    assert speedups[1]["ciera-er"] < speedups[0]["ciera-er"]
+    for bad, expected in ((["--sweep", "inter_node.beta_Bps=2e9"], "two or more values"),
+                          (["--sweep", "x=1,2", "--timeline", str(tmp_path / "t.json")], "--timeline with --sweep")):  # fmt: skip
+        refused = subprocess.run([*args, *bad], capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and expected in refused.stderr

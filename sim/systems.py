@@ -37,6 +37,7 @@ from .selection import select_shards
 SYSTEMS = ("zero3", "fsdp", "zeropp", "ciera-er", "ciera-er-bsc", "ciera")
 FP16_ONLY_SYSTEMS = ("zeropp",)
 CIERA_SYSTEMS = ("ciera-er", "ciera-er-bsc", "ciera")
+BSC_SYSTEMS = ("ciera-er-bsc", "ciera")  # the ones whose shards benefit-driven selection picks
 NOISE_KINDS = ("compute", "allgather", "reduce_scatter", "codec")
 
 
@@ -158,6 +159,7 @@ def _ciera_layer_plan(
     world_size: int,
     preset: ClusterPreset,
     collectives: CollectiveModel,
+    selection: str = "benefit",
 ) -> tuple[pd.DataFrame, dict[int, dict[str, float]]]:
     """Decision table and, per layer, payload ratios and codec seconds of a gather."""
     shards = profile.shards.copy()
@@ -179,11 +181,11 @@ def _ciera_layer_plan(
         entropy_bits=preset.ciera.exponent_entropy_bits,
         header_bytes=preset.ciera.header_bytes,
         comm_s_per_byte=collectives.allgather_marginal_s_per_byte(world_size),
-        cache_budget_bytes=preset.ciera.cache_budget_bytes,
+        cache_budget_bytes=0 if selection == "none" else preset.ciera.cache_budget_bytes,
         changed_gathers=changed,
         unchanged_gathers=max(typical_gathers - changed, 0),
         overlap_codec=system == "ciera",
-        select_all=system == "ciera-er",
+        select_all=system == "ciera-er" or selection == "all",
     )
     selected = decisions["selected"].to_numpy()
     raw = raw_bytes(decisions["numel"].to_numpy(dtype=float))
@@ -219,7 +221,10 @@ def build_system(
     world_size: int,
     preset: ClusterPreset,
     collectives: CollectiveModel,
+    selection: str = "benefit",
 ) -> BuiltSystem:
+    """`selection` (CIERA systems with BSC): "benefit" — the per-shard gain model; "all" — every shard;
+    "none" — no shard (the plain gathers)."""
     steps, optim_s, optim_cv = compute_steps(profile)
     graph = OpGraph()
     fsdp = system == "fsdp"
@@ -229,7 +234,9 @@ def build_system(
     prefetch = preset.schedule.fsdp_prefetch_layers if fsdp else preset.schedule.zero3_prefetch_layers
     decisions, plan = (None, {})
     if ciera:
-        decisions, plan = _ciera_layer_plan(system, profile, steps, world_size, preset, collectives)
+        decisions, plan = _ciera_layer_plan(
+            system, profile, steps, world_size, preset, collectives, selection
+        )
 
     # Which steps gather, and how many bytes. FSDP's recompute gathers what the backward needs; its
     # backward then reuses the unsharded parameters.

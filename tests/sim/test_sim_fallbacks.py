@@ -91,3 +91,25 @@ def test_sweep_repeats_the_simulation_per_value(tmp_path: Path) -> None:
                           (["--sweep", "x=1,2", "--timeline", str(tmp_path / "t.json")], "--timeline with --sweep")):  # fmt: skip
         refused = subprocess.run([*args, *bad], capture_output=True, text=True, timeout=60)
         assert refused.returncode == 2 and expected in refused.stderr
+
+
+def test_selection_never_loses_to_compressing_every_shard_or_none() -> None:
+    import traces
+    from sim import simulate
+    from sim.cluster import parse_overrides
+
+    bundle = traces.read_bundle(traces.default_bundle_path())
+    overridden = 0
+    for beta in ("25e9", "5e9"):
+        preset = load_cluster("a100-hdr-testbed", parse_overrides([f"inter_node.beta_Bps={beta}"]))
+        records = simulate(bundle, preset, models=["olmoe-1b-7b"], gpus=[16, 64], dtypes=["bf16"])
+        for gpus in (16, 64):
+            nominal = {r.system: r.iteration_nominal_s for r in records if r.gpus == gpus}
+            for system in ("ciera-er-bsc", "ciera"):
+                assert nominal[system] <= min(nominal["zero3"], nominal["ciera-er"]) * (1 + 1e-9), (
+                    beta,
+                    gpus,
+                    system,
+                )
+        overridden += sum("BSC's per-shard choice replayed slower" in " ".join(r.notes) for r in records)
+    assert overridden > 0  # at 25 GB/s the per-shard gains all come out negative: the override is said

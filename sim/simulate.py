@@ -175,8 +175,14 @@ class Simulator:
             # nothing when the link is the bottleneck). Selection must never lose to compressing every
             # shard or none, so those two plans are replayed too and the fastest is kept (and said).
             chosen, total = built.shards_selected, len(built.decisions) if built.decisions is not None else 0
+            # Every shard is a candidate only when every shard's receiver cache fits the budget.
+            every_shard_fits = built.decisions is not None and float(
+                built.decisions["memory_bytes"].sum()
+            ) <= float(self.preset.ciera.cache_budget_bytes)
             alternatives = [
-                name for name, same in (("all", chosen == total), ("none", chosen == 0)) if not same
+                name
+                for name, skip in (("all", chosen == total or not every_shard_fits), ("none", chosen == 0))
+                if not skip
             ]
             for selection in alternatives:
                 if selection == "none":

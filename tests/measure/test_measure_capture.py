@@ -130,6 +130,7 @@ def test_simulator_loads_the_measured_bundle(captured: Path) -> None:
     assert label in done.stdout
 
 
+@pytest.mark.slow  # a whole capture of its own: run with -m slow
 def test_a_rank_killed_mid_capture_stops_the_others_and_keeps_finished_runs(tmp_path: Path) -> None:
     out = tmp_path / "cap"
     args = [
@@ -157,6 +158,7 @@ def test_a_rank_killed_mid_capture_stops_the_others_and_keeps_finished_runs(tmp_
     assert not (out / "bundle").exists()
 
 
+@pytest.mark.slow  # a whole capture of its own: run with -m slow
 def test_ctrl_c_stops_the_ranks_and_the_next_run_redoes_it(tmp_path: Path) -> None:
     out = tmp_path / "cap"
     args = ["measure", "layers", "--out", str(out), *MODEL, "--layers", "1", "--systems", "zero3"]
@@ -204,6 +206,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow  # a whole capture of its own: run with -m slow
 def test_under_torchrun_every_rank_runs_the_plan(tmp_path: Path) -> None:
     out = tmp_path / "cap"
     done = subprocess.run(
@@ -223,6 +226,7 @@ def test_under_torchrun_every_rank_runs_the_plan(tmp_path: Path) -> None:
     assert set(bundle.iterations.groupby("run_id")["iteration"].nunique()) == {1}
 
 
+@pytest.mark.slow  # a whole capture of its own: run with -m slow
 def test_under_a_launcher_a_missing_rank_is_one_line_not_a_hang(tmp_path: Path) -> None:
     started = time.monotonic()
     launcher_env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",

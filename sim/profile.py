@@ -231,6 +231,11 @@ def build_profile(
             f"{model}: the bundle holds runs of {len(clusters)} clusters ({', '.join(clusters)}); the profile "
             f"uses {used} (per-cluster simulation is not built yet)"
         )
+    if (
+        not (rows["phase"] == "optim").any()
+        or float(rows.loc[rows["phase"] == "optim", "compute_s"].sum()) == 0
+    ):
+        notes.append(f"{model}: the traced runs carry no optimizer time; the optimizer step is taken as 0 s")
     measured_clusters = sorted(set(runs[runs["source"] == "measured"]["cluster"]))
     if measured_clusters and preset.name not in measured_clusters:
         notes.append(

@@ -113,3 +113,25 @@ def test_selection_never_loses_to_compressing_every_shard_or_none() -> None:
                 )
         overridden += sum("BSC's per-shard choice replayed slower" in " ".join(r.notes) for r in records)
     assert overridden > 0  # at 25 GB/s the per-shard gains all come out negative: the override is said
+
+
+def test_runs_without_optimizer_time_are_said() -> None:
+    import dataclasses
+
+    import traces
+    from sim import simulate
+
+    bundle = traces.read_bundle(traces.default_bundle_path())
+    layers = bundle.layers[bundle.layers["phase"] != "optim"]
+    edited = dataclasses.replace(bundle, layers=layers)
+    records = simulate(
+        edited, load_cluster("a100-hdr-testbed"), models=["olmoe-1b-7b"], gpus=[8], dtypes=["bf16"]
+    )
+    assert all(
+        any("carry no optimizer time; the optimizer step is taken as 0 s" in note for note in r.notes)
+        for r in records
+    )
+    plain = simulate(
+        bundle, load_cluster("a100-hdr-testbed"), models=["olmoe-1b-7b"], gpus=[8], dtypes=["bf16"]
+    )
+    assert not any("optimizer time" in note for r in plain for note in r.notes)

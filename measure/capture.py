@@ -109,6 +109,11 @@ def host_description() -> dict[str, str]:
 
 def _attribute_gathers(run, model, layer_of: dict[int, int], recorder) -> None:
     """Tell the recorder which layer each engine gather moves (prefetches run inside other layers)."""
+    # CIERA's shard ids are ZeRO-3's parameter ids (FSDP2's are its own; their rounds stay attributed to the
+    # parameter group being gathered).
+    recorder.shard_layers = {
+        int(param.ds_id): layer_of[id(param)] for param in model.parameters() if hasattr(param, "ds_id")
+    }
     if run.cfg.engine == "zero3":
         for param in model.parameters():
             inner = getattr(param, "all_gather_coalesced", None)

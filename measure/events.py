@@ -76,6 +76,11 @@ class EventRecorder:
         self._segment_start_s = 0.0
         self._gather_layer = threading.local()
         self._last_collective = threading.local()
+        # CIERA shard id -> layer (ZeRO-3: the parameter's ds_id). A gather's rounds run inside whatever
+        # wait finishes them (CIERA finishes gathers in order), so the codec calls, which know their
+        # shard, attribute the rounds around them: the round before a decode (bulk) and the one after an
+        # encode or a decode (control, status).
+        self.shard_layers: dict[int, int] = {}
         self._lock = threading.Lock()
         self.iterations: list[_IterationLog] = []
 
@@ -138,9 +143,11 @@ class EventRecorder:
             # (codec_timer assigns the gather's raw size to its bulk round); until then they count 0 raw.
             raw_bytes = 0 if tensor is not None and tensor.dtype == _UINT8 else size_bytes
             issued_s = time.perf_counter()
+            pending = getattr(recorder._last_collective, "pending_layer", None)
+            recorder._last_collective.pending_layer = None
             event = Event(
-                recorder.current_layer(), recorder._phase_in_layer(), stream, issued_s, issued_s, -1.0,
-                raw_bytes, size_bytes,
+                recorder.current_layer() if pending is None else pending, recorder._phase_in_layer(), stream,
+                issued_s, issued_s, -1.0, raw_bytes, size_bytes,
             )  # fmt: skip
             with recorder._lock:
                 log.events.append(event)
@@ -280,18 +287,22 @@ class EventRecorder:
         self._close_segment(start_s)
         self._segment_start_s = max(self._segment_start_s, end_s)
 
-    def codec_timer(self, stream: str, _shard_id: int, start_s: float, end_s: float, raw_bytes: int) -> None:
+    def codec_timer(self, stream: str, shard_id: int, start_s: float, end_s: float, raw_bytes: int) -> None:
         """The runtime's `codec_timer` hook (CompressedAllGather.codec_timer). A decode follows its gather's
         bulk round, the last collective this thread issued: that round gets the gather's raw size."""
         log = self._log
         if log is None:
             return
+        layer = self.shard_layers.get(shard_id, self.current_layer())
         bulk = getattr(self._last_collective, "event", None)
-        if stream == "codec_recv" and bulk is not None and bulk.raw_bytes == 0:
-            bulk.raw_bytes = raw_bytes
+        if stream == "codec_recv" and bulk is not None:
+            if bulk.raw_bytes == 0:
+                bulk.raw_bytes = raw_bytes
+            bulk.layer = layer
+        self._last_collective.pending_layer = layer  # the control (after encode) or status (after decode)
         if threading.get_ident() == self._main:
             self._main_thread_elsewhere(start_s, end_s)
-        event = Event(self.current_layer(), self._phase_in_layer(), stream, start_s, start_s, end_s)
+        event = Event(layer, self._phase_in_layer(), stream, start_s, start_s, end_s)
         with self._lock:
             log.events.append(event)
 

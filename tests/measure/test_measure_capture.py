@@ -306,3 +306,16 @@ def test_without_torch_the_capture_says_what_to_install(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip() == 'error: torch is not installed: pip install -e ".[runtime]"'
     assert not (tmp_path / "cap").exists()
+
+
+def test_ciera_rounds_are_counted_at_the_layer_of_the_parameter_they_gather(captured: Path) -> None:
+    # CIERA finishes gathers in order inside whichever wait comes next; its codec calls know the shard, so
+    # each layer's gathered raw bytes stay within its three gathers per iteration (forward, recompute,
+    # backward), never piling up at the layer that happened to wait.
+    bundle = traces.read_bundle(captured / "bundle")
+    run_id = bundle.runs[bundle.runs["system"] == "ciera"]["run_id"].iloc[0]
+    layers = bundle.layers[bundle.layers["run_id"] == run_id]
+    per_layer = layers.groupby(["iteration", "layer"]).agg(
+        raw=("allgather_bytes", "sum"), numel=("numel", "first")
+    )
+    assert (per_layer["raw"] <= 3 * 2 * per_layer["numel"] * 1.05).all(), per_layer

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .capture import SYSTEMS, LayersJob, train_config_for
+from .capture import SYSTEMS, LayersJob, train_config_for, write_text_atomic
 from .launch import CaptureError, run_job
 
 PLAN_SCHEMA = "ciera.measure.plan/1"
@@ -83,7 +82,6 @@ class CapturePlan:
     exponent_layers: int = 4
     timeout_s: float = 600.0
     kinds: tuple[str, ...] = ("collectives", "layers", "exponents")
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
         from .zoo import scaled_shape
@@ -272,7 +270,7 @@ def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> None:
                 "use a new --out directory or the same options"
             )
     else:
-        _write_atomic(plan_path, json.dumps(document, indent=1))
+        write_text_atomic(plan_path, json.dumps(document, indent=1))
 
 
 def capture_all(
@@ -335,7 +333,7 @@ def capture_all(
 
 def _publish(scratch: Path, target: Path, topology: Topology, out_dir: Path) -> None:
     """A finished step: its topology recorded, then its directory renamed into place in one step."""
-    _write_atomic(scratch / "topology.json", json.dumps(_topology_record(topology, out_dir)))
+    write_text_atomic(scratch / "topology.json", json.dumps(_topology_record(topology, out_dir)))
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():
         shutil.rmtree(target)
@@ -373,7 +371,7 @@ def _link_record(topology: Topology, cluster, out_dir: Path) -> dict[str, Any]:
         "cluster": cluster.describe(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, json.dumps(record, indent=1))
+    write_text_atomic(path, json.dumps(record, indent=1))
     return record
 
 
@@ -391,16 +389,6 @@ def _topology_record(topology: Topology, out_dir: Path) -> dict[str, Any]:
         "link_latency_s": topology.link_latency_s,
         "measured_link_Bps": link.get("measured_link_Bps", 0.0),
     }
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    staging = path.with_name(f".{path.name}.partial")
-    staging.write_text(text)
-    os.replace(staging, path)
-
-
-def nodes_for(world_size: int, ranks_per_node: int) -> int:
-    return math.ceil(world_size / ranks_per_node)
 
 
 # ---------------------------------------------------------------------------------------- under a launcher

@@ -299,10 +299,15 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
     dist.barrier()
 
 
-def _write_json_atomic(path: Path, document: dict) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write next to `path` and rename into place: a reader never sees a partial file."""
     staging = path.with_name(f".{path.name}.partial")
-    staging.write_text(json.dumps(document, indent=1))
+    staging.write_text(text)
     os.replace(staging, path)
+
+
+def _write_json_atomic(path: Path, document: dict) -> None:
+    write_text_atomic(path, json.dumps(document, indent=1))
 
 
 # ---------------------------------------------------------------------------------------- collectives job

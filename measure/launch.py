@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .train import TrainError
+from .train import TrainError, free_port
 
 
 class CaptureError(TrainError):
     """A capture that cannot start or cannot finish: one line."""
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _last_line(path: Path) -> str:
@@ -73,7 +66,7 @@ def run_job(
     """Run `job` on `world_size` ranks; results are in `job_dir` when it returns."""
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "job.json").write_text(json.dumps(job, indent=1))
-    port = _free_port() if cluster is None else 29500 + (os.getpid() % 1000)
+    port = free_port() if cluster is None else 29500 + (os.getpid() % 1000)
     processes: list[subprocess.Popen] = []
     logs = [job_dir / f"rank{rank}.log" for rank in range(world_size)]
     argv = [sys.executable, "-m", "measure.rank", str(job_dir)]

@@ -195,7 +195,17 @@ def _ds_config(cfg: TrainConfig) -> dict:
     }
 
 
-class _Zero3Run:
+class _EngineRun:
+    """One training step as the capture times it: forward, backward, optimizer step (each engine says how)."""
+
+    def step(self, inputs, targets):
+        loss = self.forward(inputs, targets)
+        self.backward(loss)
+        self.optimizer_step()
+        return loss
+
+
+class _Zero3Run(_EngineRun):
     def __init__(self, cfg: TrainConfig, model, categories: dict[str, str]) -> None:
         import deepspeed
 
@@ -216,12 +226,6 @@ class _Zero3Run:
                 categories=categories,
                 timeout_s=cfg.timeout_s,
             )
-
-    def step(self, inputs, targets):
-        loss = self.forward(inputs, targets)
-        self.backward(loss)
-        self.optimizer_step()
-        return loss
 
     def forward(self, inputs, targets):
         return self.engine(inputs, targets)
@@ -269,7 +273,7 @@ class _Zero3Run:
         return None if self.ciera is None else self.ciera.stats()
 
 
-class _FsdpRun:
+class _FsdpRun(_EngineRun):
     def __init__(self, cfg: TrainConfig, model, categories: dict[str, str]) -> None:
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -292,12 +296,6 @@ class _FsdpRun:
                 cache_budget_bytes=cfg.cache_budget_bytes,
                 timeout_s=cfg.timeout_s,
             )
-
-    def step(self, inputs, targets):
-        loss = self.forward(inputs, targets)
-        self.backward(loss)
-        self.optimizer_step()
-        return loss
 
     def forward(self, inputs, targets):
         return self.model(inputs, targets)
@@ -445,7 +443,7 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
 # ---------------------------------------------------------------------------------------- launching
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -566,7 +564,7 @@ def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> di
     queue = context.Queue()
     processes = mp.start_processes(
         _spawned_rank,
-        args=(cfg.world_size, _free_port(), cfg, queue),
+        args=(cfg.world_size, free_port(), cfg, queue),
         nprocs=cfg.world_size,
         join=False,
         start_method="spawn",

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import traces
+from measure.train import free_port
 
 pytest.importorskip("deepspeed")
 
@@ -198,20 +199,12 @@ def test_misuse_is_one_line_before_any_rank_starts(tmp_path: Path, args: list[st
     assert not (tmp_path / "cap" / "runs").exists()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.slow  # a whole capture of its own: run with -m slow
 def test_under_torchrun_every_rank_runs_the_plan(tmp_path: Path) -> None:
     out = tmp_path / "cap"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-         str(_free_port()), "-m", "ciera_cli.main", "measure", "layers", "--out", str(out), *MODEL,
+         str(free_port()), "-m", "ciera_cli.main", "measure", "layers", "--out", str(out), *MODEL,
          "--layers", "1", "--systems", "zero3,fsdp", "--iterations", "1", "--warmup", "1"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -230,7 +223,7 @@ def test_under_torchrun_every_rank_runs_the_plan(tmp_path: Path) -> None:
 def test_under_a_launcher_a_missing_rank_is_one_line_not_a_hang(tmp_path: Path) -> None:
     started = time.monotonic()
     launcher_env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(_free_port())}  # fmt: skip
+                    "MASTER_PORT": str(free_port())}  # fmt: skip
     done = ciera(
         "measure", "layers", "--out", str(tmp_path / "cap"), *MODEL, "--layers", "1", "--systems", "zero3",
         "--timeout-s", "5", env=launcher_env, timeout=120,

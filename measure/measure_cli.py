@@ -207,28 +207,22 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
 
 
 def _run_summaries(bundle) -> list[dict]:
-    iterations = bundle.iterations.groupby("run_id")["iteration_s"].median()
-    gathered = bundle.events[bundle.events["stream"] == "allgather"].groupby("run_id")
-    wire = gathered["wire_bytes"].sum() / bundle.events.groupby("run_id")["rank"].nunique()
-    raw = gathered["raw_bytes"].sum() / bundle.events.groupby("run_id")["rank"].nunique()
-    counts = bundle.iterations.groupby("run_id")["iteration"].nunique()
-    summaries = []
-    for run in bundle.runs.itertuples():
-        if run.run_id not in iterations.index:
-            continue
-        n = counts[run.run_id]
-        summaries.append(
-            {
-                "run_id": run.run_id,
-                "system": run.system,
-                "layers": int(run.layers),
-                "cluster": run.cluster,
-                "median_iteration_s": float(iterations[run.run_id]),
-                "allgather_raw_bytes_per_iteration": float(raw.get(run.run_id, 0.0) / n),
-                "allgather_wire_bytes_per_iteration": float(wire.get(run.run_id, 0.0) / n),
-            }
-        )
-    return summaries
+    import traces
+
+    summaries = traces.run_summaries(bundle).set_index("run_id")
+    runs = bundle.runs[bundle.runs["run_id"].isin(summaries.index)]
+    return [
+        {
+            "run_id": run.run_id,
+            "system": run.system,
+            "layers": int(run.layers),
+            "cluster": run.cluster,
+            "median_iteration_s": float(summaries.loc[run.run_id, "iteration_median_s"]),
+            "allgather_raw_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_raw_bytes"]),
+            "allgather_wire_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_wire_bytes"]),
+        }
+        for run in runs.itertuples()
+    ]
 
 
 def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:

@@ -213,37 +213,29 @@ def measured_run_rows(bundle: TraceBundle) -> list[dict[str, Any]]:
     """One row per measured run with timed iterations: its cluster, link, depth, system, iteration times,
     the all-gather bytes per iteration (raw and on the wire, means over ranks) and the speedup over the
     ZeRO-3 run of the same cluster and depth — every number straight from the bundle."""
-    runs = bundle.runs[bundle.runs["source"] == "measured"]
-    iterations = bundle.iterations[bundle.iterations["run_id"].isin(runs["run_id"])]
-    if iterations.empty:
+    from traces import run_summaries
+
+    summaries = run_summaries(bundle)
+    if summaries.empty:
         return []
-    times = iterations.groupby("run_id")["iteration_s"].agg(["median", "min", "max", "size"])
-    gathers = bundle.events[bundle.events["stream"] == "allgather"]
-    per_rank_iteration = gathers.groupby(["run_id", "rank", "iteration"])[["raw_bytes", "wire_bytes"]].sum()
-    gathered = per_rank_iteration.groupby("run_id").mean()
-    rows = []
-    for run in runs.itertuples():
-        if run.run_id not in times.index:
-            continue
-        rows.append(
-            {
-                "run_id": run.run_id,
-                "cluster": run.cluster,
-                "nodes": int(run.nodes),
-                "ranks_per_node": int(run.gpus_per_node),
-                "link_rate_Bps": float(run.link_rate_Bps),
-                "measured_link_Bps": float(run.measured_link_Bps),
-                "layers": int(run.layers),
-                "system": run.system,
-                "iterations": int(times.loc[run.run_id, "size"]),
-                "iteration_median_s": float(times.loc[run.run_id, "median"]),
-                "iteration_min_s": float(times.loc[run.run_id, "min"]),
-                "iteration_max_s": float(times.loc[run.run_id, "max"]),
-                "allgather_raw_bytes": float(gathered["raw_bytes"].get(run.run_id, 0.0)),
-                "allgather_wire_bytes": float(gathered["wire_bytes"].get(run.run_id, 0.0)),
-                "hardware": run.hardware,
-            }
-        )
+    summaries = summaries.set_index("run_id")
+    runs = bundle.runs[(bundle.runs["source"] == "measured") & bundle.runs["run_id"].isin(summaries.index)]
+    rows = [
+        {
+            "run_id": run.run_id,
+            "cluster": run.cluster,
+            "nodes": int(run.nodes),
+            "ranks_per_node": int(run.gpus_per_node),
+            "link_rate_Bps": float(run.link_rate_Bps),
+            "measured_link_Bps": float(run.measured_link_Bps),
+            "layers": int(run.layers),
+            "system": run.system,
+            **summaries.loc[run.run_id].to_dict(),
+            "iterations": int(summaries.loc[run.run_id, "iterations"]),
+            "hardware": run.hardware,
+        }
+        for run in runs.itertuples()
+    ]
     baseline = {(r["cluster"], r["layers"]): r["iteration_median_s"] for r in rows if r["system"] == "zero3"}
     for row in rows:
         base = baseline.get((row["cluster"], row["layers"]))

@@ -179,3 +179,28 @@ def derive_layer_tables(
         ["run_id", "iteration"], key=lambda c: c.map(run_order) if c.name == "run_id" else c
     )
     return _typed(LAYERS, layers), _typed(ITERATIONS, iterations)
+
+
+def run_summaries(bundle) -> pd.DataFrame:
+    """One row per run with timed iterations: iterations, median / min / max iteration time, and the
+    all-gather bytes one rank's iteration moved (raw and on the wire: event sums over ranks and iterations,
+    divided by both). What `ciera measure` prints and the report's Measured runs section show."""
+    times = bundle.iterations.groupby("run_id")["iteration_s"].agg(["size", "median", "min", "max"])
+    gathers = bundle.events[bundle.events["stream"] == "allgather"]
+    sums = gathers.groupby("run_id")[["raw_bytes", "wire_bytes"]].sum()
+    ranks = bundle.events.groupby("run_id")["rank"].nunique()
+    rows = []
+    for run_id in times.index:
+        per_iteration = float(ranks.get(run_id, 1)) * float(times.loc[run_id, "size"])
+        rows.append(
+            {
+                "run_id": run_id,
+                "iterations": int(times.loc[run_id, "size"]),
+                "iteration_median_s": float(times.loc[run_id, "median"]),
+                "iteration_min_s": float(times.loc[run_id, "min"]),
+                "iteration_max_s": float(times.loc[run_id, "max"]),
+                "allgather_raw_bytes": float(sums["raw_bytes"].get(run_id, 0.0)) / per_iteration,
+                "allgather_wire_bytes": float(sums["wire_bytes"].get(run_id, 0.0)) / per_iteration,
+            }
+        )
+    return pd.DataFrame(rows)

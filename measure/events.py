@@ -348,7 +348,7 @@ class EventRecorder:
 def finish_events(log: _IterationLog) -> list[Event]:
     """The iteration's events with collective start times resolved: per stream, in order of completion, an
     op starts at max(issued, previous end). Ops whose completion was never seen end at the iteration end."""
-    events = [event for event in log.events]
+    events = list(log.events)
     for event in events:
         if event.end_s < 0:
             event.end_s = log.end_s

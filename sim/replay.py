@@ -20,6 +20,7 @@ on the clock the capture aligned across ranks.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,7 +72,10 @@ def build_rank_graph(events: pd.DataFrame) -> RankGraph:
     collective_ends.sort()
     ends_only = np.array([e for e, _ in collective_ends]) if collective_ends else np.zeros(0)
     last_main = -1
-    main_ends: list[tuple[float, int]] = []  # (end, index) of main ops seen so far, in order
+    # Ends and indices of the main ops seen so far: the main thread runs one op at a time, so its ends
+    # only grow and the issuer of a collective is found by bisection.
+    main_ends: list[float] = []
+    main_indices: list[int] = []
     last_on_stream: dict[str, int] = {}
     for index in range(count):
         if is_main[index]:
@@ -86,14 +90,12 @@ def build_rank_graph(events: pd.DataFrame) -> RankGraph:
             main_prev[index] = last_main
             lag[index] = max(0.0, start[index] - ready)
             last_main = index
-            main_ends.append((end[index], index))
+            main_ends.append(end[index])
+            main_indices.append(index)
         else:
             # Issued by the main thread: after the last main op that had ended by then.
-            issuer = -1
-            for main_end, main_index in reversed(main_ends):
-                if main_end <= issued[index] + TOLERANCE_S:
-                    issuer = main_index
-                    break
+            position = bisect.bisect_right(main_ends, issued[index] + TOLERANCE_S) - 1
+            issuer = main_indices[position] if position >= 0 else -1
             main_prev[index] = issuer
             issue_ready = end[issuer] if issuer >= 0 else 0.0
             lag[index] = max(0.0, issued[index] - issue_ready)

@@ -13,8 +13,9 @@ from rich.table import Table
 
 import traces
 
-from .cluster import load_cluster, parse_overrides
+from .cluster import list_clusters, load_cluster, parse_overrides
 from .errors import SimInputError
+from .measured_cluster import measured_clusters, measured_records_to_json, simulate_measured_cluster
 from .simulate import (
     DEFAULT_GPUS,
     DTYPES,
@@ -153,6 +154,22 @@ def simulate_command(
     ] = None,
 ) -> None:
     """Replay one training iteration per system and project it to the requested GPU counts."""
+    if cluster not in list_clusters() and not cluster.endswith(".toml"):
+        loaded = _read_bundle(bundle)
+        if cluster in measured_clusters(loaded):
+            for option, given in (("--sweep", sweep), ("--set", overrides), ("--timeline", timeline_path)):
+                if given:
+                    raise SimInputError(
+                        f"{option} with --cluster {cluster}: a measured cluster is replayed as captured, "
+                        "it has no preset fields or simulated timeline (`ciera measure timeline` writes the "
+                        "measured one); use a preset cluster for that"
+                    )
+            _measured_cluster_command(loaded, cluster, models, systems, dtype, layers, gpus, json_path)
+            return
+        raise SimInputError(
+            f"--cluster: unknown preset {cluster!r}, expected one of {list_clusters()}, a .toml file path, "
+            f"or a measured cluster of the bundle ({', '.join(measured_clusters(loaded)) or 'it has none'})"
+        )
     if sweep is not None:
         if timeline_path is not None:
             raise SimInputError(
@@ -185,13 +202,7 @@ def simulate_command(
                 "(as DeepSpeed evaluates it); use --dtype fp16"
             )
         notes.append(f"{', '.join(skipped)}: fp16 only (as in DeepSpeed's ZeRO++), skipped for bf16")
-    bundle_path = traces.resolve_bundle(bundle) if bundle is not None else traces.default_bundle_path()
-    if bundle is None and not bundle_path.is_dir():
-        raise SimInputError(
-            f"--bundle: the packaged default bundle is missing at {bundle_path}; "
-            "generate one with `ciera analytic-bundle --out DIR` and pass --bundle DIR"
-        )
-    loaded = traces.read_bundle(bundle_path)
+    loaded = _read_bundle(bundle)
 
     error_console = Console(stderr=True)
     with Progress(
@@ -245,6 +256,86 @@ def simulate_command(
         print(f"wrote {timeline_path}", file=sys.stderr)
 
 
+def _read_bundle(bundle: str | None) -> traces.TraceBundle:
+    bundle_path = traces.resolve_bundle(bundle) if bundle is not None else traces.default_bundle_path()
+    if bundle is None and not bundle_path.is_dir():
+        raise SimInputError(
+            f"--bundle: the packaged default bundle is missing at {bundle_path}; "
+            "generate one with `ciera analytic-bundle --out DIR` and pass --bundle DIR"
+        )
+    return traces.read_bundle(bundle_path)
+
+
+def _measured_cluster_command(
+    loaded: traces.TraceBundle,
+    cluster: str,
+    models: list[str] | None,
+    systems: list[str] | None,
+    dtype: str | None,
+    layers: int | None,
+    gpus: list[str] | None,
+    json_path: Path | None,
+) -> None:
+    """Replay (traced depth) or fit across depths (other depth) on a cluster the bundle was measured on."""
+    if json_path is not None:
+        check_output_path(json_path, "--json")
+    if dtype is not None and dtype not in DTYPES:
+        raise SimInputError(f"--dtype: value {dtype!r}, expected one of {list(DTYPES)}")
+    records = simulate_measured_cluster(
+        loaded,
+        cluster,
+        models=_split(models) or None,
+        systems=_split(systems) or None,
+        layers=layers,
+        gpus=parse_gpus(gpus) if gpus else None,
+        dtypes=[dtype] if dtype else None,
+    )
+    table = Table(title=f"Iteration time on the measured cluster {cluster}")
+    for name in (
+        "model",
+        "dtype",
+        "gpus",
+        "L",
+        "system",
+        "measured",
+        "simulated",
+        "error",
+        "vs zero3",
+        "how",
+    ):
+        table.add_column(name, justify="left" if name in ("model", "dtype", "system", "how") else "right")
+    for record in records:
+        error = (
+            ""
+            if record.measured_s is None
+            else f"{(record.iteration_s / record.measured_s - 1) * 100:+.2f} %"
+        )
+        table.add_row(
+            record.model,
+            record.dtype,
+            str(record.gpus),
+            str(record.layers),
+            record.system,
+            "—" if record.measured_s is None else f"{record.measured_s * 1e3:.0f} ms",
+            f"{record.iteration_s * 1e3:.0f} ms",
+            error,
+            "—" if record.speedup_vs_zero3 != record.speedup_vs_zero3 else f"{record.speedup_vs_zero3:.2f}×",
+            record.kind,
+        )
+    table.caption = (
+        "replayed: the measured events replayed (durations and stream dependencies), a traced configuration. "
+        "projected: another depth, from the replays of the traced depths fitted as a + b·L (not measured; "
+        "`ciera validate sim` shows how far such fits miss)."
+    )
+    out = Console()
+    (out if out.is_terminal else Console(width=160)).print(table)
+    for basis in sorted({r.basis for r in records if r.kind == "projected"}):
+        out.print(f"projected from the {basis}", markup=False, highlight=False)
+    if json_path is not None:
+        write_json_atomic(measured_records_to_json(records), json_path, "--json")
+        print(f"wrote {json_path}", file=sys.stderr)
+
+
 def _sweep_command(
     sweep, bundle, models, gpus, systems, dtype, cluster, overrides, layers, json_path
 ) -> None:
@@ -256,7 +347,7 @@ def _sweep_command(
         check_output_path(json_path, "--json")
     system_names = _split(systems) or list(SYSTEMS)
     dtypes = [dtype] if dtype else list(DTYPES)
-    loaded = traces.read_bundle(traces.resolve_bundle(bundle) if bundle else traces.default_bundle_path())
+    loaded = _read_bundle(bundle)
     runs, notes = [], set()
     for value in values:
         preset = load_cluster(cluster, parse_overrides([*overrides, f"{key.strip()}={value}"]))

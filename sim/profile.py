@@ -241,7 +241,7 @@ def build_profile(
         notes.append(
             f"{model}: compute and codec times measured on {', '.join(measured_clusters)}, collectives modelled "
             f"with preset {preset.name!r} (its α–β), not the measured ones: even at a traced depth and world "
-            "size this is not a replay (`ciera replay` replays the measured events)"
+            f"size this is not a replay (`--cluster {measured_clusters[0]}` replays the measured events)"
         )
     systems_used = sorted(set(runs["system"]))
     if systems_used != ["zero3"]:

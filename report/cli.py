@@ -7,6 +7,7 @@ without, it runs the simulator's default sweep through the `sim` API and renders
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,6 +20,14 @@ from traces import TraceBundle, TraceError
 from .errors import ReportInputError
 from .html import build_report
 from .inputs import DTYPES, load_records, load_timeline, write_text_atomically
+from .sensitivity import (
+    DEFAULT_KEY,
+    BandwidthSweep,
+    filter_sweep,
+    load_sensitivity,
+    reference_from_records,
+    simulate_bandwidth_sweep,
+)
 
 # TraceError: a bad --bundle is reported the same way when the report is driven on its own.
 USER_ERRORS: tuple[type[BaseException], ...] = (ReportInputError, TraceError)
@@ -63,6 +72,55 @@ def _filter_records(
     return selected
 
 
+def _import_sim() -> Any:
+    """Imported on use so `ciera report --records` (and the CLI's start) never loads the simulator."""
+    try:
+        import sim
+    except ImportError as error:
+        raise ReportInputError(
+            f"the simulator package is unavailable ({error}); pass --records FILE"
+        ) from None
+    return sim
+
+
+def _simulate_sensitivity(
+    bundle: TraceBundle,
+    records: list[dict[str, Any]],
+    cluster: str | None,
+    overrides: list[str],
+    console: Console,
+) -> tuple[BandwidthSweep | None, str]:
+    """The link bandwidth sweep at the report's largest world size (report.sensitivity), timed on the
+    console so its cost stays visible."""
+    sim = _import_sim()
+    started_s = time.perf_counter()
+    with Progress(
+        TextColumn("bandwidth sweep"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("sensitivity", total=None)
+        sweep, summary = simulate_bandwidth_sweep(
+            sim,
+            bundle,
+            cluster or DEFAULT_CLUSTER,
+            overrides,
+            records,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    if sweep is None:
+        console.print(f"note: {summary}", markup=False, highlight=False)
+    else:
+        console.print(
+            f"bandwidth sensitivity: {summary} in {time.perf_counter() - started_s:.1f} s",
+            markup=False,
+            highlight=False,
+        )
+    return sweep, summary
+
+
 def _simulate_sweep(
     bundle: TraceBundle,
     models: list[str],
@@ -73,14 +131,8 @@ def _simulate_sweep(
     console: Console,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """Run the simulator's sweep through its public API, plus one timeline: the first model, FP16 when
-    swept (so all six systems, ZeRO++ included, appear), at the largest world size. Imported here so
-    `ciera report --records` (and the CLI's start) never loads the simulator."""
-    try:
-        import sim
-    except ImportError as error:
-        raise ReportInputError(
-            f"the simulator package is unavailable ({error}); pass --records FILE"
-        ) from None
+    swept (so all six systems, ZeRO++ included, appear), at the largest world size."""
+    sim = _import_sim()
     preset = sim.load_cluster(cluster or DEFAULT_CLUSTER, sim.parse_overrides(overrides))
     sweep_gpus = gpus or list(sim.DEFAULT_GPUS)
     sweep_dtypes = [dtype] if dtype else list(sim.DTYPES)
@@ -149,6 +201,14 @@ def report_command(
     overrides: Annotated[
         list[str] | None, typer.Option("--set", help="KEY=VALUE preset override (simulation only).")
     ] = None,
+    sensitivity_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--sensitivity",
+            help="Bandwidth sweep JSON from `ciera simulate --sweep inter_node.beta_Bps=V1,V2,... --json`, "
+            "for the speedup-vs-bandwidth section (without it, and without --records, the report simulates one).",
+        ),
+    ] = None,
     title: Annotated[str, typer.Option("--title", help="Report title.")] = DEFAULT_TITLE,
 ) -> None:
     """Write one self-contained HTML report (plotly inlined, works offline)."""
@@ -171,6 +231,8 @@ def report_command(
             )
         records, metadata = load_records(records_path)
         timeline_events = load_timeline(timeline_path) if timeline_path is not None else []
+    # Read before any simulation: a bad file fails in a moment, not after the sweep.
+    sensitivity = load_sensitivity(sensitivity_path) if sensitivity_path is not None else None
     resolved_bundle_path = (resolve_bundle(bundle_path) if bundle_path else None) or (
         Path(metadata["bundle"]) if records_path and metadata.get("bundle") else None
     )
@@ -184,6 +246,20 @@ def report_command(
             bundle, model_names, gpu_counts, dtype, cluster, overrides or [], console
         )
     records = _filter_records(records, model_names, gpu_counts, dtype)
+    sensitivity_missing = None
+    if sensitivity is not None:
+        report_models = list(dict.fromkeys(r["model"] for r in records))
+        sensitivity = filter_sweep(sensitivity, report_models, gpu_counts, dtype)
+        if sensitivity.key == DEFAULT_KEY:
+            reference_Bps, reference_note = reference_from_records(records, sensitivity.cluster)
+            sensitivity = replace(sensitivity, reference_Bps=reference_Bps, reference_note=reference_note)
+    elif records_path is None and bundle is not None:
+        sensitivity, sensitivity_missing = _simulate_sensitivity(
+            bundle, records, cluster, overrides or [], console
+        )
+    else:
+        sensitivity_missing = "--records was given without --sensitivity: no link bandwidth sensitivity data."
+        console.print(f"note: {sensitivity_missing}", markup=False, highlight=False)
 
     document = build_report(
         records,
@@ -192,6 +268,8 @@ def report_command(
         title,
         cluster=_cluster_name(metadata.get("cluster")) or cluster,
         bundle_path=str(resolved_bundle_path) if resolved_bundle_path is not None else None,
+        sensitivity=sensitivity,
+        sensitivity_missing=sensitivity_missing,
     )
     write_text_atomically(html_path, document)
     elapsed_s = time.perf_counter() - started_s

@@ -13,11 +13,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from .inputs import BREAKDOWN_KEYS, SYSTEMS, is_measured_point, provenance_label
+
+if TYPE_CHECKING:  # sensitivity imports this module for system labels
+    from .sensitivity import SweepView
 
 Figure = dict[str, Any]
 
@@ -728,6 +731,127 @@ def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
             ],
             "margin": {"l": 70, "r": 30, "t": 90, "b": 110},
             "legend": {"orientation": "h", "y": -0.28, "x": 0, "font": {"size": 12}},
+        }
+    )
+    return {"data": data, "layout": layout}
+
+
+# --------------------------------------------------------------------------------- bandwidth sensitivity
+
+
+def _bandwidth_ticks(bandwidths_Bps: Iterable[float]) -> dict[str, Any]:
+    """A log axis in GB/s ticked at the swept bandwidths."""
+    values_GBps = sorted({b / 1e9 for b in bandwidths_Bps})
+    padding = 0.08  # in decades
+    return {
+        "type": "log",
+        "tickvals": values_GBps,
+        "ticktext": [f"{v:.3g}" for v in values_GBps],
+        "range": [math.log10(values_GBps[0]) - padding, math.log10(values_GBps[-1]) + padding],
+        "autorange": False,
+    }
+
+
+def sensitivity_figure(
+    views: Sequence[SweepView],
+    axis_title: str,
+    tick_Bps: Sequence[float],
+    reference_Bps: float | None = None,
+    reference_label: str = "",
+) -> Figure:
+    """Speedup vs ZeRO-3 against link bandwidth, one line per system, for each (model, dtype) view of
+    `report.sensitivity.SweepView`s (a dropdown picks the view); the 1.0 "no gain" line and, when known,
+    the cluster's own bandwidth as a vertical marker (named in the legend, not ticked: its label would
+    collide with a neighbouring swept value's). The x axis is ticked at `tick_Bps`. Every point is a simulated projection (the bandwidth
+    is set, not measured), so every line is dashed with hollow markers."""
+    data: list[dict[str, Any]] = []
+    owners: list[int] = []
+    view_layouts: list[dict[str, Any]] = []
+    all_bandwidths_Bps = [b for view in views for points in view.lines.values() for b, _ in points]
+    if reference_Bps is not None:
+        all_bandwidths_Bps.append(reference_Bps)
+    for view_index, view in enumerate(views):
+        speedups = []
+        for system, points in view.lines.items():
+            colour = system_colour(system)
+            speedups += [r["speedup_vs_zero3"] for _, r in points]
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines+markers",
+                    "name": system_label(system),
+                    "legendgroup": system,
+                    "x": [b / 1e9 for b, _ in points],
+                    "y": [r["speedup_vs_zero3"] for _, r in points],
+                    "line": {"color": colour, "width": 2, "dash": "dash"},
+                    "marker": {"color": colour, "size": 9, "symbol": "circle-open", "line": {"width": 2}},
+                    "customdata": [
+                        [r["iteration_s"]["p50"], r["iteration_s"]["p5"], r["iteration_s"]["p95"]]
+                        for _, r in points
+                    ],
+                    "hovertemplate": (
+                        f"<b>{system_label(system)}</b> · %{{x:.3g}} GB/s<br>"
+                        "speedup vs ZeRO-3: <b>%{y:.3f}×</b><br>"
+                        "iteration p50 %{customdata[0]:.4g} s (p5–p95 %{customdata[1]:.4g}–%{customdata[2]:.4g} s)"
+                        f"<br>simulated projection ({view.provenance}, bandwidth set)<extra></extra>"
+                    ),
+                }
+            )
+            owners.append(view_index)
+        low = min([1.0, *speedups])
+        high = max([1.0, *speedups])
+        if reference_Bps is not None:
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines",
+                    "name": f"this cluster's β: {reference_Bps / 1e9:.3g} GB/s",
+                    "x": [reference_Bps / 1e9, reference_Bps / 1e9],
+                    "y": [low - 0.02 * (high - low + 0.1), high + 0.02 * (high - low + 0.1)],
+                    "line": {"color": "#111827", "width": 1.5, "dash": "dot"},
+                    "hovertemplate": f"{reference_label}<extra></extra>",
+                }
+            )
+            owners.append(view_index)
+        view_layouts.append(
+            {
+                "title": {
+                    "text": f"<b>{view.model}</b> · {view.dtype.upper()} · W={view.gpus} · simulated projection",
+                    # Left, under nothing: centred, a long model name runs under the mode bar at 1024 px.
+                    "xref": "paper",
+                    "x": 0,
+                    "xanchor": "left",
+                    "y": 0.98,
+                }
+            }
+        )
+    if all_bandwidths_Bps:
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "name": "no gain (1.0×)",
+                "x": [min(all_bandwidths_Bps) / 1e9, max(all_bandwidths_Bps) / 1e9],
+                "y": [1, 1],
+                "line": {"color": "#6b7280", "width": 1.5},
+                "hoverinfo": "skip",
+            }
+        )
+        owners.append(ALWAYS_VISIBLE)
+    menus = _view_menus(data, owners, [(v.model, f"{v.dtype} · W={v.gpus}") for v in views], view_layouts)
+    layout = _base_layout(520)
+    layout["margin"] = {"l": 70, "r": 30, "t": 110 if menus else 70, "b": 120}
+    layout.update(view_layouts[0] if view_layouts else {})
+    ticks = _bandwidth_ticks(tick_Bps or all_bandwidths_Bps) if all_bandwidths_Bps else {}
+    if ticks:  # the axis spans every point, the reference included, whichever are ticked
+        span_GBps = [b / 1e9 for b in all_bandwidths_Bps]
+        ticks["range"] = [math.log10(min(span_GBps)) - 0.08, math.log10(max(span_GBps)) + 0.08]
+    layout.update(
+        {
+            "xaxis": _axis(axis_title, **ticks),
+            "yaxis": _axis("speedup (× ZeRO-3 iteration time)"),
+            "updatemenus": menus,
+            "hovermode": "closest",
         }
     )
     return {"data": data, "layout": layout}

@@ -14,12 +14,21 @@ from traces import TraceBundle
 from .figures import (
     breakdown_figure,
     exponent_figure,
+    sensitivity_figure,
     speedup_figure,
     system_colour,
     system_label,
     timeline_figure,
 )
 from .inputs import SYSTEMS, is_measured_point, provenance_label, validate_record, validate_timeline
+from .sensitivity import (
+    BANDWIDTH_KEYS,
+    BandwidthSweep,
+    break_even_rows,
+    sweep_command,
+    sweep_views,
+    validate_sweep_records,
+)
 
 PLOT_CLASS = "ciera-plot"
 PLOTLY_CONFIG = {
@@ -53,6 +62,8 @@ section p.lede { margin:0 0 10px; color:var(--muted); font-size:14px; max-width:
 .legend-key { display:inline-flex; gap:18px; flex-wrap:wrap; font-size:13px; color:var(--muted); margin-bottom:4px; }
 .swatch { display:inline-block; width:12px; height:12px; border-radius:50%; margin-right:5px; vertical-align:-1px; }
 .empty { color:var(--muted); font-style:italic; padding:20px 0; }
+p.caption { color:var(--muted); font-size:13px; margin:8px 0 0; max-width:980px; }
+table.records td.wrap { white-space:normal; }
 table.records { border-collapse:collapse; width:100%; font-size:13px; font-variant-numeric:tabular-nums; }
 table.records th, table.records td { padding:4px 8px; border-bottom:1px solid var(--line); text-align:right;
                                      white-space:nowrap; }
@@ -282,6 +293,58 @@ def _measured_runs_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def _sensitivity_body(sweep: BandwidthSweep, views: list) -> str:
+    """System key, the figure, and per model the bandwidth where each CIERA variant stops paying."""
+    systems = [s for s in SYSTEMS if any(s in view.lines for view in views)]
+    # One row per model: the full CIERA's statement in words, its variants in a few words each.
+    rows = []
+    for view, results in break_even_rows(views):
+        if not results:
+            continue
+        primary = next(
+            (s for s in ("ciera", "ciera-er-bsc", "ciera-er") if s in results), next(iter(results))
+        )
+        others = "; ".join(
+            f'<span style="color:{system_colour(s)};font-weight:600">{html.escape(system_label(s))}</span>: '
+            f"{html.escape(result.short)}"
+            for s, result in results.items()
+            if s != primary
+        )
+        rows.append(
+            f'<tr class="projected"><td class="text">{html.escape(view.model)}</td>'
+            f'<td class="text">{html.escape(view.dtype)}</td><td>{view.gpus}</td>'
+            f'<td class="text wrap"><span style="color:{system_colour(primary)};font-weight:600">'
+            f"{html.escape(system_label(primary))}</span> {html.escape(results[primary].text)}</td>"
+            f'<td class="text wrap">{others or "—"}</td></tr>'
+        )
+    headers = (
+        ("model", "text"),
+        ("dtype", "text"),
+        ("GPUs", ""),
+        ("where the speedup over ZeRO-3 falls to 1.0 or below", "text"),
+        ("the other CIERA variants", "text"),
+    )
+    head = "".join(f'<th class="{css}">{name}</th>' for name, css in headers)
+    table = (
+        '<table class="records" id="sensitivity-table">'
+        f"<thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+        if rows
+        else '<p class="empty">The sweep holds no CIERA records, so no break-even bandwidth is stated.</p>'
+    )
+    reference = (
+        f"The dotted vertical line is this cluster's own β, {sweep.reference_Bps / 1e9:.3g} GB/s "
+        f"({html.escape(sweep.reference_note)}); the other sections were simulated there. "
+        if sweep.reference_Bps is not None
+        else (f"{html.escape(sweep.reference_note)}. " if sweep.reference_note else "")
+    )
+    caption = (
+        f'<p class="caption">{reference}{html.escape(sweep.scope_note)} Every point is a simulated '
+        "projection at a set bandwidth, not a measurement. The crossing is interpolated between the two "
+        "swept bandwidths around it (linear in speedup over log bandwidth).</p>"
+    )
+    return _system_key(systems) + _plot_div("fig-sensitivity") + table + caption
+
+
 def _provenance_banner(records: list[dict[str, Any]], bundle: TraceBundle | None) -> str:
     measured = sum(is_measured_point(r) for r in records)
     analytic = sum(provenance_label(r) == "analytic projection" for r in records)
@@ -314,11 +377,15 @@ def build_report(
     cluster: str | None = None,
     bundle_path: str | None = None,
     timeline_caption: str | None = None,
+    sensitivity: BandwidthSweep | None = None,
+    sensitivity_missing: str | None = None,
 ) -> str:
     """One self-contained HTML document (plotly.js inlined once, no network access) for these records.
 
     `records` follow the ciera.simulate/1 contract (validated here too, so API callers get the same
     checks as files); `timeline_events` are Chrome-trace events, complete ('X') ones are drawn.
+    `sensitivity` is a link bandwidth sweep (report.sensitivity); without one the section says why
+    (`sensitivity_missing`, or that none was given) and how to make one.
     """
     records = [validate_record(record, "<records>", index) for index, record in enumerate(records)]
     timeline_events = validate_timeline(list(timeline_events), "<timeline>")
@@ -333,6 +400,23 @@ def build_report(
         figures["fig-breakdown"] = breakdown_figure(records)
     if timeline_events:
         figures["fig-timeline"] = timeline_figure(timeline_events)
+    sensitivity_views = []
+    if sensitivity is not None:
+        sensitivity = validate_sweep_records(sensitivity)
+        sensitivity_views = sweep_views(sensitivity)
+    if sensitivity_views:
+        reference_label = (
+            f"this cluster's β {sensitivity.reference_Bps / 1e9:.3g} GB/s: {sensitivity.reference_note}"
+            if sensitivity.reference_Bps is not None
+            else ""
+        )
+        figures["fig-sensitivity"] = sensitivity_figure(
+            sensitivity_views,
+            BANDWIDTH_KEYS[sensitivity.key],
+            [p.bandwidth_Bps for p in sensitivity.points if not p.is_reference],
+            sensitivity.reference_Bps,
+            reference_label,
+        )
     has_exponents = bundle is not None and len(bundle.exponents) > 0
     if has_exponents:
         figures["fig-exponents"] = exponent_figure(bundle.exponents, bundle.runs)
@@ -357,6 +441,23 @@ def build_report(
             (_system_key([s for s in systems_present if s != "zero3"]) + _plot_div("fig-speedup"))
             if records
             else no_records,
+        ),
+        section(
+            "sensitivity",
+            "Speedup vs link bandwidth",
+            "Every projection rests on the cluster's link numbers. Here the simulation is repeated at several "
+            "inter-node bandwidths, the rest of the cluster unchanged, to show where CIERA stops paying: its "
+            "gain comes from moving fewer bytes, so it shrinks as the link gets faster and the gathers hide "
+            "behind compute. One line per system, speedup over ZeRO-3 at the same bandwidth; the grey line "
+            "at 1.0 is no gain. With several models, the dropdown picks one.",
+            _sensitivity_body(sensitivity, sensitivity_views)
+            if sensitivity is not None and sensitivity_views
+            else '<p class="empty">'
+            + html.escape(sensitivity_missing or "No link bandwidth sensitivity data was given.")
+            + " Make one with <code>"
+            + html.escape(sweep_command(records))
+            + "</code> and pass it with <code>ciera report --records … --sensitivity sweep.json</code>; "
+            "<code>ciera report</code> without <code>--records</code> simulates one itself.</p>",
         ),
         section(
             "breakdown",
@@ -428,6 +529,7 @@ def build_report(
         f'<a href="#{anchor}">{name}</a>'
         for anchor, name in (
             ("speedup", "Speedup"),
+            ("sensitivity", "Bandwidth"),
             ("breakdown", "Breakdown"),
             ("timeline", "Timeline"),
             ("exponents", "Exponent churn"),

@@ -33,7 +33,7 @@ OPTIONAL_NUMBER_FIELDS = (
 )
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
@@ -139,7 +139,7 @@ def validate_records(document: object, origin: str) -> list[dict[str, Any]]:
 def load_records(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Records of a `ciera simulate --json` file, and the document's other top-level fields (metadata)."""
     path = Path(path)
-    document = _read_json(path)
+    document = read_json(path)
     records = validate_records(document, str(path))
     metadata = {key: value for key, value in document.items() if key not in ("schema", "records")}
     return records, metadata
@@ -210,7 +210,7 @@ def validate_timeline(document: object, origin: str) -> list[dict[str, Any]]:
 
 def load_timeline(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     path = Path(path)
-    return validate_timeline(_read_json(path), str(path))
+    return validate_timeline(read_json(path), str(path))
 
 
 def write_text_atomically(path: str | os.PathLike[str], text: str) -> Path:

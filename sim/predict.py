@@ -8,12 +8,17 @@ that were (sim/replay.py). The model, and nothing fitted to the configuration be
   hops stay as measured.
 - **Depth.** Replayed iteration times of the seen depths of (cluster, system) are fitted as a + b·L and
   evaluated at the target depth (the blocks are identical).
-- **Compute** stays as measured on the seen runs: a target whose ranks share the CPU differently (more
-  ranks per core) is predicted as if they did not — the validation shows what that misses.
+- **Cores.** Ranks that share a host's cores run their main thread (compute, optimizer, codec) slower by
+  max(1, ranks on the host / host cores): synchronous data-parallel ranks compute at the same time. Ranks
+  share a host when the capture says so (`versions.clock = "shared"`: every rank of the run on one host,
+  as in the emulated cluster), else `gpus_per_node` of them do; the cores are `versions.host_cpus`. The
+  seen run's main-thread durations are scaled by the target's factor over the seen run's. Where a run does
+  not record its host's cores they are not scaled, and the prediction says so.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +27,7 @@ import pandas as pd
 import traces
 
 from .errors import SimInputError
-from .replay import build_rank_graph, evaluate
+from .replay import MAIN_THREAD_STREAMS, build_rank_graph, evaluate
 
 _RING_FACTOR_STREAMS = {"allgather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
 
@@ -83,6 +88,20 @@ class Prediction:
     basis: str  # what it was predicted from
 
 
+def core_sharing(run: pd.Series) -> float | None:
+    """How much slower a rank's main thread runs because ranks share the host's cores: max(1, ranks on the
+    host / its cores); None when the run does not record its host's cores."""
+    try:
+        versions = json.loads(run["versions"]) if isinstance(run["versions"], str) else {}
+    except (json.JSONDecodeError, KeyError):
+        versions = {}
+    cores = versions.get("host_cpus")
+    if not isinstance(cores, int) or cores < 1:
+        return None
+    ranks_on_host = int(run["world_size"]) if versions.get("clock") == "shared" else int(run["gpus_per_node"])
+    return max(1.0, ranks_on_host / cores)
+
+
 def _collective_shift(ordered: pd.DataFrame, anchor: pd.Series, target: pd.Series, sweeps) -> np.ndarray:
     """Per event: what its collective costs more (or less) on the target cluster than on the anchor's."""
     streams = ordered["stream"].to_numpy(dtype=object)
@@ -104,17 +123,23 @@ def _collective_shift(ordered: pd.DataFrame, anchor: pd.Series, target: pd.Serie
 
 
 def _replayed_median(
-    events: pd.DataFrame, anchor: pd.Series, target: pd.Series, sweeps=(None, None)
+    events: pd.DataFrame,
+    anchor: pd.Series,
+    target: pd.Series,
+    sweeps=(None, None),
+    main_thread_scale: float = 1.0,
 ) -> float:
     """Median over iterations of the replayed iteration time of `anchor`'s events moved to `target`'s
-    cluster (by the two clusters' measured sweeps when both have one, else by their measured link rates)."""
+    cluster (by the two clusters' measured sweeps when both have one, else by their measured link rates),
+    with main-thread durations scaled by `main_thread_scale` (core sharing)."""
     times = []
     for _, per_iteration in events.groupby("iteration", sort=True):
         last_end = 0.0
         for _, per_rank in per_iteration.groupby("rank", sort=True):
             ordered = per_rank.sort_values(["start_s", "end_s"], kind="stable")
             graph = build_rank_graph(ordered)
-            durations = graph.duration_s + (
+            scale = np.where(np.isin(graph.stream, MAIN_THREAD_STREAMS), main_thread_scale, 1.0)
+            durations = graph.duration_s * scale + (
                 _collective_shift(ordered, anchor, target, sweeps)
                 if anchor.cluster != target.cluster
                 else 0.0
@@ -150,12 +175,21 @@ def predict_iteration_s(
     by_run = dict(tuple(seen.events[seen.events["run_id"].isin(anchors["run_id"])].groupby("run_id")))
     target_sweep = SweepModel.for_cluster(collectives, target)
     depths, times, link_basis = [], [], "sweeps"
+    target_sharing, unscaled = core_sharing(target), False
     for anchor in anchors.itertuples():
-        anchor_sweep = SweepModel.for_cluster(collectives, pd.Series(anchor._asdict()))
+        anchor_row = pd.Series(anchor._asdict())
+        anchor_sweep = SweepModel.for_cluster(collectives, anchor_row)
         if anchor_sweep is None or target_sweep is None:
             link_basis = "link rates"
+        anchor_sharing = core_sharing(anchor_row)
+        if anchor_sharing is None or target_sharing is None:
+            scale, unscaled = 1.0, True
+        else:
+            scale = target_sharing / anchor_sharing
         depths.append(int(anchor.layers))
-        times.append(_replayed_median(by_run[anchor.run_id], anchor, target, (anchor_sweep, target_sweep)))
+        times.append(
+            _replayed_median(by_run[anchor.run_id], anchor, target, (anchor_sweep, target_sweep), scale)
+        )
     depths_a, times_a = np.array(depths, dtype=float), np.array(times)
     if int(target["layers"]) in depths:
         value = float(times_a[depths.index(int(target["layers"]))])
@@ -169,4 +203,10 @@ def predict_iteration_s(
         basis = f"replay of {cluster} at L={depths[0]}, scaled by depth"
     if cluster != target["cluster"]:
         basis += f", collectives moved to {target['cluster']} by the measured {link_basis}"
+        if unscaled:
+            basis += "; host cores not recorded, main-thread times not scaled for core sharing"
+        elif target_sharing != core_sharing(anchors.iloc[0]):
+            basis += (
+                f", main-thread times × {target_sharing / core_sharing(anchors.iloc[0]):.2g} (core sharing)"
+            )
     return Prediction(value, basis)

@@ -104,6 +104,19 @@ def sim_command(
         f"{document['held_out_max_abs_error'] * 100:.1f} % (target <= {2 * tolerance * 100:.0f} %); by what was "
         f"held out: {categories}. {'PASSED' if document['passed'] else 'FAILED'}"
     )
+    noise = document["measurement_noise"]
+    line = (
+        ""
+        if noise["depth_line_residual_mean"] is None
+        else f"; a line a + b·L fitted to all measured depths of a (cluster, system), in sample, misses its "
+        f"own points by mean {noise['depth_line_residual_mean'] * 100:.1f} %, max "
+        f"{noise['depth_line_residual_max'] * 100:.1f} %"
+    )
+    console.print(
+        f"measurement noise (no model involved): the {noise['timed_iterations_per_run']}+ timed iterations "
+        f"of a run differ by mean {noise['iteration_spread_mean'] * 100:.1f} %, max "
+        f"{noise['iteration_spread_max'] * 100:.1f} % (max − min over median){line}"
+    )
     if json_path is not None:
         write_json_atomic(document, json_path, "--json")
     if not document["passed"]:

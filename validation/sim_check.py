@@ -75,6 +75,30 @@ def _category(run: pd.Series, seen_runs: pd.DataFrame) -> str:
     return "depth"
 
 
+def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -> dict[str, Any]:
+    """How repeatable the measurements are, independent of any model: the spread of a run's timed
+    iterations ((max − min) / median), and how far a line a + b·L fitted to *all* measured depths of one
+    (cluster, system) — in sample, the best any depth-linear model can do — misses its own points."""
+    times = bundle.iterations[bundle.iterations["run_id"].isin(measured_runs["run_id"])]
+    per_run = times.groupby("run_id")["iteration_s"].agg(["median", "min", "max", "size"])
+    spread = (per_run["max"] - per_run["min"]) / per_run["median"]
+    timed = measured_runs.join(per_run, on="run_id", how="inner")
+    residuals: list[float] = []
+    for _, group in timed.groupby(["cluster", "system"]):
+        if group["layers"].nunique() < 3:  # a line through two points has no residual to speak of
+            continue
+        depths, medians = group["layers"].to_numpy(dtype=float), group["median"].to_numpy()
+        slope, intercept = np.polyfit(depths, medians, 1)
+        residuals += list(np.abs((intercept + slope * depths) / medians - 1.0))
+    return {
+        "timed_iterations_per_run": int(per_run["size"].min()) if len(per_run) else 0,
+        "iteration_spread_mean": float(spread.mean()) if len(spread) else 0.0,
+        "iteration_spread_max": float(spread.max()) if len(spread) else 0.0,
+        "depth_line_residual_mean": float(np.mean(residuals)) if residuals else None,
+        "depth_line_residual_max": float(np.max(residuals)) if residuals else None,
+    }
+
+
 def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float) -> dict[str, Any]:
     measured_runs = bundle.runs[
         (bundle.runs["source"] == "measured") & bundle.runs["run_id"].isin(set(bundle.events["run_id"]))
@@ -159,6 +183,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
         "held_out_mean_abs_error": float(held_errors.mean()),
         "held_out_max_abs_error": float(held_errors.max()),
         "held_out_mean_abs_error_by_category": by_category,
+        "measurement_noise": measurement_noise(bundle, measured_runs),
     }
     document["passed"] = bool(
         document["replay_max_abs_error"] <= 0.02

@@ -99,3 +99,58 @@ def test_cli_writes_the_json_and_exits_by_the_verdict(tmp_path: Path, document: 
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --tolerance 2.0")
+
+
+def test_ranks_sharing_cores_scale_the_main_thread_and_a_missing_core_count_is_said(document: dict) -> None:
+    import dataclasses
+
+    import pandas as pd
+
+    from sim.predict import core_sharing, predict_iteration_s
+
+    def run(clock: str | None, cpus: int | None, world: int = 4, per_node: int = 2) -> pd.Series:
+        versions = {k: v for k, v in (("clock", clock), ("host_cpus", cpus)) if v is not None}
+        return pd.Series({"versions": json.dumps(versions), "world_size": world, "gpus_per_node": per_node})
+
+    assert core_sharing(run("shared", 2)) == 2.0  # 4 ranks of one host on 2 cores
+    assert core_sharing(run("shared", 8)) == 1.0  # never faster than one core per rank
+    assert core_sharing(run(None, 1)) == 2.0  # one host per node: gpus_per_node ranks share it
+    assert core_sharing(run("shared", None)) is None
+    topology = [row for row in document["held_out"] if row["category"] == "topology"]
+    assert all("× 2 (core sharing)" in row["basis"] for row in topology)
+
+    bundle = traces.read_bundle(traces.measured_bundle_path())
+    unrecorded = bundle.runs.assign(versions=bundle.runs["versions"].str.replace('"host_cpus": 2', '"x": 0'))
+    stripped = dataclasses.replace(bundle, runs=unrecorded)
+    seen = stripped.runs[stripped.runs["cluster"] == "emulated-2x1-1gbit"]
+    target = stripped.runs[
+        (stripped.runs["cluster"] == "emulated-2x2-1gbit") & (stripped.runs["layers"] == 2)
+    ]
+    prediction = predict_iteration_s(
+        dataclasses.replace(stripped, runs=seen), target[target["system"] == "zero3"].iloc[0]
+    )
+    assert "host cores not recorded, main-thread times not scaled" in prediction.basis
+
+
+def test_measurement_noise_is_computed_from_the_measurements_alone() -> None:
+    import dataclasses
+
+    import pandas as pd
+
+    from validation.sim_check import measurement_noise
+
+    bundle = traces.read_bundle(traces.measured_bundle_path())
+    runs = bundle.runs[bundle.runs["cluster"] == "emulated-2x1-1gbit"].copy()
+    runs = runs[runs["system"] == "fsdp"]
+    # Exactly linear in depth, with iterations 1.0 and 1.2 of the line's value: spread 0.2 / 1.1.
+    iterations = pd.DataFrame(
+        [
+            {"run_id": r.run_id, "iteration": i, "iteration_s": (0.1 + 0.05 * r.layers) * factor}
+            for r in runs.itertuples()
+            for i, factor in enumerate((1.0, 1.2))
+        ]
+    )
+    noise = measurement_noise(dataclasses.replace(bundle, iterations=iterations), runs)
+    assert noise["timed_iterations_per_run"] == 2
+    assert noise["iteration_spread_mean"] == pytest.approx(0.2 / 1.1)
+    assert noise["depth_line_residual_max"] == pytest.approx(0.0, abs=1e-9)

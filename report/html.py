@@ -296,7 +296,8 @@ def _measured_runs_table(rows: list[dict[str, Any]]) -> str:
 def _sensitivity_body(sweep: BandwidthSweep, views: list) -> str:
     """System key, the figure, and per model the bandwidth where each CIERA variant stops paying."""
     systems = [s for s in SYSTEMS if any(s in view.lines for view in views)]
-    # One row per model: the full CIERA's statement in words, its variants in a few words each.
+    # One row per model: the full CIERA's statement in words, its variants in a few words each. Plain
+    # rows: the measured/projected row classes belong to the records tables.
     rows = []
     for view, results in break_even_rows(views):
         if not results:
@@ -311,7 +312,7 @@ def _sensitivity_body(sweep: BandwidthSweep, views: list) -> str:
             if s != primary
         )
         rows.append(
-            f'<tr class="projected"><td class="text">{html.escape(view.model)}</td>'
+            f'<tr><td class="text">{html.escape(view.model)}</td>'
             f'<td class="text">{html.escape(view.dtype)}</td><td>{view.gpus}</td>'
             f'<td class="text wrap"><span style="color:{system_colour(primary)};font-weight:600">'
             f"{html.escape(system_label(primary))}</span> {html.escape(results[primary].text)}</td>"

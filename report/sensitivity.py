@@ -374,7 +374,8 @@ def simulate_bandwidth_sweep(
         reference_note=how,
         scope_note=scope,
     )
-    return sweep, f"{len(points)} bandwidths × {len(models)} models at W={world_size}, {dtype}"
+    plural = "s" if len(models) != 1 else ""
+    return sweep, f"{len(points)} bandwidths × {len(models)} model{plural} at W={world_size}, {dtype}"
 
 
 # -------------------------------------------------------------------------------------------- views

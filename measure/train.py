@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 
 ENGINES = ("zero3", "fsdp")
+LOSSY_GATHERS = ("none", "once", "every")
 
 
 class TrainError(ValueError):
@@ -69,6 +70,16 @@ class TrainConfig:
     # Fault injection, for testing what a dying rank does to the others: (rank, step) — that rank's
     # process exits without a word when it reaches that step.
     exit_rank_at: tuple[int, int] | None = None
+    # Arms of `ciera validate lossless / divergence` (measure.arms): what differs from the plain run.
+    init_seed: int | None = None  # weights drawn from this seed (None: `seed`); the data order stays `seed`'s
+    nudge_ulp: bool = False  # before step 0, one router weight moved by one BF16 ULP (the gathered precision)
+    lossy_gather: str = "none"  # none | once (one shard of step 0's first gather) | every: int8-quantised
+    record_state: bool = False  # after every step, SHA-256 of every parameter and optimizer state (rank 0)
+    snapshot_dir: str | None = None  # where rank 0 saves the full state after the steps in snapshot_steps
+    snapshot_steps: tuple[int, ...] = ()  # counted in completed steps (1 = after the first step)
+    # Where rank 0 saves the weights as the engine computes with them (BF16), after these completed steps
+    # (0: before the first step), as params-{step}.pt in snapshot_dir.
+    parameter_snapshot_steps: tuple[int, ...] = ()
 
     def check(self) -> None:
         """One-line TrainError for what cannot be run."""
@@ -90,6 +101,14 @@ class TrainConfig:
             raise TrainError("--save-at and --resume need --checkpoint-dir")
         if self.save_at is not None and not 1 <= self.save_at <= self.steps:
             raise TrainError(f"save_at is {self.save_at}: expected a step in 1..{self.steps}")
+        if self.lossy_gather not in LOSSY_GATHERS:
+            raise TrainError(
+                f"lossy_gather is {self.lossy_gather!r}: expected one of {', '.join(LOSSY_GATHERS)}"
+            )
+        if self.lossy_gather != "none" and self.ciera:
+            raise TrainError("a lossy gather arm runs the plain engine: CIERA must be off (--ciera off)")
+        if (self.snapshot_steps or self.parameter_snapshot_steps) and not self.snapshot_dir:
+            raise TrainError("snapshot steps need snapshot_dir")
         if self.exponent_stats and self.exponent_warmup_steps >= self.steps:
             raise TrainError(
                 f"--exponent-stats leaves out the first {self.exponent_warmup_steps} steps as warm-up: "
@@ -116,6 +135,9 @@ class RankResult:
     ciera: dict | None = None
     threads: int = 0
     exponent_rates: list[dict | None] | None = None  # per step: {category: rates}
+    state_names: list[str] | None = None  # the tensors state_digests cover, in order
+    state_digests: list[dict] | None = None  # per step: {"step", "all": sha256, "tensors": [8-hex each]}
+    nudged: dict | None = None  # which weight the ULP nudge moved, and from/to
 
 
 # ---------------------------------------------------------------------------------------- byte counting
@@ -195,8 +217,13 @@ def _ds_config(cfg: TrainConfig) -> dict:
     }
 
 
+OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
 class _EngineRun:
     """One training step as the capture times it: forward, backward, optimizer step (each engine says how)."""
+
+    nudged: dict | None = None  # what the ULP nudge arm changed before wrapping (measure.arms)
 
     def step(self, inputs, targets):
         loss = self.forward(inputs, targets)
@@ -261,6 +288,20 @@ class _Zero3Run(_EngineRun):
         for name, param in module.named_parameters():
             with deepspeed.zero.GatheredParameters([param]):
                 out.append((name, param.detach().clone()))
+        return out
+
+    def full_state(self) -> list:
+        """(name, full fp32 tensor) of every parameter's master copy and Adam state (collective: every rank
+        calls it; DeepSpeed assembles the partitions)."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        out = []
+        for name, param in self.engine.module.named_parameters():
+            out.append((name, safe_get_full_fp32_param(param)))
+            for key in OPTIMIZER_STATE_KEYS:
+                state = safe_get_full_optimizer_state(param, key)
+                if state is not None:
+                    out.append((f"{name}:{key}", state))
         return out
 
     def engines(self) -> list:
@@ -344,6 +385,17 @@ class _FsdpRun(_EngineRun):
     def full_parameters(self):
         return [(name, param.full_tensor()) for name, param in self.model.named_parameters()]
 
+    def full_state(self) -> list:
+        """(name, full tensor) of every parameter (fp32) and its Adam state (collective)."""
+        out = []
+        for name, param in self.model.named_parameters():
+            out.append((name, param.full_tensor()))
+            state = self.optimizer.state.get(param, {})
+            for key in OPTIMIZER_STATE_KEYS:
+                if key in state:
+                    out.append((f"{name}:{key}", state[key].full_tensor()))
+        return out
+
     def engines(self) -> list:
         return [] if self.ciera is None else list(self.ciera.engines.values())
 
@@ -367,6 +419,7 @@ def start_run(cfg: TrainConfig, world_size: int):
     (`run.forward`, `run.backward`, `run.optimizer_step`, `run.engines()`, `run.schedule_config()`)."""
     import torch
 
+    from .arms import nudge_one_weight
     from .zoo import build_model, parameter_categories
 
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
@@ -375,11 +428,13 @@ def start_run(cfg: TrainConfig, world_size: int):
         cfg.model,
         cfg.layers,
         cfg.width_scale,
-        cfg.seed,
+        cfg.seed if cfg.init_seed is None else cfg.init_seed,
         activation_checkpointing=cfg.activation_checkpointing,
     )
+    nudged = nudge_one_weight(model) if cfg.nudge_ulp else None
     categories = parameter_categories(model)
     run = (_Zero3Run if cfg.engine == "zero3" else _FsdpRun)(cfg, model, categories)
+    run.nudged = nudged
     return model, categories, run, threads
 
 
@@ -388,12 +443,16 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
     import torch
     import torch.distributed as dist
 
+    from .arms import LossyGather, save_state, state_digest
     from .corpus import batch
 
+    lossy = LossyGather.installed(cfg.lossy_gather, rank)  # before the engines keep references to the gather
     counter = AllGatherCounter.installed()
     model, categories, run, threads = start_run(cfg, world_size)
     start_step = run.load(cfg.checkpoint_dir) if cfg.resume else 0
-    result = RankResult(rank, threads=threads)
+    result = RankResult(rank, threads=threads, nudged=run.nudged)
+    if cfg.record_state:
+        result.state_digests = []
     tracker = None
     if cfg.exponent_stats:
         from .exponents import ExponentTracker
@@ -402,6 +461,14 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
         tracker.update(run.full_parameters())  # the weights before the first step
         result.exponent_rates = []
     per_rank = cfg.global_batch // world_size
+
+    def snapshot_parameters(completed: int) -> None:
+        if completed in cfg.parameter_snapshot_steps:
+            weights = [(name, tensor.to(torch.bfloat16)) for name, tensor in run.full_parameters()]
+            if rank == 0:  # full_parameters is collective: every rank gathers, rank 0 writes
+                save_state(weights, Path(cfg.snapshot_dir) / f"params-{completed}.pt")
+
+    snapshot_parameters(start_step)
     for step in range(start_step, cfg.steps):
         if cfg.exit_rank_at == (rank, step):
             os._exit(17)  # a crash: no exception, no cleanup, no message
@@ -410,7 +477,8 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
         targets = targets[rank * per_rank : (rank + 1) * per_rank]
         sent_before, ciera_before = counter.bytes_sent, _ciera_bytes(run.engines())
         start_s = time.perf_counter()
-        loss = run.step(inputs, targets)
+        with lossy.during_step(step):
+            loss = run.step(inputs, targets)
         step_s = time.perf_counter() - start_s
         sent = counter.bytes_sent - sent_before
         ciera_sent, ciera_raw = (
@@ -432,6 +500,16 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
             raise TrainError(f"loss is {mean_loss} at step {step}: training stopped")
         if tracker is not None:
             result.exponent_rates.append(tracker.update(run.full_parameters()))
+        if cfg.record_state or step + 1 in cfg.snapshot_steps:
+            state = run.full_state()  # collective: every rank assembles, rank 0 keeps
+            if rank == 0 and cfg.record_state:
+                names, digest = state_digest(state)
+                result.state_names = names
+                result.state_digests.append({"step": step + 1, **digest})
+            if rank == 0 and step + 1 in cfg.snapshot_steps:
+                save_state(state, Path(cfg.snapshot_dir) / f"state-{step + 1}.pt")
+            del state
+        snapshot_parameters(step + 1)
         if cfg.save_at is not None and step + 1 == cfg.save_at:
             run.save(cfg.checkpoint_dir, step + 1)
     result.gathers_per_parameter = run.gathers_per_parameter()
@@ -464,6 +542,13 @@ def _init_group(rank: int, world_size: int, cfg: TrainConfig) -> None:
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig, queue) -> None:
+    import warnings
+
+    # DeepSpeed calls torch.distributed APIs that torch 2.13 deprecates, and the warning repeats at every
+    # step on every rank; nothing a user of this command can act on.
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     # What torchrun / the deepspeed launcher would set (DeepSpeed asserts LOCAL_RANK).
@@ -639,6 +724,9 @@ def summarize(cfg: TrainConfig, ranks: list[dict]) -> dict:
         "threads_per_rank": rank0["threads"],
         "ciera": rank0["ciera"],
         "exponent_stats": _exponent_summary(cfg, rank0),
+        "nudged": rank0.get("nudged"),
+        "state_names": rank0.get("state_names"),
+        "state_digests": rank0.get("state_digests"),
     }
 
 

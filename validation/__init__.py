@@ -4,6 +4,10 @@
   seen runs are replayed from their events and every other measured run is predicted (`sim.predict`)
   and compared with its measurement (`validate_sim`, `load_held_out`, `ValidationInputError`).
 
-Not built yet: bit-exact training checks over long runs and router divergence (`ciera validate lossless`,
-`ciera validate divergence`).
+- `validation.lossless`: `ciera validate lossless` — the engine + CIERA (checkpointed and resumed) against
+  the plain engine, every parameter and optimizer state compared at every step, and a lossy control that
+  must be flagged (`run_lossless`, `LosslessPlan`).
+- `validation.divergence`: `ciera validate divergence` — how far CIERA, a 1-ULP nudge, int8 weight gathers
+  and another seed move a top-k MoE's predictions and routing from a reference run (`run_divergence`,
+  `DivergencePlan`, `compare_outputs`).
 """

@@ -20,6 +20,12 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValidationInputError,)
 app = typer.Typer(help="Check the simulator against measurements it was not given.", no_args_is_help=True)
 
 
+def _out() -> Console:
+    """The console for tables: its own width on a terminal, 140 columns into a file or pipe."""
+    console = Console()
+    return console if console.is_terminal else Console(width=140)
+
+
 @app.command("sim")
 def sim_command(
     bundle: Annotated[
@@ -121,6 +127,220 @@ def sim_command(
         write_json_atomic(document, json_path, "--json")
     if not document["passed"]:
         raise typer.Exit(1)
+
+
+@app.command("lossless")
+def lossless_command(
+    engine: Annotated[
+        str, typer.Option("--engine", help="zero3 (DeepSpeed ZeRO-3) or fsdp (FSDP2).")
+    ] = "zero3",
+    steps: Annotated[
+        int, typer.Option("--steps", help="Training steps per arm (the CIERA arm resumes at half).")
+    ] = 20,
+    world_size: Annotated[int, typer.Option("--world-size", help="Local gloo ranks.")] = 2,
+    model: Annotated[str, typer.Option("--model", help="Zoo model.")] = "small-moe",
+    layers: Annotated[int, typer.Option("--layers", help="Blocks of the model (0: all).")] = 2,
+    seed: Annotated[int, typer.Option("--seed", help="Weights and data order.")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write every number as JSON.")] = None,
+) -> None:
+    """Train with the engine + CIERA (checkpointed and resumed half-way) and with the plain engine from the
+    same seed and data; compare the loss and every parameter and optimizer state at every step. A control
+    arm with one int8-quantised gather must be flagged. Exit 1 unless bit-identical and flagged."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from measure.train import ENGINES, TrainError
+
+    from .lossless import LosslessPlan, run_lossless
+
+    if engine not in ENGINES:
+        raise ValidationInputError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if steps < 2:
+        raise ValidationInputError(f"--steps {steps}: expected at least 2 (the CIERA arm resumes half-way)")
+    if layers < 0:
+        raise ValidationInputError(f"--layers {layers}: expected a block count >= 0 (0: all)")
+    if json_path is not None:
+        from sim.simulate import check_output_path
+
+        check_output_path(json_path, "--json")
+    plan = LosslessPlan(
+        engine=engine, steps=steps, world_size=world_size, model=model, layers=layers or None, seed=seed
+    )
+    _check_train_options(plan)
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("[bold]lossless"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(), console=console,
+    ) as progress:  # fmt: skip
+        task = progress.add_task("arms", total=None, status="starting the reference arm")
+
+        def on_progress(status: str, done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total, status=status)
+
+        try:
+            document = run_lossless(plan, on_progress)
+        except TrainError as error:
+            raise ValidationInputError(str(error)) from None
+    table = Table(
+        title=f"lossless: {engine} + CIERA against {engine}, {world_size} ranks", box=box.SIMPLE_HEAD
+    )
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    control = document["control"]
+    rows = [
+        ("steps compared (every step: loss bits, SHA-256 of every tensor)", str(document["steps_compared"])),
+        ("tensors compared per step (parameters + Adam states)", str(document["tensors_compared"])),
+        ("checkpoint and restart with CIERA after step", str(document["resume_at"])),
+        ("steps whose loss differs", str(document["steps_with_different_loss"])),
+        ("steps whose state differs", str(document["steps_with_different_state"])),
+        ("max |difference| (state at steps " + ", ".join(document["max_abs_difference_at_snapshots"]) + "; loss every step)",
+         f"{document['max_abs_difference']:.3g}"),
+        ("all-gather bytes raw → on the wire (rank 0, all steps)",
+         f"{document['bytes_raw']:,} → {document['bytes_sent']:,}"),
+        ("bytes saved", f"{document['bytes_saved_fraction'] * 100:.1f} %"),
+        (f"control ({control['steps']} steps, one int8 gather): flagged", "yes" if control["flagged"] else "NO"),
+        ("control: first differing step, tensors differing", f"{control['first_difference_step']}, "
+         f"{control['first_difference_tensor_count']}"),
+        ("control: max |difference| of the state, of the loss",
+         f"{control['max_abs_difference']:.3g}, {control['max_abs_loss_difference']:.3g}"),
+    ]  # fmt: skip
+    for name, value in rows:
+        table.add_row(name, value)
+    _out().print(table)
+    verdict = "PASSED" if document["passed"] else "FAILED"
+    reasons = []
+    if not document["bit_identical"]:
+        reasons.append(
+            f"CIERA differs first at step {document['first_difference_step']} "
+            f"({', '.join(document['first_difference_tensors'][:3])})"
+        )
+    if not control["flagged"]:
+        reasons.append("the lossy control was not flagged")
+    Console().print(
+        f"{verdict}" + (": " + "; ".join(reasons) if reasons else ": bit-identical, control flagged")
+    )
+    if json_path is not None:
+        from sim import write_json_atomic
+
+        write_json_atomic(document, json_path, "--json")
+    if not document["passed"]:
+        raise typer.Exit(1)
+
+
+@app.command("divergence")
+def divergence_command(
+    engine: Annotated[
+        str, typer.Option("--engine", help="zero3 (DeepSpeed ZeRO-3) or fsdp (FSDP2).")
+    ] = "zero3",
+    steps: Annotated[int, typer.Option("--steps", help="Training steps per arm.")] = 200,
+    checkpoints: Annotated[
+        int, typer.Option("--checkpoints", help="Evaluations after step 0, evenly spaced.")
+    ] = 4,
+    world_size: Annotated[int, typer.Option("--world-size", help="Local gloo ranks.")] = 2,
+    model: Annotated[str, typer.Option("--model", help="Zoo model (a top-k MoE).")] = "small-moe",
+    layers: Annotated[
+        int, typer.Option("--layers", help="Blocks of the model (0: all; small-moe has 6).")
+    ] = 0,
+    held_out_sequences: Annotated[
+        int, typer.Option("--held-out-sequences", help="Held-out windows of 64 tokens evaluated.")
+    ] = 64,
+    seed: Annotated[int, typer.Option("--seed", help="Reference weights and every arm's data order.")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write every number as JSON.")] = None,
+) -> None:
+    """Train a reference and four arms (CIERA, a 1-ULP nudge, int8 weight gathers, another seed) on the same
+    data; at each checkpoint compare each arm's next-token distributions and routing decisions with the
+    reference's on held-out tokens."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from measure.train import ENGINES, TrainError
+
+    from .divergence import DivergencePlan, run_divergence
+
+    if engine not in ENGINES:
+        raise ValidationInputError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    for name, value, least in (("--steps", steps, 1), ("--checkpoints", checkpoints, 1),
+                               ("--held-out-sequences", held_out_sequences, 1), ("--layers", layers, 0)):  # fmt: skip
+        if value < least:
+            raise ValidationInputError(f"{name} {value}: expected an integer >= {least}")
+    if json_path is not None:
+        from sim.simulate import check_output_path
+
+        check_output_path(json_path, "--json")
+    plan = DivergencePlan(
+        engine=engine, steps=steps, checkpoints=checkpoints, world_size=world_size, model=model,
+        layers=layers or None, seed=seed, other_seed=seed + 1, held_out_sequences=held_out_sequences,
+    )  # fmt: skip
+    _check_train_options(plan)
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("[bold]divergence"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(), console=console,
+    ) as progress:  # fmt: skip
+        task = progress.add_task("arms", total=None, status="starting the reference arm")
+
+        def on_progress(status: str, done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total, status=status)
+
+        try:
+            document = run_divergence(plan, on_progress)
+        except TrainError as error:
+            raise ValidationInputError(str(error)) from None
+    table = Table(
+        title=f"divergence from the reference ({engine}, {model}, {document['held_out_tokens']:,} held-out "
+        "tokens); × seed: as a fraction of the other-seed arm",
+        box=box.SIMPLE_HEAD,
+    )
+    for column in ("arm", "step", "KL", "× seed", "top-1 agree", "routing differs", "× seed", "near-ties",
+                   "flip AUC"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "arm" else "right")
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3g}"
+
+    for arm in document["arms"]:
+        for point in arm["points"]:
+            table.add_row(
+                arm["name"], str(point["step"]), f"{point['kl']:.3g}", ratio(point["kl_vs_seed"]),
+                f"{point['top1_agreement'] * 100:.2f} %", f"{point['routing_differ'] * 100:.2f} %",
+                ratio(point["routing_differ_vs_seed"]), f"{point['near_tie_share'] * 100:.1f} %",
+                ratio(point["flip_margin_auc"]),
+            )  # fmt: skip
+    _out().print(table)
+    if document["nudged"]:
+        nudged = document["nudged"]
+        Console().print(
+            f"ulp arm: {nudged['parameter']}[{nudged['index']}] {nudged['from']!r} → {nudged['to']!r}",
+            markup=False,
+        )
+    ciera = next(arm for arm in document["arms"] if arm["name"] == "ciera")
+    exact = all(
+        p["kl"] == 0 and p["routing_differ"] == 0 and p["top1_agreement"] == 1 for p in ciera["points"]
+    )
+    Console().print(
+        "ciera: identical to the reference at every checkpoint (KL 0, no routing difference)"
+        if exact
+        else "ciera: DIFFERS from the reference — a losslessness bug; run `ciera validate lossless`"
+    )
+    if json_path is not None:
+        from sim import write_json_atomic
+
+        write_json_atomic(document, json_path, "--json")
+    if not exact:
+        raise typer.Exit(1)
+
+
+def _check_train_options(plan) -> None:  # noqa: ANN001 — a LosslessPlan or DivergencePlan
+    """Every one-line error the training harness would give, before any rank starts."""
+    from measure.train import TrainConfig, TrainError, validate
+
+    try:
+        validate(
+            TrainConfig(
+                model=plan.model, engine=plan.engine, world_size=plan.world_size, steps=plan.steps,
+                layers=plan.layers, seed=plan.seed,
+            )
+        )  # fmt: skip
+    except (TrainError, ValueError) as error:
+        raise ValidationInputError(str(error).splitlines()[0]) from None
 
 
 def register(parent: typer.Typer) -> None:

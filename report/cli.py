@@ -28,6 +28,7 @@ from .sensitivity import (
     reference_from_records,
     simulate_bandwidth_sweep,
 )
+from .validation import load_validation, split_paths
 
 # TraceError: a bad --bundle is reported the same way when the report is driven on its own.
 USER_ERRORS: tuple[type[BaseException], ...] = (ReportInputError, TraceError)
@@ -209,6 +210,14 @@ def report_command(
             "for the speedup-vs-bandwidth section (without it, and without --records, the report simulates one).",
         ),
     ] = None,
+    validation_paths: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--validation",
+            help="JSON from `ciera validate lossless|divergence|sim --json` (repeatable or comma-separated; "
+            "each recognised by its schema) for the Validation section.",
+        ),
+    ] = None,
     title: Annotated[str, typer.Option("--title", help="Report title.")] = DEFAULT_TITLE,
 ) -> None:
     """Write one self-contained HTML report (plotly inlined, works offline)."""
@@ -233,6 +242,7 @@ def report_command(
         timeline_events = load_timeline(timeline_path) if timeline_path is not None else []
     # Read before any simulation: a bad file fails in a moment, not after the sweep.
     sensitivity = load_sensitivity(sensitivity_path) if sensitivity_path is not None else None
+    validation = load_validation(split_paths(validation_paths))
     resolved_bundle_path = (resolve_bundle(bundle_path) if bundle_path else None) or (
         Path(metadata["bundle"]) if records_path and metadata.get("bundle") else None
     )
@@ -261,6 +271,14 @@ def report_command(
         sensitivity_missing = "--records was given without --sensitivity: no link bandwidth sensitivity data."
         console.print(f"note: {sensitivity_missing}", markup=False, highlight=False)
 
+    if validation.missing_kinds:
+        missing = ", ".join(validation.missing_kinds)
+        console.print(
+            f"note: no {missing} validation JSON given (--validation); the Validation section says which "
+            f"command makes {'it' if len(validation.missing_kinds) == 1 else 'each'}",
+            markup=False,
+            highlight=False,
+        )
     document = build_report(
         records,
         timeline_events,
@@ -270,6 +288,7 @@ def report_command(
         bundle_path=str(resolved_bundle_path) if resolved_bundle_path is not None else None,
         sensitivity=sensitivity,
         sensitivity_missing=sensitivity_missing,
+        validation=validation,
     )
     write_text_atomically(html_path, document)
     elapsed_s = time.perf_counter() - started_s

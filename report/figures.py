@@ -855,3 +855,188 @@ def sensitivity_figure(
         }
     )
     return {"data": data, "layout": layout}
+
+
+# ------------------------------------------------------------------------------------------ divergence
+
+# Arms of `ciera validate divergence`: label and colour. The seed arm is the yardstick, drawn as a thick
+# dashed reference line; CIERA keeps the red every other plot gives it.
+DIVERGENCE_ARMS = {
+    "ciera": ("CIERA (lossless)", SYSTEM_COLOURS["ciera"]),
+    "ulp": ("1-ULP nudge of one router weight", "#ff7f0e"),
+    "int8": ("int8 weight gathers (lossy)", SYSTEM_COLOURS["zeropp"]),
+    "seed": ("another seed: as different as a new seed", "#111827"),
+    "reference": ("the reference run (plain engine)", "#4c78a8"),
+}
+ZERO_BAND_DOMAIN = (0.0, 0.1)  # the "= 0" strip under a log axis
+LOG_DOMAIN = (0.2, 1.0)
+
+
+def divergence_arm_label(name: str) -> str:
+    return DIVERGENCE_ARMS.get(name, (name, ""))[0]
+
+
+def divergence_arm_colour(name: str) -> str:
+    return DIVERGENCE_ARMS.get(name, ("", "#6b7280"))[1] or "#6b7280"
+
+
+def _arm_line(name: str) -> dict[str, Any]:
+    if name == "seed":
+        return {"color": divergence_arm_colour(name), "width": 3, "dash": "dash"}
+    return {"color": divergence_arm_colour(name), "width": 2.5 if name == "ciera" else 2}
+
+
+def _small_layout(height_px: int = 320) -> dict[str, Any]:
+    """A figure of a grid cell: its title is the HTML above it (it wraps; an SVG title would run under the
+    mode bar at narrow widths), so the top margin only holds the mode bar."""
+    layout = _base_layout(height_px)
+    layout.update(
+        {
+            "margin": {"l": 72, "r": 16, "t": 30, "b": 52},
+            "showlegend": False,  # one colour key above the figures serves all of them
+            "hovermode": "closest",
+        }
+    )
+    return layout
+
+
+def _log_ticks(values: Iterable[float]) -> dict[str, Any]:
+    """A log axis labelled at powers of ten only, at most about six of them (minor labels such as '2'
+    and '5' collide with the powers' superscripts in a short axis)."""
+    positive = [v for v in values if v > 0]
+    if not positive:
+        return {}
+    low, high = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)))
+    high = max(high, low + 1)
+    step = max(1, math.ceil((high - low) / 5))
+    return {
+        "range": [low - 0.15, high + 0.15],
+        "autorange": False,
+        "tickmode": "array",
+        "tickvals": [10.0**e for e in range(low, high + 1, step)],
+        "ticktext": [f"10<sup>{e}</sup>" if e != 0 else "1" for e in range(low, high + 1, step)],
+    }
+
+
+def _step_axis(steps: Sequence[int], **extra: Any) -> dict[str, Any]:
+    return _axis("training step", tickvals=list(steps), **extra)
+
+
+def divergence_log_figure(
+    arms: Sequence[dict[str, Any]], metric: str, axis_title: str, value_format: str
+) -> Figure:
+    """One line per arm over the checkpoints on a log y axis, and under it an "= 0" strip: a log axis has
+    no 0, so every point that is exactly 0 (CIERA's, by design) is drawn there as a marker, never dropped.
+    Negative values (KL rounding a hair below 0) are drawn in the strip too, their value in the hover."""
+    data: list[dict[str, Any]] = []
+    steps: list[int] = []
+    for arm in arms:
+        name = arm["name"]
+        x = [point["step"] for point in arm["points"]]
+        values = [point[metric] for point in arm["points"]]
+        steps = sorted({*steps, *x})
+        label = divergence_arm_label(name)
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": label,
+                "legendgroup": name,
+                "x": x,
+                "y": [v if v > 0 else None for v in values],
+                "line": _arm_line(name),
+                "marker": {"color": divergence_arm_colour(name), "size": 7},
+                "connectgaps": False,
+                "hovertemplate": f"<b>{label}</b> · step %{{x}}<br>{axis_title}: %{{y:{value_format}}}<extra></extra>",
+            }
+        )
+        zeros = [(s, v) for s, v in zip(x, values, strict=True) if v <= 0]
+        if zeros:
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines+markers",
+                    "name": f"{label}: = 0",
+                    "legendgroup": name,
+                    "x": [s if v <= 0 else None for s, v in zip(x, values, strict=True)],
+                    "y": [0 if v <= 0 else None for v in values],
+                    "customdata": [v for v in values],
+                    "line": {**_arm_line(name), "width": 1.5},
+                    "marker": {"color": divergence_arm_colour(name), "size": 9, "symbol": "diamond"},
+                    "connectgaps": False,
+                    "yaxis": "y2",
+                    "hovertemplate": f"<b>{label}</b> · step %{{x}}<br>{axis_title}: exactly %{{customdata}}"
+                    "<extra></extra>",
+                }
+            )
+    layout = _small_layout()
+    all_values = [point[metric] for arm in arms for point in arm["points"]]
+    layout.update(
+        {
+            "xaxis": _step_axis(steps, anchor="y2"),
+            "yaxis": _axis(
+                axis_title, type="log", domain=list(LOG_DOMAIN), anchor="x", **_log_ticks(all_values)
+            ),
+            "yaxis2": _axis(
+                "",
+                domain=list(ZERO_BAND_DOMAIN),
+                range=[-1, 1],
+                tickvals=[0],
+                ticktext=["= 0"],
+                showgrid=False,
+                zeroline=False,
+                fixedrange=True,
+                anchor="x",
+            ),
+        }
+    )
+    return {"data": data, "layout": layout}
+
+
+def divergence_share_figure(
+    arms: Sequence[dict[str, Any]],
+    metric: str,
+    axis_title: str,
+    y_range: Sequence[float] | None = None,
+    reference_line: tuple[float, str] | None = None,
+) -> Figure:
+    """One line per arm over the checkpoints on a linear axis in percent; null values are gaps."""
+    data: list[dict[str, Any]] = []
+    steps: list[int] = []
+    for arm in arms:
+        name = arm["name"]
+        x = [point["step"] for point in arm["points"]]
+        steps = sorted({*steps, *x})
+        label = divergence_arm_label(name)
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": label,
+                "x": x,
+                "y": [point[metric] for point in arm["points"]],
+                "line": _arm_line(name),
+                "marker": {"color": divergence_arm_colour(name), "size": 7},
+                "connectgaps": False,
+                "hovertemplate": f"<b>{label}</b> · step %{{x}}<br>{axis_title}: %{{y:.4~%}}<extra></extra>",
+            }
+        )
+    if reference_line is not None and steps:
+        value, name = reference_line
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "name": name,
+                "x": [steps[0], steps[-1]],
+                "y": [value, value],
+                "line": {"color": "#6b7280", "width": 1.5, "dash": "dot"},
+                "hovertemplate": f"{name}<extra></extra>",
+            }
+        )
+    layout = _small_layout()
+    y_axis = _axis(axis_title, tickformat=".0%", rangemode="tozero")
+    if y_range is not None:
+        y_axis.update({"range": list(y_range), "autorange": False})
+    layout.update({"xaxis": _step_axis(steps), "yaxis": y_axis})
+    return {"data": data, "layout": layout}

@@ -7,12 +7,18 @@ import json
 import math
 from collections.abc import Sequence
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from traces import TraceBundle
 
 from .figures import (
+    Figure,
     breakdown_figure,
+    divergence_arm_colour,
+    divergence_arm_label,
+    divergence_log_figure,
+    divergence_share_figure,
     exponent_figure,
     sensitivity_figure,
     speedup_figure,
@@ -28,6 +34,18 @@ from .sensitivity import (
     sweep_command,
     sweep_views,
     validate_sweep_records,
+)
+from .validation import (
+    PRODUCERS,
+    REPLAY_TARGET,
+    SEED_ARM,
+    ValidationFile,
+    ValidationResults,
+    auc_undefined_reason,
+    exactly_zero,
+    producing_command,
+    sim_category_rows,
+    validate_results,
 )
 
 PLOT_CLASS = "ciera-plot"
@@ -74,6 +92,19 @@ table.records tr.measured td.source { color:#047857; font-weight:600; }
 .table-tools { margin:6px 0 10px; font-size:14px; }
 .table-tools input { padding:5px 8px; width:340px; border:1px solid #cbd5e1; border-radius:4px; font:inherit; }
 .table-scroll { max-height:640px; overflow:auto; border:1px solid var(--line); border-radius:4px; }
+section h3 { margin:18px 0 4px; font-size:16px; }
+.verdict-passed { color:#047857; font-weight:700; }
+.verdict-failed { color:#b91c1c; font-weight:700; }
+code.command { display:block; margin:4px 0 8px; padding:6px 10px; background:#f3f4f6; border-radius:4px;
+               font-size:12.5px; white-space:pre-wrap; overflow-wrap:anywhere; }
+.figure-grid { display:grid; grid-template-columns:repeat(auto-fit, minmax(420px, 1fr)); gap:12px 18px; }
+.figure-grid > div { min-width:0; }
+.figure-title { font-size:14px; font-weight:600; margin:6px 0 0 8px; }
+table.validation th { white-space:normal; vertical-align:bottom; }
+.line-swatch { display:inline-block; width:22px; height:0; border-top:3px solid; margin-right:6px;
+               vertical-align:4px; }
+.table-wide { overflow-x:auto; margin:6px 0; }
+table.validation td:first-child { white-space:normal; text-align:left; }
 footer { color:var(--muted); font-size:12px; text-align:center; padding:10px 0 30px; }
 """
 
@@ -346,6 +377,347 @@ def _sensitivity_body(sweep: BandwidthSweep, views: list) -> str:
     return _system_key(systems) + _plot_div("fig-sensitivity") + table + caption
 
 
+# ------------------------------------------------------------------------------------------ validation
+
+
+def _verdict(passed: bool) -> str:
+    return (
+        f'<span class="verdict-{"passed" if passed else "failed"}">{"PASSED" if passed else "FAILED"}</span>'
+    )
+
+
+def _command_line(result: ValidationFile) -> str:
+    return (
+        f'<p class="caption">Read from <code>{html.escape(result.origin)}</code>; the run\'s own fields '
+        "give the equivalent command:</p>"
+        f'<code class="command">{html.escape(producing_command(result))}</code>'
+    )
+
+
+def _validation_table(table_id: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain table (cells already escaped); the first column is text, the rest right-aligned."""
+    head = "".join(
+        f'<th class="{"text" if i == 0 else ""}">{html.escape(name)}</th>' for i, name in enumerate(headers)
+    )
+    body = "".join(
+        "<tr>"
+        + "".join(f'<td class="{"text" if i == 0 else ""}">{cell}</td>' for i, cell in enumerate(row))
+        + "</tr>"
+        for row in rows
+    )
+    return (
+        f'<div class="table-wide"><table class="records validation" id="{table_id}">'
+        f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    )
+
+
+def _lossless_verdict_text(d: dict[str, Any]) -> str:
+    reasons = []
+    if not d["bit_identical"]:
+        first = ", ".join(d["first_difference_tensors"][:3])
+        reasons.append(
+            f"CIERA differs first at step {d['first_difference_step']}" + (f" ({first})" if first else "")
+        )
+    if not d["control"]["flagged"]:
+        reasons.append("the lossy control was not flagged")
+    return "; ".join(reasons) if reasons else "bit-identical at every step, and the lossy control flagged"
+
+
+def _lossless_block(results: list[ValidationFile]) -> str:
+    """One column per file: every number the command prints, in its words."""
+    docs = [r.document for r in results]
+
+    def row(name: str, value: Any) -> list[str]:
+        return [html.escape(name), *(str(value(d)) for d in docs)]
+
+    def mb(value: int) -> str:
+        return f"{value / 1e6:,.1f} MB"
+
+    rows = [
+        row(
+            "engine, model, ranks",
+            lambda d: html.escape(
+                f"{d['engine']} + CIERA vs {d['engine']}, {d['model']}, {d['world_size']} ranks"
+            ),
+        ),
+        row("steps compared (every step: loss bits, SHA-256 of every tensor)", lambda d: d["steps_compared"]),
+        row("tensors compared per step (parameters + Adam states)", lambda d: d["tensors_compared"]),
+        row("checkpointed and resumed with CIERA after step", lambda d: d["resume_at"]),
+        row("steps whose loss differs", lambda d: d["steps_with_different_loss"]),
+        row("steps whose state differs", lambda d: d["steps_with_different_state"]),
+        row(
+            "max |difference| (state at the snapshot steps, loss at every step)",
+            lambda d: (
+                f"{d['max_abs_difference']:.3g} (steps {', '.join(d['max_abs_difference_at_snapshots']) or '—'})"
+            ),
+        ),
+        row(
+            "all-gather bytes raw → on the wire (rank 0, all steps)",
+            lambda d: f"{mb(d['bytes_raw'])} → {mb(d['bytes_sent'])}",
+        ),
+        row("bytes saved", lambda d: f"<b>{d['bytes_saved_fraction'] * 100:.1f} %</b>"),
+        row(
+            "control (plain engine, one int8-quantised gather): flagged",
+            lambda d: f"{'yes' if d['control']['flagged'] else '<b>NO</b>'} ({d['control']['steps']} steps)",
+        ),
+        row(
+            "control: first differing step, tensors differing",
+            lambda d: (
+                f"{'—' if d['control']['first_difference_step'] is None else d['control']['first_difference_step']}, "
+                f"{d['control']['first_difference_tensor_count']}"
+            ),
+        ),
+        row(
+            "control: max |difference| of the state, of the loss",
+            lambda d: (
+                f"{d['control']['max_abs_difference']:.3g}, {d['control']['max_abs_loss_difference']:.3g}"
+            ),
+        ),
+        row("verdict", lambda d: f"{_verdict(d['passed'])}: {html.escape(_lossless_verdict_text(d))}"),
+    ]
+    headers = ["", *(f"{d['engine']} · {Path(r.origin).name}" for d, r in zip(docs, results, strict=True))]
+    intro = (
+        '<p class="caption">Measured, not simulated: the plain engine and the engine + CIERA were trained on '
+        "local CPU ranks (gloo) of the machine that ran the command, from the same seed and data order; the "
+        "CIERA run was checkpointed half-way and resumed in new processes. Every step compares the loss bits "
+        "and a SHA-256 of every parameter and Adam state; at the snapshot steps the values themselves. CIERA "
+        "passes when nothing differs and a control with one lossy gather is flagged.</p>"
+    )
+    commands = "".join(_command_line(r) for r in results)
+    passed = all(d["passed"] for d in docs)
+    return (
+        f"<h3>Lossless: bit for bit against the plain engine — {_verdict(passed)}</h3>"
+        + intro
+        + _validation_table("validation-lossless-table", headers, rows)
+        + commands
+    )
+
+
+def _fraction(value: float | None) -> str:
+    return "— (seed level is 0)" if value is None else ("0" if value == 0 else f"{value:.3g}")
+
+
+def _divergence_block(index: int, result: ValidationFile) -> tuple[str, dict[str, Figure]]:
+    d = result.document
+    arms = list(d["arms"])
+    prefix = f"fig-divergence-{index}"
+    titles = {
+        f"{prefix}-kl": "KL(reference ‖ arm) of the next-token distributions",
+        f"{prefix}-routing": "Routing decisions that differ from the reference's",
+        f"{prefix}-top1": "Top-1 agreement with the reference",
+        f"{prefix}-near-tie": f"Near-ties: the reference's routing decisions with a margin under "
+        f"{d['near_tie_margin'] * 100:g} % of the score spread",
+        f"{prefix}-auc": "Flip-margin AUC: did the flipped decisions have small margins?",
+    }
+    figures = {
+        f"{prefix}-kl": divergence_log_figure(arms, "kl", "KL (nats per token)", ".3g"),
+        f"{prefix}-routing": divergence_log_figure(arms, "routing_differ", "share of decisions", ".3~%"),
+        f"{prefix}-top1": divergence_share_figure(
+            arms, "top1_agreement", "tokens with the same top-1", [0, 1.04]
+        ),
+        f"{prefix}-near-tie": divergence_share_figure(
+            [{"name": "reference", "points": arms[0]["points"]}], "near_tie_share", "share of decisions"
+        ),
+        f"{prefix}-auc": divergence_share_figure(
+            [arm for arm in arms if auc_undefined_reason(arm) is None],
+            "flip_margin_auc",
+            "AUC",
+            [0, 1.04],
+            (0.5, "0.5: flips unrelated to the margin"),
+        ),
+    }
+    key = "".join(
+        f'<span><span class="line-swatch" style="border-color:{divergence_arm_colour(arm["name"])};'
+        f'border-top-style:{"dashed" if arm["name"] == SEED_ARM else "solid"}"></span>'
+        f"{html.escape(divergence_arm_label(arm['name']))}</span>"
+        for arm in arms
+    )
+    # Exact zeros, said in words too: the log axes draw them only on their "= 0" strip.
+    notes = []
+    for arm in arms:
+        zero_metrics = [m for m in ("kl", "routing_differ") if exactly_zero(arm, m)]
+        label = divergence_arm_label(arm["name"])
+        if len(zero_metrics) == 2:
+            top1 = (
+                " and top-1 agreement 100 %" if all(p["top1_agreement"] == 1 for p in arm["points"]) else ""
+            )
+            notes.append(
+                f"<b>{html.escape(label)}: exactly 0 at every checkpoint</b> (KL and routing decisions that "
+                f"differ{top1}) — drawn as diamonds on the “= 0” strip."
+            )
+        else:
+            for metric, name in (("kl", "KL"), ("routing_differ", "routing decisions that differ")):
+                zero_steps = [str(p["step"]) for p in arm["points"] if p[metric] <= 0]
+                if zero_steps and metric in zero_metrics:
+                    notes.append(f"{html.escape(label)}: {name} exactly 0 at every checkpoint.")
+                elif zero_steps:
+                    notes.append(
+                        f"{html.escape(label)}: {name} exactly 0 at step{'s' if len(zero_steps) > 1 else ''} "
+                        f"{', '.join(zero_steps)}."
+                    )
+    undefined = [
+        f"{html.escape(divergence_arm_label(arm['name']))} ({reason})"
+        for arm in arms
+        if (reason := auc_undefined_reason(arm)) is not None
+    ]
+    if undefined:
+        notes.append(
+            "Flip-margin AUC not defined (it needs both flipped and kept decisions) for "
+            + "; ".join(undefined)
+            + "."
+        )
+    nudged = d.get("nudged")
+    if isinstance(nudged, dict) and {"parameter", "from", "to"} <= set(nudged):
+        notes.append(
+            f"The 1-ULP arm moved <code>{html.escape(str(nudged['parameter']))}</code>"
+            f"[{html.escape(str(nudged.get('index', '')))}] from {nudged['from']:.8g} to {nudged['to']:.8g} "
+            "before step 0."
+        )
+    last_rows = []
+    for arm in arms:
+        point = arm["points"][-1]
+        auc = point["flip_margin_auc"]
+        last_rows.append(
+            [
+                f'<span style="color:{divergence_arm_colour(arm["name"])};font-weight:600">'
+                f"{html.escape(divergence_arm_label(arm['name']))}</span>",
+                f"{point['kl']:.3g}",
+                _fraction(point["kl_vs_seed"]),
+                f"{point['routing_differ'] * 100:.3g} %",
+                _fraction(point["routing_differ_vs_seed"]),
+                f"{point['top1_agreement'] * 100:.4g} %",
+                _fraction(point["top1_disagreement_vs_seed"]),
+                "—" if auc is None else f"{auc:.3f}",
+            ]
+        )
+    table = _validation_table(
+        f"validation-divergence-table-{index}",
+        [
+            f"arm, at step {arms[0]['points'][-1]['step']}",
+            "KL",
+            "KL ÷ seed's",
+            "routing differ",
+            "÷ seed's",
+            "top-1 agreement",
+            "top-1 disagreement ÷ seed's",
+            "flip AUC",
+        ],
+        last_rows,
+    )
+    checkpoints = ", ".join(map(str, d["checkpoints"]))
+    blocks = "" if d["layers"] is None else f" with {d['layers']} blocks"
+    intro = (
+        f'<p class="caption">Measured, not simulated: a reference run ({html.escape(str(d.get("reference") or "the plain engine"))}, '
+        f"seed {d['seed']}) and one run per arm were trained for {d['steps']} steps on local CPU ranks (gloo) "
+        f"of the machine that ran the command, {html.escape(d['engine'])}, {html.escape(d['model'])}"
+        f"{blocks}, {d['world_size']} ranks, learning rate "
+        f"{d['lr']:g}. At each checkpoint (steps {checkpoints}) each arm and the reference ran on the same "
+        f"{d['held_out_tokens']:,} held-out tokens and were compared. The seed arm (weights from seed "
+        f"{d['other_seed']}) is the yardstick, drawn dashed: “as different as a new seed”. A lossless gather "
+        "stays at exactly 0; a 1-ULP nudge shows how far chaos alone carries a run.</p>"
+    )
+    plots = "".join(
+        f'<div><div class="figure-title">{html.escape(titles[figure_id])}</div>{_plot_div(figure_id)}</div>'
+        for figure_id in figures
+    )
+    body = (
+        f"<h3>Divergence from the reference run — {html.escape(d['model'])}, {html.escape(d['engine'])}, "
+        f"{d['steps']} steps</h3>"
+        + intro
+        + f'<div class="legend-key">{key}</div>'
+        + f'<div class="figure-grid">{plots}</div>'
+        + "".join(f'<p class="caption">{note}</p>' for note in notes)
+        + '<p class="caption">The near-tie share belongs to the reference run (a decision whose margin to '
+        "the next expert is small), so it is drawn once; the flip-margin AUC is the chance that a flipped "
+        "decision had a smaller reference margin than a kept one (1.0: only the closest calls flipped). "
+        "Under the log axes, points at exactly 0 sit on the “= 0” strip, since a log axis has no 0.</p>"
+        + '<p class="caption">At the last checkpoint, each metric as a fraction of the seed arm\'s: 1 is '
+        "“as different as a new seed”, 0 is identical.</p>" + table + _command_line(result)
+    )
+    return body, figures
+
+
+def _sim_block(index: int, result: ValidationFile) -> str:
+    d = result.document
+    rows = []
+    for row in sim_category_rows(d):
+        verdict = "—" if row.passed is None else _verdict(row.passed)
+        target = f"≤ {row.mean_target * 100:g} %" + (
+            "" if row.max_target is None else f" mean, ≤ {row.max_target * 100:g} % max"
+        )
+        span = (
+            "—"
+            if row.low_error is None or row.high_error is None
+            else f"{row.low_error * 100:+.1f} … {row.high_error * 100:+.1f} %"
+        )
+        rows.append(
+            [
+                html.escape(row.name),
+                str(row.runs),
+                "—" if row.mean_abs_error is None else f"{row.mean_abs_error * 100:.1f} %",
+                "—" if row.max_abs_error is None else f"{row.max_abs_error * 100:.1f} %",
+                span,
+                target,
+                verdict,
+            ]
+        )
+    noise = d["measurement_noise"]
+    depth_line = (
+        ""
+        if noise["depth_line_residual_mean"] is None
+        else f" A line a + b·L fitted to all measured depths of a (cluster, system) — in sample, the best a "
+        f"depth-linear model can do — misses its own points by {noise['depth_line_residual_mean'] * 100:.1f} % "
+        f"on average, {noise['depth_line_residual_max'] * 100:.1f} % at most."
+    )
+    return (
+        f"<h3>Simulator against measured runs it was not given — {_verdict(d['passed'])}</h3>"
+        '<p class="caption">Each held-out measured run is predicted from the seen runs '
+        f"(held-out file <code>{html.escape(d['held_out_file'])}</code>), and the seen runs are replayed. "
+        f"It passes when the replay is within {REPLAY_TARGET * 100:g} %, the held-out mean |error| within "
+        f"the tolerance ({d['tolerance'] * 100:g} %) and the maximum within twice it; each category is shown "
+        "against the same targets.</p>"
+        + _validation_table(
+            f"validation-sim-table-{index}",
+            ["what was held out", "runs", "mean |error|", "max |error|", "range", "target", "result"],
+            rows,
+        )
+        + '<p class="caption">Measurement noise, from the measurements alone (no model): the '
+        f"{noise['timed_iterations_per_run']} timed iterations of a run differ by "
+        f"{noise['iteration_spread_mean'] * 100:.1f} % on average and up to "
+        f"{noise['iteration_spread_max'] * 100:.1f} % (max − min over median).{depth_line}</p>"
+        + _command_line(result)
+        + '<p class="caption">The file does not record which bundle was checked; without '
+        "<code>--bundle</code> it is the shipped measured bundle.</p>"
+    )
+
+
+def _validation_body(results: ValidationResults | None) -> tuple[str, dict[str, Figure]]:
+    """The section's HTML and its figures: lossless, divergence and validate-sim blocks for the files
+    given, and for each kind not given, the command that makes it."""
+    results = results or ValidationResults()
+    figures: dict[str, Figure] = {}
+    blocks = []
+    lossless = results.of_kind("lossless")
+    if lossless:
+        blocks.append(_lossless_block(lossless))
+    for index, result in enumerate(results.of_kind("divergence")):
+        body, block_figures = _divergence_block(index, result)
+        blocks.append(body)
+        figures.update(block_figures)
+    for index, result in enumerate(results.of_kind("sim")):
+        blocks.append(_sim_block(index, result))
+    missing = results.missing_kinds
+    if missing:
+        commands = "; ".join(f"{kind}: <code>{html.escape(PRODUCERS[kind])}</code>" for kind in missing)
+        lead = "No validation results were given." if not results.files else "Not given:"
+        blocks.append(
+            f'<p class="empty">{lead} They come from training runs and measured traces, not from the '
+            f"simulator. Make them with {commands}; then pass the files with "
+            "<code>ciera report --validation FILE[,FILE…]</code>.</p>"
+        )
+    return "".join(blocks), figures
+
+
 def _provenance_banner(records: list[dict[str, Any]], bundle: TraceBundle | None) -> str:
     measured = sum(is_measured_point(r) for r in records)
     analytic = sum(provenance_label(r) == "analytic projection" for r in records)
@@ -380,13 +752,16 @@ def build_report(
     timeline_caption: str | None = None,
     sensitivity: BandwidthSweep | None = None,
     sensitivity_missing: str | None = None,
+    validation: ValidationResults | None = None,
 ) -> str:
     """One self-contained HTML document (plotly.js inlined once, no network access) for these records.
 
     `records` follow the ciera.simulate/1 contract (validated here too, so API callers get the same
     checks as files); `timeline_events` are Chrome-trace events, complete ('X') ones are drawn.
     `sensitivity` is a link bandwidth sweep (report.sensitivity); without one the section says why
-    (`sensitivity_missing`, or that none was given) and how to make one.
+    (`sensitivity_missing`, or that none was given) and how to make one. `validation` holds what
+    `ciera validate lossless/divergence/sim --json` wrote (report.validation.load_validation); the
+    Validation section names the commands for whatever it lacks.
     """
     records = [validate_record(record, "<records>", index) for index, record in enumerate(records)]
     timeline_events = validate_timeline(list(timeline_events), "<timeline>")
@@ -423,6 +798,10 @@ def build_report(
         figures["fig-exponents"] = exponent_figure(bundle.exponents, bundle.runs)
 
     measured_rows = measured_run_rows(bundle) if bundle is not None else []
+    if validation is not None:
+        validation = validate_results(validation)
+    validation_html, validation_figures = _validation_body(validation)
+    figures.update(validation_figures)
 
     def section(anchor: str, heading: str, lede: str, body: str) -> str:
         return f'<section id="{anchor}"><h2>{heading}</h2><p class="lede">{lede}</p>{body}</section>'
@@ -509,6 +888,17 @@ def build_report(
             else []
         ),
         section(
+            "validation",
+            "Validation",
+            "Checks of the method itself rather than projections of its speed: that CIERA's gathers change "
+            "nothing (lossless), how far other kinds of gather push a top-k MoE off its path compared with "
+            "a new seed (divergence), and how well the simulator predicts measured runs it was not given. "
+            "The lossless and divergence numbers are measured: real training on local CPU ranks (gloo) of "
+            "the machine that ran the command shown under each; the simulator check compares its predictions "
+            "with the measured bundle's runs.",
+            validation_html,
+        ),
+        section(
             "records",
             "All records",
             "Every simulated (model, dtype, GPUs, system) point. Speedups are ratios of p50 iteration times; "
@@ -535,6 +925,7 @@ def build_report(
             ("timeline", "Timeline"),
             ("exponents", "Exponent churn"),
             *([("measured", "Measured runs")] if measured_rows else []),
+            ("validation", "Validation"),
             ("records", "Records"),
         )
     )

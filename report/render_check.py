@@ -51,6 +51,58 @@ PLOT_STATUS_EXPRESSION = """JSON.stringify((function () {
           height: document.documentElement.scrollHeight};
 })())"""
 
+# Layout problems inside one element (`check_render(layout_selector=...)`): plot divs that overlap each
+# other or stick out of it, text of a plot's SVG (titles, tick labels, annotations) that overlaps other
+# text or leaves its plot, HTML that runs past the element's right edge, and tables that need scrolling.
+LAYOUT_CHECK_EXPRESSION = """JSON.stringify((function (selector) {
+  const root = document.querySelector(selector);
+  if (!root) return ['no element matches ' + selector];
+  const problems = [];
+  const box = function (el) { return el.getBoundingClientRect(); };
+  const hit = function (a, b) {
+    return a.left + 1 < b.right && b.left + 1 < a.right && a.top + 1 < b.bottom && b.top + 1 < a.bottom;
+  };
+  const shown = function (el) {
+    const style = getComputedStyle(el);
+    const r = box(el);
+    return style.display !== 'none' && style.visibility !== 'hidden' && style.opacity !== '0' &&
+      r.width > 0 && r.height > 0;
+  };
+  const name = function (el) {
+    return (el.id ? '#' + el.id : el.tagName.toLowerCase()) + ' "' + el.textContent.trim().slice(0, 40) + '"';
+  };
+  const outer = box(root);
+  const plots = Array.from(root.querySelectorAll('.ciera-plot'));
+  plots.forEach(function (plot, i) {
+    const r = box(plot);
+    if (r.left < outer.left - 1 || r.right > outer.right + 1) problems.push('#' + plot.id + ' sticks out of ' + selector);
+    plots.slice(i + 1).forEach(function (other) {
+      if (hit(r, box(other))) problems.push('#' + plot.id + ' overlaps #' + other.id);
+    });
+    const texts = Array.from(plot.querySelectorAll('svg.main-svg text')).filter(function (t) {
+      return !t.closest('.hoverlayer') && t.textContent.trim() !== '' && shown(t);
+    });
+    texts.forEach(function (text, j) {
+      const a = box(text);
+      if (a.left < r.left - 1 || a.right > r.right + 1 || a.top < r.top - 1 || a.bottom > r.bottom + 1)
+        problems.push('#' + plot.id + ': text "' + text.textContent.trim().slice(0, 40) + '" leaves the plot');
+      texts.slice(j + 1).forEach(function (other) {
+        if (hit(a, box(other))) problems.push('#' + plot.id + ': text "' + text.textContent.trim().slice(0, 40) +
+          '" overlaps "' + other.textContent.trim().slice(0, 40) + '"');
+      });
+    });
+  });
+  Array.from(root.querySelectorAll('*')).forEach(function (el) {
+    if (el.closest('svg') || el.closest('.ciera-plot') || !shown(el)) return;
+    const scroller = el.parentElement && el.parentElement.closest('.table-wide, .table-scroll');
+    if (scroller && root.contains(scroller)) return;
+    if (box(el).right > outer.right + 1) problems.push(name(el) + ' runs past the right edge of ' + selector);
+    if ((el.classList.contains('table-wide') || el.classList.contains('table-scroll')) &&
+        el.scrollWidth > el.clientWidth + 1) problems.push(name(el) + ' needs horizontal scrolling');
+  });
+  return problems;
+})(SELECTOR))"""
+
 
 class BrowserUnavailable(RuntimeError):
     """No Chromium binary, or it would not start / speak the protocol."""
@@ -62,10 +114,16 @@ class RenderResult:
     plots_expected: int = 0
     plots_rendered: int = 0
     plotly_loaded: bool = False
+    layout_problems: list[str] = field(default_factory=list)  # only when a layout selector was given
 
     @property
     def ok(self) -> bool:
-        return not self.console_errors and self.plotly_loaded and self.plots_rendered == self.plots_expected
+        return (
+            not self.console_errors
+            and not self.layout_problems
+            and self.plotly_loaded
+            and self.plots_rendered == self.plots_expected
+        )
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -73,6 +131,7 @@ class RenderResult:
             "plots_expected": self.plots_expected,
             "plots_rendered": self.plots_rendered,
             "plotly_loaded": self.plotly_loaded,
+            "layout_problems": self.layout_problems,
             "ok": self.ok,
         }
 
@@ -162,13 +221,33 @@ def _console_errors(events: list[dict[str, Any]]) -> list[str]:
     return errors
 
 
+def _evaluate_json(devtools: _DevToolsPipe, session: str, expression: str) -> Any:
+    reply = devtools.call(
+        "Runtime.evaluate", {"expression": expression, "returnByValue": True}, session=session
+    )
+    return json.loads(reply.get("result", {}).get("value") or "null")
+
+
+def _element_box_expression(selector: str) -> str:
+    """The element's page box (document coordinates), for a screenshot clip; null when absent."""
+    return (
+        f"JSON.stringify((function () {{ const el = document.querySelector({json.dumps(selector)}); "
+        "if (!el) return null; const r = el.getBoundingClientRect(); "
+        "return {x: r.left + window.scrollX, y: r.top + window.scrollY, width: r.width, height: r.height}; "
+        "})())"
+    )
+
+
 def check_render(
     html_path: str | os.PathLike[str],
     timeout_s: float = 60.0,
     screenshot_path: str | os.PathLike[str] | None = None,
     window_width_px: int = 1400,
+    layout_selector: str | None = None,
 ) -> RenderResult:
-    """Open the file in headless Chromium, wait for every plot, collect console errors."""
+    """Open the file in headless Chromium, wait for every plot, collect console errors; with
+    `layout_selector` (a CSS selector, e.g. "#validation"), also the layout problems inside that element
+    (LAYOUT_CHECK_EXPRESSION), and the screenshot, if asked for, is of that element only."""
     chromium = find_chromium()
     if chromium is None:
         raise BrowserUnavailable(
@@ -228,6 +307,12 @@ def check_render(
                 if result.plots_rendered >= result.plots_expected or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
+            if layout_selector is not None:
+                result.layout_problems = _evaluate_json(
+                    devtools,
+                    session,
+                    LAYOUT_CHECK_EXPRESSION.replace("SELECTOR", json.dumps(layout_selector)),
+                )
             if screenshot_path is not None:
                 height_px = min(int(status.get("height", 1000)), 16000)
                 devtools.call(
@@ -236,9 +321,12 @@ def check_render(
                     session=session,
                 )
                 time.sleep(1.0)  # plotly's responsive resize runs on the window resize event
-                shot = devtools.call(
-                    "Page.captureScreenshot", {"format": "png"}, session=session, timeout_s=timeout_s
-                )
+                params: dict[str, Any] = {"format": "png"}
+                if layout_selector is not None:
+                    clip = _evaluate_json(devtools, session, _element_box_expression(layout_selector))
+                    if clip:
+                        params["clip"] = {**clip, "scale": 1}
+                shot = devtools.call("Page.captureScreenshot", params, session=session, timeout_s=timeout_s)
                 Path(screenshot_path).write_bytes(base64.b64decode(shot["data"]))
             # Drain events that arrived after the last reply (late errors from deferred rendering).
             devtools.wait_for_event("ciera.never", 0.5)
@@ -269,12 +357,22 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=60.0, help="seconds to wait for the page (default 60)"
     )
     parser.add_argument("--screenshot", type=Path, default=None, help="also save a full-page PNG here")
+    parser.add_argument("--width", type=int, default=1400, help="window width in px (default 1400)")
+    parser.add_argument(
+        "--layout",
+        metavar="SELECTOR",
+        default=None,
+        help="also check the layout inside this element (overlapping plots or text, overflow), e.g. "
+        "'#validation'; the screenshot is then of that element",
+    )
     arguments = parser.parse_args(argv)
     if not arguments.html.is_file():
         print(f"error: {arguments.html}: no such file", file=sys.stderr)
         return 2
     try:
-        result = check_render(arguments.html, arguments.timeout, arguments.screenshot)
+        result = check_render(
+            arguments.html, arguments.timeout, arguments.screenshot, arguments.width, arguments.layout
+        )
     except BrowserUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -158,10 +158,7 @@ def lossless_command(
         raise ValidationInputError(f"--steps {steps}: expected at least 2 (the CIERA arm resumes half-way)")
     if layers < 0:
         raise ValidationInputError(f"--layers {layers}: expected a block count >= 0 (0: all)")
-    if json_path is not None:
-        from sim.simulate import check_output_path
-
-        check_output_path(json_path, "--json")
+    _check_json_path(json_path)
     plan = LosslessPlan(
         engine=engine, steps=steps, world_size=world_size, model=model, layers=layers or None, seed=seed
     )
@@ -261,10 +258,7 @@ def divergence_command(
                                ("--held-out-sequences", held_out_sequences, 1), ("--layers", layers, 0)):  # fmt: skip
         if value < least:
             raise ValidationInputError(f"{name} {value}: expected an integer >= {least}")
-    if json_path is not None:
-        from sim.simulate import check_output_path
-
-        check_output_path(json_path, "--json")
+    _check_json_path(json_path)
     plan = DivergencePlan(
         engine=engine, steps=steps, checkpoints=checkpoints, world_size=world_size, model=model,
         layers=layers or None, seed=seed, other_seed=seed + 1, held_out_sequences=held_out_sequences,
@@ -326,6 +320,17 @@ def divergence_command(
         write_json_atomic(document, json_path, "--json")
     if not exact:
         raise typer.Exit(1)
+
+
+def _check_json_path(path: Path | None) -> None:
+    """Before hours of training: the JSON must be writable where asked, into a directory that exists."""
+    if path is None:
+        return
+    from sim.simulate import check_output_path
+
+    check_output_path(path, "--json")
+    if not path.parent.is_dir():
+        raise ValidationInputError(f"--json {path}: directory {path.parent} does not exist")
 
 
 def _check_train_options(plan) -> None:  # noqa: ANN001 — a LosslessPlan or DivergencePlan

@@ -547,7 +547,13 @@ def _divergence_block(index: int, result: ValidationFile) -> tuple[str, dict[str
             )
         else:
             for metric, name in (("kl", "KL"), ("routing_differ", "routing decisions that differ")):
-                zero_steps = [str(p["step"]) for p in arm["points"] if p[metric] <= 0]
+                zero_steps = [str(p["step"]) for p in arm["points"] if p[metric] == 0]
+                below = [f"{p[metric]:.2g} at step {p['step']}" for p in arm["points"] if p[metric] < 0]
+                if below:  # KL rounded a hair below 0: drawn on the "= 0" strip, so say what it was
+                    notes.append(
+                        f"{html.escape(label)}: {name} below 0 by rounding ({', '.join(below)}), drawn on the "
+                        "“= 0” strip."
+                    )
                 if zero_steps and metric in zero_metrics:
                     notes.append(f"{html.escape(label)}: {name} exactly 0 at every checkpoint.")
                 elif zero_steps:

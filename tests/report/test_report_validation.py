@@ -199,6 +199,21 @@ def test_divergence_figures_draw_ciera_zeros_and_the_seed_reference(tmp_path):
     }
 
 
+def test_kl_rounded_below_zero_is_drawn_on_the_zero_strip_and_said():
+    document = _edit(_sample("divergence"), ["arms", 1, "points", 0, "kl"], -2e-12)
+    page = build_report(
+        [],
+        [],
+        None,
+        "rounding",
+        validation=ValidationResults((ValidationFile("divergence", "<api>", document),)),
+    )
+    kl = {trace["name"]: trace for trace in _figures(page)["fig-divergence-0-kl"]["data"]}
+    assert kl["1-ULP nudge of one router weight: = 0"]["x"] == [0, None, None]
+    assert kl["1-ULP nudge of one router weight"]["y"][0] is None
+    assert "KL below 0 by rounding (-2e-12 at step 0)" in _text(_section(page))
+
+
 def test_without_validation_files_the_section_names_the_commands(monkeypatch, capsys, files):
     code, err = _run(monkeypatch, capsys, "--html", str(files["html"]), "--records", str(files["records"]))
     assert code == 0, err

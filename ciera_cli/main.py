@@ -29,6 +29,30 @@ app = typer.Typer(
     add_completion=False,
 )
 
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"ciera {version('ciera')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            print("ciera (not installed: no version metadata)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """CIERA: lossless exponent-reuse Allgather for sharded MoE training, and its scale-out simulator.
+
+    Start with `ciera models` and `ciera clusters` (what can be simulated), `ciera simulate`, `ciera report`.
+    """
+
+
 _user_errors: list[type[BaseException]] = []
 for _module_name in STAGE_CLI_MODULES:
     _module = importlib.import_module(_module_name)

@@ -84,12 +84,14 @@ def models_command(
         pad_edge=False,
     )
     table.add_column("key", no_wrap=True)
+    table.add_column("short names", no_wrap=True)
     for column in ("L", "E/k", "shared", "H/kv", "params", "active", "scale", "small"):
         table.add_column(column, justify="right", no_wrap=True)
     for record in records:
         small = record["small"]
         table.add_row(
             str(record["key"]),
+            ", ".join(record["aliases"]) or "-",
             str(record["layers"]),
             f"{record['experts']}/{record['top_k']}",
             str(record["shared_expert_intermediate_size"] or "-"),
@@ -99,7 +101,7 @@ def models_command(
             f"1/{small['width_scale']}",
             _count(small["params"]),
         )
-    Console().print(table)
+    (Console() if Console().is_terminal else Console(width=150)).print(table)
 
 
 def write_json(path: Path, document: dict, option: str = "--json") -> None:

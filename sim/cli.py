@@ -54,12 +54,48 @@ def parse_gpus(values: list[str] | None) -> list[int]:
             ) from None
         if number < 2:
             raise SimInputError(f"--gpus: value {part!r}, expected positive integers >= 2, e.g. 4,8,16")
+        if number in gpus:
+            raise SimInputError(f"--gpus: {number} given twice; list each world size once")
         gpus.append(number)
-    return list(dict.fromkeys(gpus))
+    return gpus
 
 
 def _format_speedup(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}×"
+
+
+def _print_summary(records: list[SimRecord], console: Console) -> None:
+    """First what a reader decides on: per model and dtype, CIERA's speedup at each world size, the best
+    system where it is not CIERA, and where CIERA stops paying (the full table follows)."""
+    world_sizes = sorted({r.gpus for r in records})
+    table = Table(
+        title="Summary: speedup over zero3 (p50) — ciera, and the best system where it is not ciera"
+    )
+    for name in ("model", "dtype", *(f"W={w}" for w in world_sizes), "ciera pays at"):
+        table.add_column(name, justify="left" if name in ("model", "dtype", "ciera pays at") else "right")
+    groups: dict[tuple[str, str], dict[int, list[SimRecord]]] = {}
+    for record in records:
+        groups.setdefault((record.model, record.dtype), {}).setdefault(record.gpus, []).append(record)
+    for (model, dtype), by_w in groups.items():
+        cells, paying = [], []
+        for w in world_sizes:
+            candidates = by_w.get(w, [])
+            ciera = next((r for r in candidates if r.system == "ciera"), None)
+            best = max(candidates, key=lambda r: r.speedup_vs_zero3, default=None)
+            cell = "" if ciera is None else f"{ciera.speedup_vs_zero3:.2f}×"
+            if (
+                best is not None
+                and best.system != "ciera"
+                and (ciera is None or best.speedup_vs_zero3 > ciera.speedup_vs_zero3 * 1.005)
+            ):
+                cell += f" ({best.system} {best.speedup_vs_zero3:.2f}×)"
+            cells.append(cell or "-")
+            if ciera is not None and ciera.speedup_vs_zero3 > 1.005:
+                paying.append(str(w))
+        table.add_row(model, dtype, *cells, ",".join(paying) if paying else "nowhere")
+    if any(r.source != "measured" for r in records):
+        table.caption = "from analytic traces: model output, not measurements (the table below marks each row)"
+    console.print(table)
 
 
 def _print_table(records: list[SimRecord], console: Console, notes: list[str]) -> None:
@@ -108,20 +144,34 @@ def simulate_command(
         ),
     ] = None,
     models: Annotated[
-        list[str] | None, typer.Option("--models", help="Models to simulate (comma-separated or repeated).")
+        list[str] | None,
+        typer.Option(
+            "--models",
+            help="Models to simulate, by name or short name, any case (comma-separated or repeated; "
+            "`ciera models` lists them).",
+        ),
     ] = None,
     gpus: Annotated[
         list[str] | None, typer.Option("--gpus", help="World sizes, e.g. 4,8,16,32,64,128 (the default).")
     ] = None,
     systems: Annotated[
         list[str] | None,
-        typer.Option("--systems", help=f"Systems, from {', '.join(SYSTEMS)} (default: all)."),
+        typer.Option(
+            "--systems",
+            help="Systems (default: all): zero3 (DeepSpeed ZeRO-3), fsdp (PyTorch FSDP), zeropp (ZeRO++: int8 "
+            "weights + hpZ, fp16 only), ciera-er (exponent reuse on every shard), ciera-er-bsc (+ benefit-driven "
+            "shard selection), ciera (+ codec off the critical path).",
+        ),
     ] = None,
     dtype: Annotated[
         str | None, typer.Option("--dtype", help="bf16 or fp16 (default: both; zeropp runs in fp16 only).")
     ] = None,
     cluster: Annotated[
-        str, typer.Option("--cluster", help="Cluster preset name or a TOML file path.")
+        str,
+        typer.Option(
+            "--cluster",
+            help="Cluster preset name, a TOML file path, or a measured cluster of the bundle (`ciera clusters`).",
+        ),
     ] = DEFAULT_CLUSTER,
     overrides: Annotated[
         list[str] | None,
@@ -249,7 +299,10 @@ def simulate_command(
     # What the profiles substituted or chose (e.g. no exponent statistics, q assumed) belongs on the console.
     notes += sorted({note for record in records for note in record.notes})
     out = Console()
-    _print_table(records, out if out.is_terminal else Console(width=150), notes)
+    out = out if out.is_terminal else Console(width=150)
+    if "ciera" in system_names:
+        _print_summary(records, out)
+    _print_table(records, out, notes)
     if json_path is not None:
         print(f"wrote {json_path}", file=sys.stderr)
     if timeline_path is not None:
@@ -461,6 +514,45 @@ def replay_command(
         )
 
 
+def clusters_command(
+    bundle: Annotated[
+        str, typer.Option("--bundle", help="Also list the clusters this bundle was measured on.")
+    ] = "measured",
+) -> None:
+    """List the cluster presets (`--cluster NAME`) and the measured clusters a bundle can replay."""
+    table = Table(title="cluster presets (sim/data/clusters; copy one to describe your cluster)", box=None)
+    for column in ("name", "GPUs/node", "description"):
+        table.add_column(column)
+    for name in list_clusters():
+        preset = load_cluster(name)
+        table.add_row(name, str(preset.gpus_per_node), preset.description)
+    console = Console()
+    console = console if console.is_terminal else Console(width=150)
+    console.print(table)
+    loaded = traces.read_bundle(traces.resolve_bundle(bundle))
+    runs = loaded.runs[loaded.runs["cluster"].isin(measured_clusters(loaded))]
+    measured = Table(
+        title=f"measured clusters of --bundle {bundle} (replayed by `ciera simulate --cluster`)", box=None
+    )
+    for column in ("name", "nodes × ranks", "link", "gloo measured", "depths", "systems"):
+        measured.add_column(column)
+    for name, group in runs.groupby("cluster"):
+        first = group.iloc[0]
+        measured.add_row(
+            str(name),
+            f"{int(first['nodes'])} × {int(first['gpus_per_node'])}",
+            f"{first['link_rate_Bps'] * 8 / 1e6:.0f} Mbit/s",
+            f"{first['measured_link_Bps'] / 1e6:.1f} MB/s",
+            ",".join(str(n) for n in sorted(set(group["layers"]))),
+            ",".join(sorted(set(group["system"]))),
+        )
+    if runs.empty:
+        console.print(f"--bundle {bundle}: no measured runs with events", markup=False)
+    else:
+        console.print(measured)
+
+
 def register(app: typer.Typer) -> None:
     app.command("simulate")(simulate_command)
     app.command("replay")(replay_command)
+    app.command("clusters")(clusters_command)

@@ -35,6 +35,7 @@ from .systems import BSC_SYSTEMS, FP16_ONLY_SYSTEMS, SYSTEMS, BuiltSystem, build
 
 SCHEMA = "ciera.simulate/1"
 DEFAULT_GPUS = (4, 8, 16, 32, 64, 128)
+MAX_GPUS = 65536  # beyond the largest training clusters; a typo (1000000) is refused, not simulated
 DTYPES = ("bf16", "fp16")
 
 
@@ -109,12 +110,26 @@ def resolve_models(bundle: traces.TraceBundle, models: Sequence[str] | None) -> 
     if not models:
         return known
     lookup = {name.lower(): name for name in known}
-    resolved = []
+    resolved: list[str] = []
     for name in models:
-        if name.lower() not in lookup:
-            raise SimInputError(f"--models: model {name!r} is not in the bundle, expected one of {known}")
-        resolved.append(lookup[name.lower()])
+        canonical = lookup.get(name.lower()) or lookup.get(_shipped_model_name(name).lower())
+        if canonical is None:
+            raise SimInputError(
+                f"--models: model {name!r} is not in the bundle, expected one of {known} "
+                "(or a short name; `ciera models` lists them)"
+            )
+        if canonical in resolved:
+            raise SimInputError(f"--models: {name!r} names {canonical} again; list each model once")
+        resolved.append(canonical)
     return resolved
+
+
+def _shipped_model_name(name: str) -> str:
+    """The model name a key or alias of traces/data/models stands for (`olmoe` → `OLMoE-1B-7B`), else ''."""
+    try:
+        return traces.load_model_shape(name).name
+    except (traces.ModelShapeError, OSError, ValueError):
+        return ""
 
 
 def check_request(systems: Sequence[str], gpus: Sequence[int], dtypes: Sequence[str]) -> None:
@@ -124,6 +139,10 @@ def check_request(systems: Sequence[str], gpus: Sequence[int], dtypes: Sequence[
     for world_size in gpus:
         if isinstance(world_size, bool) or not isinstance(world_size, int | np.integer) or world_size < 2:
             raise SimInputError(f"--gpus: value {world_size!r}, expected integers >= 2")
+        if world_size > MAX_GPUS:
+            raise SimInputError(
+                f"--gpus: value {world_size}, expected at most {MAX_GPUS} (the largest world size simulated)"
+            )
     for dtype in dtypes:
         if dtype not in DTYPES:
             raise SimInputError(f"--dtype: value {dtype!r}, expected one of {list(DTYPES)}")
@@ -394,11 +413,10 @@ def check_output_path(path: str | os.PathLike[str], option: str) -> Path:
     target = Path(path)
     if target.is_dir():
         raise SimInputError(f"{option} {target}: is a directory, expected a file path")
-    for parent in target.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise SimInputError(f"{option} {target}: {parent} is not a directory")
-            break
+    directory = target.parent
+    if not directory.is_dir():
+        # Never create directories on the way: a typo would otherwise leave a tree behind (as root, anywhere).
+        raise SimInputError(f"{option} {target}: directory {directory} does not exist")
     return target
 
 
@@ -406,7 +424,6 @@ def write_json_atomic(document: dict[str, Any], path: str | os.PathLike[str], op
     """Write JSON next to `path` and rename it into place: readers never see a partial file."""
     target = check_output_path(path, option)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         handle, staging = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
     except OSError as error:
         raise SimInputError(f"{option} {target}: cannot write ({error.strerror or error})") from None

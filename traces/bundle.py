@@ -573,7 +573,9 @@ def _read_table(file: Path, name: str) -> tuple[pa.Table, int]:
     version = (table.schema.metadata or {}).get(SCHEMA_VERSION_KEY)
     if version is None:
         raise TraceError(
-            f"{file}: table '{name}' carries no {SCHEMA_VERSION_KEY.decode()} metadata, expected version {READABLE}"
+            f"{file}: table '{name}' carries no {SCHEMA_VERSION_KEY.decode()} metadata, expected version {READABLE} "
+            "(a table rewritten by pandas or pyarrow loses it: read the bundle with traces.read_bundle, edit the "
+            "DataFrames, write it with traces.write_bundle)"
         )
     if version.decode() not in {str(v) for v in READABLE_VERSIONS}:
         raise TraceError(
@@ -635,7 +637,9 @@ def write_bundle(bundle: TraceBundle, path: str | os.PathLike[str], overwrite: b
     validate_bundle(bundle, str(root))
     tables = {name: _arrow_of(name, bundle.table(name), str(root)) for name in TABLE_NAMES}
     if root.exists() and not overwrite:
-        raise TraceError(f"{root}: already exists (pass overwrite to replace it)")
+        raise TraceError(
+            f"{root}: already exists (use --overwrite, or write_bundle(..., overwrite=True), to replace it)"
+        )
     if root.exists() and not _is_replaceable_bundle(root):
         # overwrite replaces a bundle, never a file or a directory holding anything else (it is deleted).
         raise TraceError(

@@ -61,6 +61,7 @@ def sim_command(
     loaded = traces.read_bundle(traces.resolve_bundle(bundle))
     with Console(stderr=True).status("replaying and predicting"):
         document = validate_sim(loaded, held, tolerance)
+    document["bundle"] = bundle
     console = Console()
     replay = Table(title="replay of the seen runs", box=box.SIMPLE_HEAD)
     for column in ("cluster", "L", "system", "measured", "replayed", "error"):

@@ -54,6 +54,14 @@ class DivergencePlan:
         return sorted({0, *(round(self.steps * (i + 1) / count) for i in range(count))})
 
 
+def host_description() -> dict[str, Any]:
+    """Where the arms ran (CPU ranks on one host): enough to tell two machines' results apart."""
+    import os
+    import platform
+
+    return {"hostname": platform.node(), "cpus": len(os.sched_getaffinity(0)), "machine": platform.machine()}
+
+
 # ---------------------------------------------------------------------------------------- metrics
 
 
@@ -256,7 +264,11 @@ def run_divergence(
         "other_seed": plan.other_seed,
         "lr": plan.lr,
         "checkpoints": checkpoints,
+        "checkpoint_count": plan.checkpoints,
+        "held_out_sequences": plan.held_out_sequences,
+        "seq_len": plan.seq_len,
         "held_out_tokens": int(tokens.numel()),
+        "host": host_description(),
         "near_tie_margin": NEAR_TIE_MARGIN,
         "reference": "the plain engine, same seed and data order",
         "nudged": nudged,

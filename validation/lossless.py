@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .divergence import host_description
+
 SCHEMA = "ciera.validate.lossless/1"
 CONTROL_STEPS = 3  # enough to show the lossy gather changes the state and the loss that follows
 
@@ -214,6 +216,7 @@ def run_lossless(
         "steps": plan.steps,
         "resume_at": half,
         "seed": plan.seed,
+        "host": host_description(),
         "steps_compared": ciera_steps["steps_compared"],
         "tensors_compared": ciera_steps["tensors_compared"],
         "max_abs_difference": max(*snapshot_differences.values(), ciera_steps["max_abs_loss_difference"]),

@@ -14,7 +14,8 @@ What it computes, per layer and phase, on one rank of a W-rank ZeRO-3 group (doc
 - iteration_s: Σ over layers and phases of max(compute_s, allgather_s + reduce_scatter_s) plus the
   optimizer step — a prefetch-overlapped estimate, not a simulation.
 - exponents: per shard a block change rate drawn from Beta around the model's category prior
-  (traces/data/models/*.toml); at other block sizes q_B = 1 − (1 − q_512)^(B/512); the element rate is
+  (traces/data/models/*.toml), varied per iteration as 1 − (1 − q)^f with f log-normal of mean 1 (so a
+  rate below 1 never becomes 1); at other block sizes q_B = 1 − (1 − q_512)^(B/512); the element rate is
   1 − (1 − q_B)^(1/B). Both assume changes independent across blocks and elements — stated, not measured.
 """
 
@@ -36,7 +37,7 @@ from .collectives import CollectiveModel
 from .errors import SimInputError
 from .model_config import ModelConfig, forward_flops, layer_parameters, load_model_config
 
-GENERATOR_VERSION = "analytic/1"
+GENERATOR_VERSION = "analytic/2"  # 2: per-iteration change-rate spread no longer clips to 1
 BYTES_PER_16BIT_VALUE = 2
 # DeepSpeed's defaults for stage3_prefetch_bucket_size, stage3_max_reuse_distance and
 # stage3_max_live_parameters (elements), recorded in every analytic run's `runs` row.
@@ -207,7 +208,11 @@ def _run_tables(
         iteration_rows.append({"run_id": run_id, "iteration": iteration, "iteration_s": iteration_s})
         if iteration == 0:
             continue  # change rates compare iteration t with t-1
-        rate_512 = np.clip(shard_rate_512 * _noise(rng, 0.05, len(shards)), 0.0, 1.0)
+        # Iteration-to-iteration spread acts on the per-element change hazard: the chance that a 512-block
+        # is unchanged, 1 − q, is raised to a log-normal power of mean 1. The rate stays in [0, 1) and only
+        # a prior of exactly 1 gives 1 (scaling q itself and clipping set ~6 % of attention and router
+        # shards to q = 1, hence an exponent change rate of 1 — every value changed — which no prior said).
+        rate_512 = 1.0 - (1.0 - shard_rate_512) ** _noise(rng, 0.05, len(shards))
         for block_size in settings.block_sizes:
             rate_b = 1.0 - (1.0 - rate_512) ** (block_size / 512)
             element_rate = 1.0 - (1.0 - rate_b) ** (1.0 / block_size)

@@ -94,7 +94,9 @@ def _print_summary(records: list[SimRecord], console: Console) -> None:
                 paying.append(str(w))
         table.add_row(model, dtype, *cells, ",".join(paying) if paying else "nowhere")
     if any(r.source != "measured" for r in records):
-        table.caption = "from analytic traces: model output, not measurements (the table below marks each row)"
+        table.caption = (
+            "from analytic traces: model output, not measurements (the table below marks each row)"
+        )
     console.print(table)
 
 
@@ -129,8 +131,9 @@ def _print_table(records: list[SimRecord], console: Console, notes: list[str]) -
         )
     table.caption = (
         "† from analytic traces (model output, not measurements). projected: world size or depth not traced. "
-        "bound: most that fewer bytes plus perfect overlap allow vs zero3 (docs/simulator.md)."
-        + ("".join(f"\n{note}" for note in notes))
+        "bound: the most this system can gain over zero3 with perfect overlap — for ciera* fewer bytes, for the "
+        "others their own collectives' link time (ZeRO++: int8 weights, hpZ inside the node); — where none "
+        "applies (docs/simulator.md)." + ("".join(f"\n{note}" for note in notes))
     )
     console.print(table)
 

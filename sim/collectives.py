@@ -144,6 +144,22 @@ class CollectiveModel:
         ranks = min(world_size, self.gpus_per_node)
         return self._ring_s(ranks, bytes_total, self.intra_alpha_s, self.intra_beta_Bps)
 
+    def allgather_traffic_bytes(self, bytes_total: float, world_size: int) -> tuple[float, float]:
+        """(inter-node, intra-node) bytes one rank receives in the two-level AllGather of `allgather_s`.
+
+        Inter-node: its rail's ring gathers S/G over M nodes, so (M−1)/M · S/G arrive over the network.
+        Intra-node: the NVLink ring over S brings (G−1)/G · S. Their sum is not S: the inter-node share is
+        forwarded again inside the node."""
+        nodes, ranks_in_node = self._levels(world_size)
+        intra = (ranks_in_node - 1) / ranks_in_node * bytes_total
+        inter = (nodes - 1) / nodes * bytes_total / ranks_in_node if nodes > 1 else 0.0
+        return inter, intra
+
+    def intra_node_allgather_traffic_bytes(self, bytes_total: float, world_size: int) -> tuple[float, float]:
+        """(inter-node, intra-node) bytes one rank receives in `intra_node_allgather_s` (hpZ): none cross."""
+        ranks = min(world_size, self.gpus_per_node)
+        return 0.0, (ranks - 1) / ranks * bytes_total
+
     def reduce_scatter_s(self, bytes_total: float, world_size: int) -> float:
         """ReduceScatter of a full gradient of `bytes_total`; same cost as AllGather (nccl-tests)."""
         return self.allgather_s(bytes_total, world_size)

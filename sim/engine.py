@@ -213,6 +213,10 @@ def sample_iteration_s(graph: OpGraph, durations: np.ndarray) -> np.ndarray:
 def attribute(graph: OpGraph, result: Replay) -> dict[str, float]:
     """Split the nominal iteration time into compute and what the compute stream waited for.
 
+    This is the compute stream's view, not critical-path attribution: codec work charged here may have
+    run while the link was the bottleneck, so removing it need not shorten the iteration. Records use
+    `critical_path` for `breakdown_s`.
+
     Time on the compute stream counts as compute (or codec_critical for codec kernels placed there). Each
     idle gap before a compute-stream operation is walked back along the chain of operations that held it
     up; each piece of the gap goes to the category of the operation running then (exposed_allgather,
@@ -255,6 +259,83 @@ def attribute(graph: OpGraph, result: Replay) -> dict[str, float]:
         previous_end = end[index]
     parts["other"] += max(0.0, result.iteration_s - previous_end)
     return parts
+
+
+@dataclass(frozen=True)
+class CriticalPath:
+    """The chain of operations that set the iteration time, and its time per breakdown key."""
+
+    parts_s: dict[str, float]  # BREAKDOWN_KEYS → seconds; sums to the iteration time
+    ops: tuple[int, ...]  # the operations whose durations lie on the path, last first
+
+
+def critical_path(graph: OpGraph, result: Replay) -> CriticalPath:
+    """Walk back from the operation that ends last, each time to the predecessor that determined the start.
+
+    A predecessor through a finish dependency (deps_done, the previous op on the stream or on the link)
+    puts its whole duration on the path; a prefetch trigger (deps_start) is crossed at its start and
+    adds no time. The durations on the path tile [0, iteration], so the parts sum to the iteration time;
+    time that no predecessor explains (none in a max-plus replay, up to rounding) goes to `other`.
+    Each part is therefore the most that shortening that category could save: the iteration is the
+    path's length, and removing a category's durations shortens this path by exactly its part (another
+    path may then set the time, so the saving can be smaller, never larger). Ties between predecessors
+    that became ready at the same time go to finish dependencies in the order deps_done, stream, link."""
+    stream_prev, link_prev = graph.predecessors()
+    parts = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
+    if not graph.ops:
+        return CriticalPath(parts, ())
+    start, end = result.start_s, result.end_s
+    tolerance = 1e-12 * max(result.iteration_s, 1.0)
+    # The last op to end; on equal ends the later-added one (the optimizer step comes last).
+    current = max(range(len(graph.ops)), key=lambda i: (end[i], i))
+    path = [current]
+    parts[CATEGORY_TO_BREAKDOWN.get(graph.ops[current].category, "other")] += end[current] - start[current]
+    parts["other"] += result.iteration_s - end[current]
+    cursor_s = float(start[current])
+    while cursor_s > tolerance:
+        op = graph.ops[current]
+        candidates = [(end[d], 3, d, True) for d in op.deps_done]
+        candidates += [
+            (end[p], rank, p, True) for rank, p in ((2, stream_prev[current]), (1, link_prev[current]))
+        ]
+        candidates += [(start[d], 0, d, False) for d in op.deps_start]
+        candidates = [c for c in candidates if c[2] >= 0]
+        if not candidates:
+            parts["other"] += cursor_s
+            break
+        latest = max(c[0] for c in candidates)
+        tied = [c for c in candidates if c[0] >= latest - tolerance]
+        _, _, blocker, finished = max(tied, key=lambda c: (c[1], c[2]))
+        if latest < cursor_s - tolerance:  # nothing held the op up between `latest` and its start
+            parts["other"] += cursor_s - latest
+        if finished:
+            blocking = graph.ops[blocker]
+            parts[CATEGORY_TO_BREAKDOWN.get(blocking.category, "other")] += end[blocker] - start[blocker]
+            path.append(blocker)
+        cursor_s = float(start[blocker])
+        current = blocker
+    return CriticalPath({key: float(value) for key, value in parts.items()}, tuple(path))
+
+
+def nominal_iteration_s(graph: OpGraph, durations_s: list[float]) -> float:
+    """The max-plus recurrence for one set of durations, in plain floats (a what-if at nominal durations,
+    e.g. with every codec kernel removed); identical to `sample_iteration_s` for one sample."""
+    stream_prev, link_prev = graph.predecessors()
+    start = [0.0] * len(graph.ops)
+    end = [0.0] * len(graph.ops)
+    for index in graph.topological_order():
+        op = graph.ops[index]
+        ready = 0.0
+        for dep in op.deps_done:
+            ready = max(ready, end[dep])
+        for dep in op.deps_start:
+            ready = max(ready, start[dep])
+        for previous in (stream_prev[index], link_prev[index]):
+            if previous >= 0:
+                ready = max(ready, end[previous])
+        start[index] = ready
+        end[index] = ready + durations_s[index]
+    return max(end, default=0.0)
 
 
 def busy_s(graph: OpGraph, category: str, link_only: bool = False) -> float:

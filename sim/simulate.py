@@ -21,9 +21,11 @@ from .collectives import CollectiveModel
 from .engine import (
     BREAKDOWN_KEYS,
     STREAMS,
+    OpGraph,
     Replay,
-    attribute,
     busy_s,
+    critical_path,
+    nominal_iteration_s,
     replay,
     sample_durations,
     sample_iteration_s,
@@ -31,10 +33,21 @@ from .engine import (
 from .engine import timeline_events as engine_timeline_events
 from .errors import SimInputError
 from .profile import BundleIndex, ModelProfile, available_models, build_profile, compute_world_size_for
-from .systems import BSC_SYSTEMS, FP16_ONLY_SYSTEMS, SYSTEMS, BuiltSystem, build_system, noise_slots
+from .systems import (
+    BSC_SYSTEMS,
+    CIERA_SYSTEMS,
+    FP16_ONLY_SYSTEMS,
+    SENDER_CODEC_NAME,
+    SYSTEMS,
+    BuiltSystem,
+    build_system,
+    noise_slots,
+)
 
 SCHEMA = "ciera.simulate/1"
 DEFAULT_GPUS = (4, 8, 16, 32, 64, 128)
+# ciera and ciera-er-bsc p50s closer than this are "the same" for the note that says why CCP bought nothing.
+CCP_SAME_REL = 0.001
 MAX_GPUS = 65536  # beyond the largest training clusters; a typo (1000000) is refused, not simulated
 DTYPES = ("bf16", "fp16")
 
@@ -49,16 +62,22 @@ class SimRecord:
     projected: bool  # world size or depth not traced: the numbers are projections
     iteration_s: dict[str, float]  # p5, p50, p95 over the Monte Carlo samples
     iteration_nominal_s: float  # the simpy replay at nominal (median) durations
-    breakdown_s: dict[str, float]  # of the nominal replay; sums to iteration_nominal_s
-    allgather_bytes_per_iter: float
+    breakdown_s: dict[str, float]  # critical path of the nominal replay; sums to iteration_nominal_s
+    codec_busy_s: float  # every codec kernel of the iteration (any stream), nominal
+    codec_off_critical_path_s: float  # codec_busy_s − breakdown_s["codec_critical"]: hidden under other work
+    codec_removal_saving_s: float  # nominal iteration − the same schedule with every codec kernel at 0 s
+    allgather_bytes_per_iter: float  # Σ gathered tensor sizes (wire format), as every rank assembles them
+    allgather_bytes_inter_node_per_iter: float  # received by one rank over the inter-node network
+    allgather_bytes_intra_node_per_iter: float  # received by one rank over NVLink inside its node
     reduce_scatter_bytes_per_iter: float
     speedup_vs_zero3: float
     speedup_vs_zeropp: float | None
     shards_selected: int
     shards_total: int
     payload_ratio: float  # this system's gathered bytes / zero3's
-    bound_speedup: float
-    overlap_only_speedup: float
+    bound_speedup: float | None  # this system's own bound (bound_basis); None where none applies
+    bound_basis: str  # bytes | link | none: which bound model (docs/simulator.md)
+    overlap_only_speedup: float | None
     speedup_parts: dict[str, float]  # bytes × overlap × other = speedup_vs_zero3
     fit_residual: float
     full_layers: int
@@ -83,10 +102,13 @@ def _quantiles(samples: np.ndarray) -> dict[str, float]:
     return {"p5": float(p5), "p50": float(p50), "p95": float(p95)}
 
 
-def _speedup_parts(speedup: float, bound: float, overlap_only: float) -> dict[str, float]:
-    """Split a speedup multiplicatively: first what fewer bytes can explain (at most bound/overlap_only),
-    then what overlap the baseline lacked can explain (at most overlap_only), the rest is `other` (a weak
-    baseline, a different topology such as hpZ, or — below 1 — the system's own overheads)."""
+def _speedup_parts(speedup: float, bound: float | None, overlap_only: float | None) -> dict[str, float]:
+    """Split a speedup multiplicatively: first what less link time (fewer bytes, or for ZeRO++ also hpZ's
+    intra-node gathers) can explain (at most bound/overlap_only), then what overlap the baseline lacked can
+    explain (at most overlap_only), the rest is `other` (above 1: unexplained gain; below 1: the system's
+    own overheads). Without a bound everything is `other`."""
+    if bound is None or overlap_only is None:
+        return {"bytes": 1.0, "overlap": 1.0, "other": float(speedup)}
     bytes_ceiling = max(bound / overlap_only, 1.0)
     from_bytes = min(max(speedup, 1.0), bytes_ceiling)
     from_overlap = min(max(speedup / from_bytes, 1.0), max(overlap_only, 1.0))
@@ -95,6 +117,76 @@ def _speedup_parts(speedup: float, bound: float, overlap_only: float) -> dict[st
         "overlap": float(from_overlap),
         "other": float(speedup / (from_bytes * from_overlap)),
     }
+
+
+def _bound_speedup(
+    system: str,
+    graph: OpGraph,
+    zero3_nominal_s: float,
+    compute_busy_s: float,
+    allgather_busy_s: float,
+    other_comm_busy_s: float,
+    payload_ratio: float,
+) -> tuple[float | None, str]:
+    """(the most this system can gain over zero3, which model says so); docs/simulator.md.
+
+    CIERA systems ("bytes", DESIGN.md): zero3's gathers shrunk to r of their link time, perfectly
+    overlapped. The others ("link"): the time the system's own collectives hold the serial link — for ZeRO++
+    its int8 forward gathers across W, hpZ gathers inside the node and int4 gradient scatters — perfectly
+    overlapped. Both sides are zero3's compute, which no system here shortens. "none": zero3 has neither
+    compute nor link time, so no ratio exists."""
+    if system in CIERA_SYSTEMS:
+        link_s = payload_ratio * allgather_busy_s + other_comm_busy_s
+        basis = "bytes"
+    else:
+        link_s = sum(op.duration_s for op in graph.ops if op.uses_link)
+        basis = "link"
+    denominator = max(compute_busy_s, link_s)
+    if denominator <= 0:
+        return None, "none"
+    return zero3_nominal_s / denominator, basis
+
+
+def _codec_removal_saving_s(graph: OpGraph, nominal: Replay) -> float:
+    """What the iteration would lose if every codec kernel took no time (same schedule, nominal)."""
+    durations = [0.0 if op.category == "codec" else op.duration_s for op in graph.ops]
+    return max(nominal.iteration_s - nominal_iteration_s(graph, durations), 0.0)
+
+
+def _note_ccp_without_effect(records: list[SimRecord], outcomes: dict[str, _Outcome]) -> None:
+    """Say why ciera ≈ ciera-er-bsc where CCP buys nothing: CCP takes the sender kernels (hash+compress)
+    off the compute stream, which can save at most what removing them from ciera-er-bsc would save."""
+    by_system = {record.system: record for record in records}
+    ciera, bsc = by_system.get("ciera"), by_system.get("ciera-er-bsc")
+    if ciera is None or bsc is None:
+        return
+    gap = abs(ciera.iteration_s["p50"] / bsc.iteration_s["p50"] - 1.0)
+    if gap >= CCP_SAME_REL:
+        return
+    if ciera.shards_selected == 0 and bsc.shards_selected == 0:
+        ciera.notes.append(
+            f"ciera = ciera-er-bsc at W={ciera.gpus}: no shard is compressed, so CCP has no codec work to overlap"
+        )
+        return
+    outcome = outcomes["ciera-er-bsc"]
+    graph = outcome.built.graph
+    is_sender = [op.category == "codec" and op.name.startswith(SENDER_CODEC_NAME) for op in graph.ops]
+    sender_busy_s = sum(op.duration_s for op, sender in zip(graph.ops, is_sender, strict=True) if sender)
+    without_sender_s = nominal_iteration_s(
+        graph, [0.0 if sender else op.duration_s for op, sender in zip(graph.ops, is_sender, strict=True)]
+    )
+    sender_saving_s = max(outcome.replay.iteration_s - without_sender_s, 0.0)
+    on_path = critical_path(graph, outcome.replay).ops
+    receiver_on_path_s = sum(
+        graph.ops[i].duration_s for i in on_path if graph.ops[i].category == "codec" and not is_sender[i]
+    )
+    ciera.notes.append(
+        f"ciera ≈ ciera-er-bsc at W={ciera.gpus} (p50 {gap:.2%} apart): CCP overlaps hash+compress, but in "
+        f"ciera-er-bsc those kernels ({sender_busy_s:.3g} s) cost the iteration only {sender_saving_s:.3g} s: "
+        f"they run while compute waits on the link. Its critical path holds {receiver_on_path_s:.3g} s of "
+        "decompress (each gather's decompress delays its layer and so the next gather's issue), which CCP "
+        "leaves on the critical path"
+    )
 
 
 def _normal_draws(preset: ClusterPreset, profile: ModelProfile) -> np.ndarray:
@@ -259,15 +351,21 @@ class Simulator:
         records = []
         for system in wanted:
             outcome = outcomes[system]
+            graph = outcome.built.graph
             p50 = float(np.median(outcome.samples_s))
             ratio = outcome.built.allgather_bytes_per_iter / max(baseline.built.allgather_bytes_per_iter, 1.0)
             base_nominal = baseline.replay.iteration_s
-            bound = base_nominal / max(compute_busy, ratio * allgather_busy + other_comm_busy)
-            overlap_only = base_nominal / max(compute_busy, allgather_busy + other_comm_busy)
+            bound, basis = _bound_speedup(
+                system, graph, base_nominal, compute_busy, allgather_busy, other_comm_busy, ratio
+            )
+            overlap_denominator = max(compute_busy, allgather_busy + other_comm_busy)
+            overlap_only = base_nominal / overlap_denominator if overlap_denominator > 0 else None
             speedup = base_p50 / p50
-            breakdown = attribute(outcome.built.graph, outcome.replay)
+            path = critical_path(graph, outcome.replay)
+            codec_busy = busy_s(graph, "codec")
+            codec_saving = _codec_removal_saving_s(graph, outcome.replay) if codec_busy > 0 else 0.0
             scatter_bytes = sum(
-                op.bytes for op in outcome.built.graph.ops if op.category == "reduce_scatter" and op.uses_link
+                op.bytes for op in graph.ops if op.category == "reduce_scatter" and op.uses_link
             )
             decisions = outcome.built.decisions
             records.append(
@@ -280,8 +378,17 @@ class Simulator:
                     projected=projected,
                     iteration_s=_quantiles(outcome.samples_s),
                     iteration_nominal_s=outcome.replay.iteration_s,
-                    breakdown_s={key: float(breakdown[key]) for key in BREAKDOWN_KEYS},
+                    breakdown_s={key: path.parts_s[key] for key in BREAKDOWN_KEYS},
+                    codec_busy_s=codec_busy,
+                    codec_off_critical_path_s=max(codec_busy - path.parts_s["codec_critical"], 0.0),
+                    codec_removal_saving_s=codec_saving,
                     allgather_bytes_per_iter=float(outcome.built.allgather_bytes_per_iter),
+                    allgather_bytes_inter_node_per_iter=float(
+                        outcome.built.allgather_bytes_inter_node_per_iter
+                    ),
+                    allgather_bytes_intra_node_per_iter=float(
+                        outcome.built.allgather_bytes_intra_node_per_iter
+                    ),
                     reduce_scatter_bytes_per_iter=float(scatter_bytes),
                     speedup_vs_zero3=speedup,
                     speedup_vs_zeropp=(zeropp_p50 / p50) if zeropp_p50 is not None else None,
@@ -289,6 +396,7 @@ class Simulator:
                     shards_total=len(decisions) if decisions is not None else 0,
                     payload_ratio=ratio,
                     bound_speedup=bound,
+                    bound_basis=basis,
                     overlap_only_speedup=overlap_only,
                     speedup_parts=_speedup_parts(speedup, bound, overlap_only),
                     fit_residual=profile.fit_residual,
@@ -311,6 +419,7 @@ class Simulator:
                     ],
                 )
             )
+        _note_ccp_without_effect(records, outcomes)
         return records
 
 

@@ -41,6 +41,8 @@ FP16_ONLY_SYSTEMS = ("zeropp",)
 CIERA_SYSTEMS = ("ciera-er", "ciera-er-bsc", "ciera")
 BSC_SYSTEMS = ("ciera-er-bsc", "ciera")  # the ones whose shards benefit-driven selection picks
 NOISE_KINDS = ("compute", "allgather", "reduce_scatter", "codec")
+# Name prefix of the sender kernels (hash+compress): the codec work CCP moves off the compute stream.
+SENDER_CODEC_NAME = "hash+compress"
 
 
 def noise_index(layer: int, phase: str, kind: str) -> int:
@@ -68,7 +70,11 @@ class Step:
 @dataclass(frozen=True)
 class BuiltSystem:
     graph: OpGraph
-    allgather_bytes_per_iter: float
+    allgather_bytes_per_iter: float  # Σ over gathers of the gathered (wire) tensor size S
+    # What one rank receives per iteration in those gathers, over the network vs over NVLink
+    # (CollectiveModel.allgather_traffic_bytes); hpZ gathers receive only inside the node.
+    allgather_bytes_inter_node_per_iter: float
+    allgather_bytes_intra_node_per_iter: float
     decisions: pd.DataFrame | None  # the BSC decision table (ciera systems), else None
     shards_selected: int
 
@@ -266,6 +272,8 @@ def build_system(
     trigger_waiters: dict[int, list[tuple[int, str]]] = {}  # compute step → ops to patch with its start
     gather_done: dict[int, int] = {}  # step → op whose end makes the parameters usable
     total_gathered = 0.0
+    total_inter_node = 0.0
+    total_intra_node = 0.0
     zpp = preset.zeropp
     launch = preset.codec.kernel_launch_s
 
@@ -285,7 +293,7 @@ def build_system(
 
     def add_gather_chain(j: int) -> None:
         """Sender work (if any), the collective, and receiver work for the gather of step j."""
-        nonlocal total_gathered
+        nonlocal total_gathered, total_inter_node, total_intra_node
         step = steps[j]
         size = gather_bytes[j]
         issue_step = j - prefetch
@@ -296,7 +304,7 @@ def build_system(
             sender_ops.append(
                 graph.add(
                     Op(
-                        f"hash+compress L{step.layer} {step.phase}",
+                        f"{SENDER_CODEC_NAME} L{step.layer} {step.phase}",
                         "compute",
                         layer_plan["sender_s"],
                         "codec",
@@ -322,15 +330,21 @@ def build_system(
             numel = size / 2
             wire = numel * zpp.weight_bits / 8 + np.ceil(numel / zpp.quantization_group_size) * 4
             comm_s = collectives.allgather_s(wire, world_size)
+            traffic = collectives.allgather_traffic_bytes(wire, world_size)
         elif zeropp:
             wire, comm_s = size, collectives.intra_node_allgather_s(size, world_size)  # hpZ
+            traffic = collectives.intra_node_allgather_traffic_bytes(size, world_size)
         elif ciera and layer_plan is not None:
             changed = first_gather[j] or not preset.ciera.reuse_across_gathers
             wire = size * layer_plan["changed_ratio" if changed else "unchanged_ratio"]
             comm_s = collectives.allgather_s(wire, world_size)
+            traffic = collectives.allgather_traffic_bytes(wire, world_size)
         else:
             wire, comm_s = size, collectives.allgather_s(size, world_size)
+            traffic = collectives.allgather_traffic_bytes(size, world_size)
         total_gathered += wire
+        total_inter_node += traffic[0]
+        total_intra_node += traffic[1]
         gather = graph.add(
             Op(
                 f"allgather L{step.layer} {step.phase}",
@@ -373,7 +387,7 @@ def build_system(
             return
         ccp_sender[j] = graph.add(
             Op(
-                f"hash+compress L{step.layer} {step.phase}",
+                f"{SENDER_CODEC_NAME} L{step.layer} {step.phase}",
                 "codec_send",
                 layer_plan["sender_s"],
                 "codec",
@@ -445,7 +459,7 @@ def build_system(
         )
     )
     shards_selected = int(decisions["selected"].sum()) if decisions is not None else 0
-    return BuiltSystem(graph, total_gathered, decisions, shards_selected)
+    return BuiltSystem(graph, total_gathered, total_inter_node, total_intra_node, decisions, shards_selected)
 
 
 def _add_reduce_scatter(

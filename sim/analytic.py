@@ -210,7 +210,7 @@ def _run_tables(
             continue  # change rates compare iteration t with t-1
         # Iteration-to-iteration spread acts on the per-element change hazard: the chance that a 512-block
         # is unchanged, 1 − q, is raised to a log-normal power of mean 1. The rate stays in [0, 1) and only
-        # a prior of exactly 1 gives 1 (scaling q itself and clipping set ~6 % of attention and router
+        # a prior of exactly 1 gives 1 (scaling q itself and clipping set 6–7 % of attention and router
         # shards to q = 1, hence an exponent change rate of 1 — every value changed — which no prior said).
         rate_512 = 1.0 - (1.0 - shard_rate_512) ** _noise(rng, 0.05, len(shards))
         for block_size in settings.block_sizes:

@@ -19,7 +19,14 @@ from traces import TraceBundle, TraceError
 
 from .errors import ReportInputError
 from .html import build_report
-from .inputs import DTYPES, load_records, load_timeline, write_text_atomically
+from .inputs import (
+    DTYPES,
+    load_records,
+    load_timeline,
+    parse_context,
+    timeline_contexts,
+    write_text_atomically,
+)
 from .sensitivity import (
     DEFAULT_KEY,
     BandwidthSweep,
@@ -51,16 +58,38 @@ def _parse_gpus(values: list[str] | None) -> list[int]:
     return gpus
 
 
+def resolve_model_names(models: list[str], known: list[str] | None = None) -> list[str]:
+    """--models entries as the display names records use: a name in `known` (the records' models) in
+    any case, else a shipped model's key, alias or display name in any case (traces.load_model_shape).
+    The same model named twice (e.g. 'olmoe,OLMoE-1B-7B') is refused."""
+    from traces import ModelShapeError, load_model_shape
+
+    by_lower = {name.lower(): name for name in known or []}
+    resolved: dict[str, str] = {}
+    for given in models:
+        name = by_lower.get(given.lower())
+        if name is None:
+            try:
+                name = load_model_shape(given).name
+            except ModelShapeError as error:
+                if known is None:
+                    raise ReportInputError(f"--models: {error}") from None
+                raise ReportInputError(
+                    f"--models: {given!r} not in the records (have: {', '.join(sorted(known))})"
+                ) from None
+            if known is not None and name not in known:
+                raise ReportInputError(
+                    f"--models: {given!r} ({name}) not in the records (have: {', '.join(sorted(known))})"
+                )
+        if name in resolved:
+            raise ReportInputError(f"--models: {given!r} and {resolved[name]!r} are the same model ({name})")
+        resolved[name] = given
+    return list(resolved)
+
+
 def _filter_records(
     records: list[dict[str, Any]], models: list[str], gpus: list[int], dtype: str | None
 ) -> list[dict[str, Any]]:
-    if models:
-        known = {r["model"] for r in records}
-        unknown = [m for m in models if m not in known]
-        if unknown:
-            raise ReportInputError(
-                f"--models: {unknown[0]!r} not in the records (have: {', '.join(sorted(known))})"
-            )
     selected = [
         r
         for r in records
@@ -71,6 +100,33 @@ def _filter_records(
     if not selected:
         raise ReportInputError("no records left after --models/--gpus/--dtype filtering")
     return selected
+
+
+def _check_timeline_matches(
+    path: Path, events: list[dict[str, Any]], records: list[dict[str, Any]], console: Console
+) -> None:
+    """A --timeline must show a (model, dtype, W) the report's records hold after --models/--gpus/--dtype:
+    a timeline of another model or W would be read as this one's. Refused in one line; a timeline that
+    does not say what it shows is drawn with a console note."""
+    contexts = timeline_contexts(events)
+    parsed = [parse_context(context) for context in contexts]
+    if not contexts or None in parsed:
+        console.print(
+            f"note: {path}: the timeline does not say which model, dtype and W it shows; it is drawn as given",
+            markup=False,
+            highlight=False,
+        )
+        return
+    held = {(r["model"], r["dtype"], r["gpus"]) for r in records}
+    for context, shown in zip(contexts, parsed, strict=True):
+        if shown not in held:
+            kept = sorted({r["model"] for r in records})
+            raise ReportInputError(
+                f"--timeline: {path} shows {context}, which is not among the report's records "
+                f"(models {', '.join(kept)}; W {', '.join(map(str, sorted({r['gpus'] for r in records})))}; "
+                f"dtype {', '.join(sorted({r['dtype'] for r in records}))}); simulate a matching one with "
+                f"ciera simulate --timeline"
+            )
 
 
 def _import_sim() -> Any:
@@ -231,6 +287,9 @@ def report_command(
         raise ReportInputError(f"{html_path}: is a directory, expected a file path for the HTML report")
     model_names = _split_list(models)
     gpu_counts = _parse_gpus(gpus)
+    if len(set(gpu_counts)) < len(gpu_counts):
+        repeated = next(g for g in gpu_counts if gpu_counts.count(g) > 1)
+        raise ReportInputError(f"--gpus: {repeated} given twice")
     if timeline_path is not None and records_path is None:
         raise ReportInputError("--timeline needs --records (the records the timeline belongs to)")
     if records_path is not None:
@@ -239,7 +298,10 @@ def report_command(
                 "--cluster/--set apply to a simulation; with --records the records are rendered as-is"
             )
         records, metadata = load_records(records_path)
+        model_names = resolve_model_names(model_names, list(dict.fromkeys(r["model"] for r in records)))
         timeline_events = load_timeline(timeline_path) if timeline_path is not None else []
+    else:
+        model_names = resolve_model_names(model_names)
     # Read before any simulation: a bad file fails in a moment, not after the sweep.
     sensitivity = load_sensitivity(sensitivity_path) if sensitivity_path is not None else None
     validation = load_validation(split_paths(validation_paths))
@@ -256,6 +318,8 @@ def report_command(
             bundle, model_names, gpu_counts, dtype, cluster, overrides or [], console
         )
     records = _filter_records(records, model_names, gpu_counts, dtype)
+    if timeline_path is not None:
+        _check_timeline_matches(timeline_path, timeline_events, records, console)
     sensitivity_missing = None
     if sensitivity is not None:
         report_models = list(dict.fromkeys(r["model"] for r in records))

@@ -182,6 +182,51 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 # --------------------------------------------------------------------------------------------- speedup
 
+# Lines that can lie on each other get their own dash pattern, marker and width, drawn widest first, so
+# a line under another still shows around it. Projections keep dashed patterns, measurements are solid.
+SYSTEM_STYLES: dict[str, dict[str, Any]] = {
+    "zero3": {"dash": "dash", "symbol": "circle", "width": 2, "size": 9},
+    "fsdp": {"dash": "dash", "symbol": "triangle-up", "width": 2, "size": 10},
+    "zeropp": {"dash": "dash", "symbol": "x", "width": 2, "size": 9},
+    "ciera-er": {"dash": "longdash", "symbol": "square", "width": 7, "size": 15},
+    "ciera-er-bsc": {"dash": "dot", "symbol": "diamond", "width": 4.5, "size": 12},
+    "ciera": {"dash": "dash", "symbol": "circle", "width": 2, "size": 8},
+}
+LEGEND_TOP_PX = 62  # below the plot area: tick labels and the x axis title
+LEGEND_ROW_PX = 22
+NOTE_ROW_PX = 18
+
+
+def system_style(system: str) -> dict[str, Any]:
+    return SYSTEM_STYLES.get(system, {"dash": "dash", "symbol": "circle", "width": 2, "size": 9})
+
+
+def _marker_symbol(system: str, measured: bool) -> str:
+    symbol = system_style(system)["symbol"]
+    return symbol if measured or symbol == "x" else f"{symbol}-open"
+
+
+def _translucent(colour: str, alpha: float) -> str:
+    red, green, blue = (int(colour[i : i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({red}, {green}, {blue}, {alpha})"
+
+
+def bound_text(record: dict[str, Any]) -> str:
+    """A record's own bound, or why there is none: never another system's."""
+    bound = record.get("bound_speedup")
+    return "none stated for this system" if bound is None else f"{bound:.3f}×"
+
+
+def bytes_split_text(record: dict[str, Any]) -> str:
+    """Allgather bytes per iteration, split intra/inter-node when the record has the split."""
+    total = record.get("allgather_bytes_per_iter")
+    intra = record.get("allgather_bytes_intra_node_per_iter")
+    inter = record.get("allgather_bytes_inter_node_per_iter")
+    text = "n/a" if total is None else f"{total / 1e9:.3g} GB"
+    if intra is not None and inter is not None:
+        return f"{text} (intra-node {intra / 1e9:.3g} GB · inter-node {inter / 1e9:.3g} GB)"
+    return f"{text} (intra/inter split not in these records)"
+
 
 def _speedup_traces(
     records: list[dict[str, Any]],
@@ -197,26 +242,31 @@ def _speedup_traces(
     for record in records:
         if record.get(speedup_field) is not None:
             by_system[record["system"]].append(record)
-    for system in _ordered_systems(by_system):
+    # Widest first: a thinner line drawn later stays visible on top of a wider one it coincides with.
+    for system in sorted(_ordered_systems(by_system), key=lambda s: -system_style(s)["width"]):
         points = sorted(by_system[system], key=lambda r: r["gpus"])
         colour = system_colour(system)
+        style = system_style(system)
         custom = [
             [
                 provenance_label(r),
                 r["iteration_s"]["p50"],
                 r["iteration_s"]["p5"],
                 r["iteration_s"]["p95"],
-                _fmt(r.get("bound_speedup")),
+                bound_text(r),
                 _speedup_parts_text(r) if speedup_field == "speedup_vs_zero3" else "",
+                bytes_split_text(r),
             ]
             for r in points
         ]
         hover = (
             f"<b>{system_label(system)}</b> · %{{x}} GPUs<br>speedup vs {baseline_label}: <b>%{{y:.3f}}×</b><br>"
             "iteration p50 %{customdata[1]:.4g} s (p5–p95 %{customdata[2]:.4g}–%{customdata[3]:.4g} s)<br>"
-            "bound (bytes + perfect overlap): %{customdata[4]}×%{customdata[5]}<br>"
+            "this system's bound (bytes + perfect overlap): %{customdata[4]}%{customdata[5]}<br>"
+            "Allgather per iteration: %{customdata[6]}<br>"
             "source: %{customdata[0]}<extra></extra>"
         )
+        wide = style["width"] > 3  # an underlay: paler, so the line on top of it reads
         traces.append(
             {
                 "type": "scatter",
@@ -226,11 +276,15 @@ def _speedup_traces(
                 "showlegend": show_legend,
                 "x": [r["gpus"] for r in points],
                 "y": [r[speedup_field] for r in points],
-                "line": {"color": colour, "width": 2, "dash": "dash"},
+                "line": {
+                    "color": _translucent(colour, 0.55) if wide else colour,
+                    "width": style["width"],
+                    "dash": style["dash"],
+                },
                 "marker": {
                     "color": colour,
-                    "size": 9,
-                    "symbol": ["circle" if is_measured_point(r) else "circle-open" for r in points],
+                    "size": style["size"],
+                    "symbol": [_marker_symbol(system, is_measured_point(r)) for r in points],
                     "line": {"width": 2, "color": colour},
                 },
                 "customdata": custom,
@@ -251,11 +305,73 @@ def _speedup_traces(
                     "x": [r["gpus"] for r, _ in measured],
                     "y": [r[speedup_field] for r, _ in measured],
                     "line": {"color": colour, "width": 3, "dash": "solid"},
-                    "marker": {"color": colour, "size": 11, "symbol": "circle"},
+                    "marker": {"color": colour, "size": 11, "symbol": system_style(system)["symbol"]},
                     "customdata": [c for _, c in measured],
                     "hovertemplate": hover,
                     "xaxis": f"x{axis_suffix}",
                     "yaxis": f"y{axis_suffix}",
+                }
+            )
+    return traces
+
+
+def _bytes_traces(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Allgather GB per iteration per system on the right panel (BF16 views: there is no ZeRO++ to
+    compare with); where the records split intra/inter-node, the inter-node part as a thin dotted line."""
+    traces: list[dict[str, Any]] = []
+    by_system: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        if record.get("allgather_bytes_per_iter") is not None:
+            by_system[record["system"]].append(record)
+    for system in sorted(_ordered_systems(by_system), key=lambda s: -system_style(s)["width"]):
+        points = sorted(by_system[system], key=lambda r: r["gpus"])
+        colour = system_colour(system)
+        style = system_style(system)
+        wide = style["width"] > 3
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": f"{system_label(system)}: Allgather GB",
+                "legendgroup": system,
+                "showlegend": False,
+                "x": [r["gpus"] for r in points],
+                "y": [r["allgather_bytes_per_iter"] / 1e9 for r in points],
+                "line": {
+                    "color": _translucent(colour, 0.55) if wide else colour,
+                    "width": style["width"],
+                    "dash": style["dash"],
+                },
+                "marker": {
+                    "color": colour,
+                    "size": style["size"],
+                    "symbol": [_marker_symbol(system, is_measured_point(r)) for r in points],
+                    "line": {"width": 2, "color": colour},
+                },
+                "customdata": [[bytes_split_text(r), provenance_label(r)] for r in points],
+                "hovertemplate": f"<b>{system_label(system)}</b> · %{{x}} GPUs<br>Allgather per iteration: "
+                "%{customdata[0]}<br>source: %{customdata[1]}<extra></extra>",
+                "xaxis": "x2",
+                "yaxis": "y2",
+            }
+        )
+        inter = [r for r in points if r.get("allgather_bytes_inter_node_per_iter") is not None]
+        if inter:
+            traces.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines",
+                    "name": f"{system_label(system)}: inter-node GB",
+                    "legendgroup": system,
+                    "showlegend": False,
+                    "x": [r["gpus"] for r in inter],
+                    "y": [max(r["allgather_bytes_inter_node_per_iter"], 1.0) / 1e9 for r in inter],
+                    "line": {"color": colour, "width": 1.2, "dash": "dot"},
+                    "customdata": [bytes_split_text(r) for r in inter],
+                    "hovertemplate": f"<b>{system_label(system)}</b> · %{{x}} GPUs<br>inter-node part of "
+                    "%{customdata}<extra></extra>",
+                    "xaxis": "x2",
+                    "yaxis": "y2",
                 }
             )
     return traces
@@ -273,27 +389,30 @@ def _speedup_parts_text(record: dict[str, Any]) -> str:
 
 def _bound_traces(records: list[dict[str, Any]], show_legend: bool) -> list[dict[str, Any]]:
     """The band between what perfect overlap alone gives and what fewer bytes plus perfect overlap can
-    give (DESIGN.md bounds), drawn for the full CIERA system; its top edge is the dotted bound line."""
-    candidates = [r for r in records if r["system"] == "ciera" and r.get("bound_speedup") is not None]
-    if not candidates:
-        candidates = [
-            r for r in records if r["system"].startswith("ciera") and r.get("bound_speedup") is not None
-        ]
-    best_by_gpus: dict[int, dict[str, Any]] = {}
-    for record in candidates:
-        held = best_by_gpus.get(record["gpus"])
-        if held is None or record["bound_speedup"] > held["bound_speedup"]:
-            best_by_gpus[record["gpus"]] = record
-    if not best_by_gpus:
+    give (DESIGN.md bounds), from the full CIERA system's own records (the most compressing variant
+    present when the full system is absent); none when those records state no bound."""
+    owner = next(
+        (
+            s
+            for s in ("ciera", "ciera-er-bsc", "ciera-er")
+            if any(r["system"] == s and r.get("bound_speedup") is not None for r in records)
+        ),
+        None,
+    )
+    if owner is None:
         return []
-    points = [best_by_gpus[g] for g in sorted(best_by_gpus)]
+    points = sorted(
+        (r for r in records if r["system"] == owner and r.get("bound_speedup") is not None),
+        key=lambda r: r["gpus"],
+    )
     gpus = [r["gpus"] for r in points]
     bound = [r["bound_speedup"] for r in points]
     overlap_only = [
         r["overlap_only_speedup"] if r.get("overlap_only_speedup") is not None else r["bound_speedup"]
         for r in points
     ]
-    colour = system_colour("ciera")
+    colour = system_colour(owner)
+    label = system_label(owner)
     return [
         {
             "type": "scatter",
@@ -311,7 +430,7 @@ def _bound_traces(records: list[dict[str, Any]], show_legend: bool) -> list[dict
         {
             "type": "scatter",
             "mode": "lines",
-            "name": "bound: fewer bytes + perfect overlap",
+            "name": f"{SHORT_LABELS.get(owner, label)} bound: its bytes + perfect overlap",
             "legendgroup": "bound",
             "showlegend": show_legend,
             "x": gpus,
@@ -319,20 +438,70 @@ def _bound_traces(records: list[dict[str, Any]], show_legend: bool) -> list[dict
             "fill": "tonexty",
             "fillcolor": "rgba(214, 39, 40, 0.08)",
             "line": {"color": colour, "width": 1.5, "dash": "dot"},
-            "hovertemplate": "%{x} GPUs · bound speedup %{y:.3f}×<extra></extra>",
+            "hovertemplate": f"%{{x}} GPUs · {label} bound %{{y:.3f}}×<extra></extra>",
             "xaxis": "x",
             "yaxis": "y",
         },
     ]
 
 
+# Log-axis tick mantissas: fine steps when the values span less than a factor of 3, coarse otherwise.
+FINE_MANTISSAS = (1, 1.1, 1.2, 1.3, 1.4, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)
+COARSE_MANTISSAS = (1, 1.5, 2, 3, 5, 7)
+
+
+def log_axis_ticks(values: Iterable[float], suffix: str = "×") -> dict[str, Any]:
+    """A log axis spanning `values` (and 1 when `suffix` is '×') with readable round ticks."""
+    positive = [v for v in values if v is not None and v > 0]
+    if suffix == "×":
+        positive.append(1.0)
+    if not positive:
+        return {"type": "log"}
+    low, high = min(positive), max(positive)
+    padding = 0.04 + 0.04 * (math.log10(high) - math.log10(low))
+    span = [math.log10(low) - padding, math.log10(high) + padding]
+    mantissas = FINE_MANTISSAS if high / low < 3 else COARSE_MANTISSAS
+    decades = range(math.floor(span[0]), math.ceil(span[1]) + 1)
+    inside = [
+        t
+        for t in sorted({float(f"{m * 10.0**e:.6g}") for e in decades for m in mantissas})
+        if span[0] <= math.log10(t) <= span[1]
+    ]
+    if high / low > 1000:  # many decades: powers of ten only
+        inside = [t for t in inside if math.log10(t).is_integer()]
+    return {
+        "type": "log",
+        "range": span,
+        "autorange": False,
+        "tickvals": inside,
+        "ticktext": [f"{t:g}{suffix}" for t in inside],
+    }
+
+
+def _layout_updates(prefix: str, axis: dict[str, Any]) -> dict[str, Any]:
+    """Axis properties as relayout keys ('yaxis.range'), for a dropdown entry that changes them."""
+    return {f"{prefix}.{key}": value for key, value in axis.items()}
+
+
 def speedup_figure(records: list[dict[str, Any]]) -> Figure:
-    """Speedup vs GPUs: left panel against ZeRO-3, right panel against ZeRO++ (FP16 only); a dropdown
-    picks the model and dtype."""
+    """Speedup vs GPUs on log axes: left against ZeRO-3; right against ZeRO++ in FP16 views and, in
+    BF16 views (ZeRO++ is FP16 only), the Allgather bytes per iteration. Coinciding lines are named under
+    the plot with the reason; a dropdown picks the model and dtype."""
+    from .summary import coincidence_lines, coincidences  # summary imports inputs only
+
     views = _views(records)
+    all_gpus = [r["gpus"] for r in records]
     data: list[dict[str, Any]] = []
     owners: list[int] = []
     view_layouts: list[dict[str, Any]] = []
+    legend_rows = _legend_rows(
+        [
+            "perfect overlap, no compression",
+            "CIERA bound: its bytes + perfect overlap",
+            *(system_label(s) for s in _ordered_systems({r["system"] for r in records} - {"zero3"})),
+        ]
+    )
+    notes_by_view: list[list[str]] = []
     for view_index, (model, dtype) in enumerate(views):
         selected = [r for r in records if r["model"] == model and r["dtype"] == dtype]
         view_traces = _bound_traces(selected, show_legend=True)
@@ -344,60 +513,129 @@ def speedup_figure(records: list[dict[str, Any]]) -> Figure:
             show_legend=True,
         )
         has_zeropp = any(r.get("speedup_vs_zeropp") is not None for r in selected)
-        view_traces += _speedup_traces(
-            [r for r in selected if r["system"] != "zeropp"],
-            "speedup_vs_zeropp",
-            "2",
-            "ZeRO++",
-            show_legend=False,
-        )
+        if has_zeropp:
+            view_traces += _speedup_traces(
+                [r for r in selected if r["system"] != "zeropp"],
+                "speedup_vs_zeropp",
+                "2",
+                "ZeRO++",
+                show_legend=False,
+            )
+            right_values = [r["speedup_vs_zeropp"] for r in selected if r.get("speedup_vs_zeropp")]
+            right_axis = {
+                **log_axis_ticks(right_values),
+                "title.text": "speedup (× ZeRO++ iteration time, log)",
+            }
+            right_title = "vs ZeRO++ (int8 weights, lossy; FP16 only)"
+        else:
+            view_traces += _bytes_traces(selected)
+            right_values = [
+                r["allgather_bytes_per_iter"] / 1e9 for r in selected if r.get("allgather_bytes_per_iter")
+            ]
+            right_axis = {
+                **log_axis_ticks(right_values, suffix=""),
+                "title.text": "Allgather GB per iteration (log)",
+            }
+            right_title = "Allgather bytes (ZeRO++ is FP16 only)"
         data += view_traces
         owners += [view_index] * len(view_traces)
-        annotations = [
-            _panel_title("vs ZeRO-3", "x domain", "y domain"),
-            _panel_title("vs ZeRO++ (int8 weights, FP16 only)", "x2 domain", "y2 domain"),
+        left_values = [
+            v
+            for r in selected
+            for v in (r["speedup_vs_zero3"], r.get("bound_speedup"), r.get("overlap_only_speedup"))
+            if v is not None
         ]
-        if not has_zeropp:
-            annotations.append(
-                {
-                    "text": "ZeRO++ is modelled for FP16 only;<br>pick an fp16 view to compare against it.",
-                    "xref": "x2 domain",
-                    "yref": "y2 domain",
-                    "x": 0.5,
-                    "y": 0.5,
-                    "showarrow": False,
-                    "font": {"size": 13, "color": "#6b7280"},
-                }
-            )
+        notes = coincidence_lines(coincidences(selected), all_gpus, system_label)
+        if not any(r.get("allgather_bytes_inter_node_per_iter") is not None for r in selected):
+            notes.append("Intra/inter-node split of the Allgather bytes: not in these records.")
+        notes_by_view.append(notes)
         labels = {provenance_label(r) for r in selected}
         provenance = labels.pop() if len(labels) == 1 else "measured and projected points"
         view_layouts.append(
             {
-                "annotations": annotations,
+                "annotations": [
+                    _panel_title("vs ZeRO-3", "x domain", "y domain"),
+                    _panel_title(right_title, "x2 domain", "y2 domain"),
+                ],
                 "title": {"text": f"<b>{model}</b> · {dtype.upper()} · {provenance}", "x": 0.5, "y": 0.98},
+                **_layout_updates("yaxis", log_axis_ticks(left_values)),
+                **_layout_updates("yaxis2", right_axis),
             }
         )
-    all_gpus = [r["gpus"] for r in records]
+    note_rows = max((len(n) for n in notes_by_view), default=0)
+    height_px = 600 + NOTE_ROW_PX * note_rows
+    margin = {
+        "l": 70,
+        "r": 30,
+        "t": 110,
+        "b": LEGEND_TOP_PX + LEGEND_ROW_PX * legend_rows + 16 + NOTE_ROW_PX * note_rows,
+    }
+    plot_px = height_px - margin["t"] - margin["b"]
+    for notes, view_layout in zip(notes_by_view, view_layouts, strict=True):
+        if notes:  # under the legend, in pixels: plotly places paper fractions relative to the plot area
+            view_layout["annotations"].append(
+                {
+                    "text": "<br>".join(notes),
+                    "xref": "paper",
+                    "yref": "paper",
+                    "x": 0,
+                    "y": 0,
+                    "xanchor": "left",
+                    "yanchor": "top",
+                    "align": "left",
+                    "yshift": -(LEGEND_TOP_PX + LEGEND_ROW_PX * legend_rows + 8),
+                    "showarrow": False,
+                    "font": {"size": 12, "color": "#374151"},
+                }
+            )
     parity_traces = [_parity_trace(all_gpus, ""), _parity_trace(all_gpus, "2")]
     data += parity_traces
     owners += [ALWAYS_VISIBLE] * len(parity_traces)
     menus = _view_menus(data, owners, views, view_layouts)
-    layout = _base_layout(600)
-    layout["margin"] = {"l": 70, "r": 30, "t": 110, "b": 120}
-    layout.update(view_layouts[0] if view_layouts else {})
+    layout = _base_layout(height_px)
+    layout["margin"] = margin
+    layout["legend"] = {**layout["legend"], "y": -LEGEND_TOP_PX / plot_px}
     layout.update(
         {
-            "xaxis": _axis("GPUs (world size W, log₂ scale)", domain=[0, 0.47], **_gpu_ticks(all_gpus)),
-            "yaxis": _axis("speedup (× ZeRO-3 iteration time)", rangemode="tozero"),
+            "xaxis": _axis("GPUs (world size W, log₂ scale)", domain=[0, 0.46], **_gpu_ticks(all_gpus)),
+            "yaxis": _axis("speedup (× ZeRO-3 iteration time, log)"),
             "xaxis2": _axis(
-                "GPUs (world size W, log₂ scale)", domain=[0.55, 1], anchor="y2", **_gpu_ticks(all_gpus)
+                "GPUs (world size W, log₂ scale)", domain=[0.56, 1], anchor="y2", **_gpu_ticks(all_gpus)
             ),
-            "yaxis2": _axis("speedup (× ZeRO++ iteration time)", anchor="x2"),
+            "yaxis2": _axis("", anchor="x2"),
             "updatemenus": menus,
             "hovermode": "closest",
         }
     )
+    if view_layouts:
+        _apply_relayout(layout, view_layouts[0])
     return {"data": data, "layout": layout}
+
+
+LEGEND_WIDTH_PX = 640  # what a horizontal legend gets in a 1024 px window (wider windows wrap less)
+
+
+def _legend_rows(names: Sequence[str], font_px: float = 12) -> int:
+    """Rows a horizontal legend wraps into at LEGEND_WIDTH_PX: each entry is its symbol (~40 px) and
+    its text (~0.6 em a character), packed greedily as plotly does."""
+    rows, used = 1, 0.0
+    for name in names:
+        width = 40 + 0.6 * font_px * len(name)
+        if used and used + width > LEGEND_WIDTH_PX:
+            rows, used = rows + 1, 0.0
+        used += width
+    return rows
+
+
+def _apply_relayout(layout: dict[str, Any], update: dict[str, Any]) -> None:
+    """Apply a dropdown entry's layout update ('yaxis.range' keys included) to the initial layout, so
+    the page opens showing exactly what picking view 0 would show."""
+    for key, value in update.items():
+        target = layout
+        *path, last = key.split(".")
+        for part in path:
+            target = target.setdefault(part, {})
+        target[last] = value
 
 
 def _panel_title(text: str, xref: str, yref: str) -> dict[str, Any]:
@@ -433,93 +671,163 @@ def _parity_trace(gpus: Sequence[int], axis_suffix: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------- breakdown
 
+# Short system names for the breakdown's y axes (the panels are narrow); the caption spells them out.
+SHORT_LABELS = {
+    "zero3": "ZeRO-3",
+    "fsdp": "FSDP",
+    "zeropp": "ZeRO++",
+    "ciera-er": "CIERA-ER",
+    "ciera-er-bsc": "ER+BSC",
+    "ciera": "CIERA",
+}
+BREAKDOWN_COLUMNS = 2
+BREAKDOWN_PANEL_PX = 190
+
 
 def breakdown_figure(records: list[dict[str, Any]]) -> Figure:
-    """Stacked iteration-time breakdown per system, grouped by W, with the p50 and p5–p95 band on top;
-    a dropdown picks the model and dtype."""
+    """Iteration time split into compute, exposed Allgather, exposed ReduceScatter, codec and the rest:
+    one panel per world size W, each with its own time axis (W = 4 takes a fraction of a second, W = 128
+    tens of seconds: on one shared axis the small ones vanish), horizontal stacked bars per system with
+    the p50 and its p5–p95 band. A dropdown picks the model and dtype."""
     views = _views(records)
+    all_gpus = sorted({r["gpus"] for r in records})
+    columns = min(BREAKDOWN_COLUMNS, len(all_gpus))
+    rows = math.ceil(len(all_gpus) / columns)
+    systems = _ordered_systems(r["system"] for r in records)
     data: list[dict[str, Any]] = []
     owners: list[int] = []
     view_layouts: list[dict[str, Any]] = []
     for view_index, (model, dtype) in enumerate(views):
-        selected = [r for r in records if r["model"] == model and r["dtype"] == dtype]
-        system_rank = {s: i for i, s in enumerate(_ordered_systems(r["system"] for r in selected))}
-        selected.sort(key=lambda r: (r["gpus"], system_rank[r["system"]]))
-        categories = [[f"W={r['gpus']}" for r in selected], [system_label(r["system"]) for r in selected]]
-        sources = [provenance_label(r) for r in selected]
-        for key in BREAKDOWN_KEYS:
+        for panel, gpus in enumerate(all_gpus):
+            suffix = "" if panel == 0 else str(panel + 1)
+            selected = [
+                r for r in records if r["model"] == model and r["dtype"] == dtype and r["gpus"] == gpus
+            ]
+            selected.sort(key=lambda r: systems.index(r["system"]))
+            labels = [SHORT_LABELS.get(r["system"], r["system"]) for r in selected]
+            sources = [provenance_label(r) for r in selected]
+            for key in BREAKDOWN_KEYS:
+                data.append(
+                    {
+                        "type": "bar",
+                        "orientation": "h",
+                        "name": BREAKDOWN_LABELS[key],
+                        "legendgroup": key,
+                        "showlegend": panel == 0,
+                        "y": labels,
+                        "x": [r["breakdown_s"][key] for r in selected],
+                        # Projected bars are paler: model output, not a measurement. (Not hatched:
+                        # plotly's pattern fills did not draw in headless Chromium.)
+                        "marker": {
+                            "color": BREAKDOWN_COLOURS[key],
+                            "opacity": [
+                                1.0 if is_measured_point(r) else ANALYTIC_BAR_OPACITY for r in selected
+                            ],
+                            "line": {"width": 0},
+                        },
+                        "customdata": [
+                            [
+                                system_label(r["system"]),
+                                s,
+                                r["breakdown_s"][key] / max(r["iteration_s"]["p50"], 1e-12),
+                            ]
+                            for r, s in zip(selected, sources, strict=True)
+                        ],
+                        "hovertemplate": (
+                            f"<b>%{{customdata[0]}}</b> · W={gpus}<br>{BREAKDOWN_LABELS[key]}: <b>%{{x:.4g}} s</b>"
+                            " (%{customdata[2]:.0%} of p50)<br>source: %{customdata[1]}<extra></extra>"
+                        ),
+                        "xaxis": f"x{suffix}",
+                        "yaxis": f"y{suffix}",
+                    }
+                )
+                owners.append(view_index)
             data.append(
                 {
-                    "type": "bar",
-                    "name": BREAKDOWN_LABELS[key],
-                    "legendgroup": key,
-                    "x": categories,
-                    "y": [r["breakdown_s"][key] for r in selected],
-                    # Projected bars are paler: model output, not a measurement. (Not hatched: plotly's
-                    # pattern fills did not draw in headless Chromium.)
-                    "marker": {
-                        "color": BREAKDOWN_COLOURS[key],
-                        "opacity": [1.0 if is_measured_point(r) else ANALYTIC_BAR_OPACITY for r in selected],
-                        "line": {"width": 0},
+                    "type": "scatter",
+                    "mode": "markers",
+                    "name": "iteration p50 (whiskers: p5–p95)",
+                    "legendgroup": "iteration",
+                    "showlegend": panel == 0,
+                    "y": labels,
+                    "x": [r["iteration_s"]["p50"] for r in selected],
+                    "error_x": {
+                        "type": "data",
+                        "symmetric": False,
+                        "array": [r["iteration_s"]["p95"] - r["iteration_s"]["p50"] for r in selected],
+                        "arrayminus": [r["iteration_s"]["p50"] - r["iteration_s"]["p5"] for r in selected],
+                        "color": "#111827",
+                        "thickness": 1.2,
+                        "width": 3,
                     },
-                    "customdata": sources,
+                    "marker": {
+                        "symbol": "line-ns-open",
+                        "size": 12,
+                        "color": [system_colour(r["system"]) for r in selected],
+                        "line": {"width": 3},
+                    },
+                    "customdata": [
+                        [system_label(r["system"]), r["iteration_s"]["p5"], r["iteration_s"]["p95"], s]
+                        for r, s in zip(selected, sources, strict=True)
+                    ],
                     "hovertemplate": (
-                        f"%{{x}}<br>{BREAKDOWN_LABELS[key]}: <b>%{{y:.4g}} s</b><br>source: %{{customdata}}"
+                        f"<b>%{{customdata[0]}}</b> · W={gpus}<br>iteration p50 <b>%{{x:.4g}} s</b><br>"
+                        "p5–p95 %{customdata[1]:.4g}–%{customdata[2]:.4g} s<br>source: %{customdata[3]}"
                         "<extra></extra>"
                     ),
+                    "xaxis": f"x{suffix}",
+                    "yaxis": f"y{suffix}",
                 }
             )
             owners.append(view_index)
-        data.append(
-            {
-                "type": "scatter",
-                "mode": "markers",
-                "name": "iteration p50 (bar: p5–p95)",
-                "legendgroup": "iteration",
-                "x": categories,
-                "y": [r["iteration_s"]["p50"] for r in selected],
-                "error_y": {
-                    "type": "data",
-                    "symmetric": False,
-                    "array": [r["iteration_s"]["p95"] - r["iteration_s"]["p50"] for r in selected],
-                    "arrayminus": [r["iteration_s"]["p50"] - r["iteration_s"]["p5"] for r in selected],
-                    "color": "#111827",
-                    "thickness": 1.2,
-                    "width": 3,
-                },
-                "marker": {
-                    "symbol": "line-ew-open",
-                    "size": 10,
-                    "color": [system_colour(r["system"]) for r in selected],
-                    "line": {"width": 3},
-                },
-                "customdata": [
-                    [r["iteration_s"]["p5"], r["iteration_s"]["p95"], provenance_label(r)] for r in selected
-                ],
-                "hovertemplate": (
-                    "%{x}<br>iteration p50 <b>%{y:.4g} s</b><br>p5–p95 %{customdata[0]:.4g}–%{customdata[1]:.4g} s"
-                    "<br>source: %{customdata[2]}<extra></extra>"
-                ),
-            }
-        )
-        owners.append(view_index)
-        view_layouts.append({"title": {"text": f"<b>{model}</b> · {dtype.upper()}", "x": 0.5, "y": 0.98}})
+        view_layouts.append({"title": {"text": f"<b>{model}</b> · {dtype.upper()}", "x": 0.5, "y": 0.985}})
     menus = _view_menus(data, owners, views, view_layouts)
-    layout = _base_layout(560)
+    top_px, bottom_px = 120, 110
+    height_px = top_px + bottom_px + rows * BREAKDOWN_PANEL_PX
+    layout = _base_layout(height_px)
     layout.update(view_layouts[0] if view_layouts else {})
+    plot_px = rows * BREAKDOWN_PANEL_PX
+    row_gap = 0.36 / rows  # room for each panel's tick labels, axis title and the next panel's title
+    column_gap = 0.14  # room for the right column's system names
+    width = (1 - column_gap * (columns - 1)) / columns
+    height = (1 - row_gap * (rows - 1)) / rows
+    annotations = []
+    for panel, gpus in enumerate(all_gpus):
+        suffix = "" if panel == 0 else str(panel + 1)
+        row, column = divmod(panel, columns)
+        left = column * (width + column_gap)
+        top = 1 - row * (height + row_gap)
+        layout[f"xaxis{suffix}"] = _axis(
+            "time per iteration (s)",
+            domain=[max(left, 0.0), min(left + width, 1.0)],
+            anchor=f"y{suffix}",
+            rangemode="tozero",
+        )
+        layout[f"xaxis{suffix}"]["title"]["standoff"] = 4
+        layout[f"yaxis{suffix}"] = _axis(
+            "",
+            domain=[max(top - height, 0.0), min(top, 1.0)],
+            anchor=f"x{suffix}",
+            type="category",
+            categoryorder="array",
+            categoryarray=[SHORT_LABELS.get(s, s) for s in reversed(systems)],
+            showgrid=False,
+            ticks="",
+        )
+        annotations.append(
+            {**_panel_title(f"W = {gpus}", f"x{suffix} domain", f"y{suffix} domain"), "y": 1.0}
+        )
     layout.update(
         {
             "barmode": "stack",
-            "bargap": 0.25,
-            "xaxis": _axis("world size W · system", tickangle=-50, tickfont={"size": 10}),
-            "yaxis": _axis("time per iteration (s)", rangemode="tozero"),
-            "margin": {"l": 70, "r": 30, "t": 130, "b": 170},
+            "bargap": 0.3,
+            "margin": {"l": 80, "r": 30, "t": top_px, "b": bottom_px},
+            "annotations": annotations,
             "legend": {
                 "orientation": "h",
-                "y": 1.02,
-                "yanchor": "bottom",
-                "x": 1,
-                "xanchor": "right",
+                "y": -70 / plot_px,
+                "yanchor": "top",
+                "x": 0,
                 "font": {"size": 12},
             },
             "updatemenus": menus,
@@ -656,6 +964,25 @@ def _weighted_rate_lines(
     return lines
 
 
+RATE_FLOOR = 1e-5  # a log axis has no 0: rates of exactly 0 are drawn at this floor (said in the lede)
+
+
+def _floor(value: float) -> float:
+    return max(float(value), RATE_FLOOR)
+
+
+def iteration_spread(exponents: pd.DataFrame, block_size: int) -> tuple[int, float]:
+    """How many iterations the bundle's runs hold and how far the numel-weighted q of any category moves
+    across them: why the report draws no 'q over iterations' panel (a few flat points say nothing)."""
+    rows = exponents[exponents["block_size"] == block_size]
+    if rows.empty:
+        return 0, 0.0
+    weighted = rows.assign(w=rows["block_change_rate"] * rows["numel"])
+    grouped = weighted.groupby(["category", "iteration"])[["w", "numel"]].sum()
+    q = (grouped["w"] / grouped["numel"].clip(lower=1)).unstack()
+    return int(rows["iteration"].nunique()), float((q.max(axis=1) - q.min(axis=1)).max())
+
+
 def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
     """Per-category distribution of exponent and block change rates (box from precomputed quartiles, so
     the page stays small however many shards the bundle has) and the numel-weighted block change rate over
@@ -686,28 +1013,25 @@ def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
                 "name": label,
                 "offsetgroup": offset_group,
                 "x": present,
-                "q1": [float(quantiles.loc[c, 0.25]) for c in present],
-                "median": [float(quantiles.loc[c, 0.5]) for c in present],
-                "q3": [float(quantiles.loc[c, 0.75]) for c in present],
-                "lowerfence": [float(quantiles.loc[c, 0.05]) for c in present],
-                "upperfence": [float(quantiles.loc[c, 0.95]) for c in present],
-                "mean": [float(means.loc[c]) for c in present],
+                "q1": [_floor(quantiles.loc[c, 0.25]) for c in present],
+                "median": [_floor(quantiles.loc[c, 0.5]) for c in present],
+                "q3": [_floor(quantiles.loc[c, 0.75]) for c in present],
+                "lowerfence": [_floor(quantiles.loc[c, 0.05]) for c in present],
+                "upperfence": [_floor(quantiles.loc[c, 0.95]) for c in present],
+                "mean": [_floor(means.loc[c]) for c in present],
                 "marker": {"color": "#4c78a8" if offset_group == "exp" else "#f58518"},
                 "hoverinfo": "x+y",
                 "xaxis": "x",
                 "yaxis": "y",
             }
         )
-    data += _weighted_rate_lines(rows, categories, "iteration", "iteration %{x}", "2", marker_size=5)
-    data += _weighted_rate_lines(
-        all_rows, categories, "block_size", "B=%{x}", "3", marker_size=6, showlegend=False
-    )
+    data += _weighted_rate_lines(all_rows, categories, "block_size", "B=%{x}", "2", marker_size=6)
     sources = sorted(set(rows["source"].dropna()))
     provenance = (
         " + ".join("analytic traces" if s == "analytic" else f"{s} traces" for s in sources)
         or "unknown source"
     )
-    layout = _base_layout(520)
+    layout = _base_layout(500)
     layout.update(
         {
             "title": {
@@ -716,21 +1040,21 @@ def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
                 "y": 0.97,
             },
             "boxmode": "group",
-            "xaxis": _axis("parameter category", domain=[0, 0.38]),
-            "yaxis": _axis("change rate between iterations (fraction)", rangemode="tozero"),
-            "xaxis2": _axis("iteration", domain=[0.46, 0.71], anchor="y2", dtick=1),
-            "yaxis2": _axis(f"block change rate q at B={block_size}", anchor="x2", rangemode="tozero"),
-            "xaxis3": _axis(
-                "block size B (values, log₂ scale)", domain=[0.79, 1], anchor="y3", **_gpu_ticks(block_sizes)
+            # Log: value churn (~10⁻³) and block churn q (~0.5) differ by orders of magnitude.
+            "xaxis": _axis("parameter category", domain=[0, 0.5]),
+            "yaxis": _axis(
+                "change rate between iterations (log)", type="log", **_log_ticks([RATE_FLOOR, 1.0])
             ),
-            "yaxis3": _axis("block change rate q", anchor="x3", rangemode="tozero"),
+            "xaxis2": _axis(
+                "block size B (values, log₂ scale)", domain=[0.62, 1], anchor="y2", **_gpu_ticks(block_sizes)
+            ),
+            "yaxis2": _axis("block change rate q", anchor="x2", rangemode="tozero"),
             "annotations": [
                 _panel_title("per category (box p25–p75, whiskers p5–p95)", "x domain", "y domain"),
-                _panel_title("q over iterations (numel-weighted)", "x2 domain", "y2 domain"),
-                _panel_title("q vs block size", "x3 domain", "y3 domain"),
+                _panel_title("q vs block size (numel-weighted)", "x2 domain", "y2 domain"),
             ],
-            "margin": {"l": 70, "r": 30, "t": 90, "b": 110},
-            "legend": {"orientation": "h", "y": -0.28, "x": 0, "font": {"size": 12}},
+            "margin": {"l": 70, "r": 30, "t": 90, "b": 120},
+            "legend": {"orientation": "h", "y": -0.3, "x": 0, "font": {"size": 12}},
         }
     )
     return {"data": data, "layout": layout}

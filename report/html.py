@@ -13,6 +13,7 @@ from typing import Any
 from traces import TraceBundle
 
 from .figures import (
+    DEFAULT_BLOCK_SIZE,
     Figure,
     breakdown_figure,
     divergence_arm_colour,
@@ -20,13 +21,21 @@ from .figures import (
     divergence_log_figure,
     divergence_share_figure,
     exponent_figure,
+    iteration_spread,
     sensitivity_figure,
     speedup_figure,
     system_colour,
     system_label,
     timeline_figure,
 )
-from .inputs import SYSTEMS, is_measured_point, provenance_label, validate_record, validate_timeline
+from .inputs import (
+    SYSTEMS,
+    is_measured_point,
+    provenance_label,
+    timeline_contexts,
+    validate_record,
+    validate_timeline,
+)
 from .sensitivity import (
     BANDWIDTH_KEYS,
     BandwidthSweep,
@@ -35,6 +44,7 @@ from .sensitivity import (
     sweep_views,
     validate_sweep_records,
 )
+from .summary import PAYS_ABOVE, SummaryRow, pays_text, summary_rows
 from .validation import (
     PRODUCERS,
     REPLAY_TARGET,
@@ -83,8 +93,15 @@ section p.lede { margin:0 0 10px; color:var(--muted); font-size:14px; max-width:
 p.caption { color:var(--muted); font-size:13px; margin:8px 0 0; max-width:980px; }
 table.records td.wrap { white-space:normal; }
 table.records { border-collapse:collapse; width:100%; font-size:13px; font-variant-numeric:tabular-nums; }
-table.records th, table.records td { padding:4px 8px; border-bottom:1px solid var(--line); text-align:right;
+table.records th, table.records td { padding:4px 5px; border-bottom:1px solid var(--line); text-align:right;
                                      white-space:nowrap; }
+table.records th { white-space:normal; vertical-align:bottom; }
+#records-table { font-size:12.5px; }
+#records-table .split { color:var(--muted); font-size:11.5px; }
+table.summary td { white-space:normal; vertical-align:top; }
+table.summary td .lossy { color:var(--muted); font-size:12px; }
+table.summary td.pays { font-weight:600; }
+.verdict { margin:8px 0 4px; font-size:15px; max-width:980px; }
 table.records th { position:sticky; top:0; background:#f3f4f6; cursor:pointer; user-select:none; }
 table.records td.text, table.records th.text { text-align:left; }
 table.records tr.projected td.source { color:#b45309; }
@@ -194,6 +211,7 @@ def _records_table(records: list[dict[str, Any]]) -> str:
             r["system"],
         ),
     )
+    has_split = any(r.get("allgather_bytes_inter_node_per_iter") is not None for r in records)
     headers = [
         ("model", "text"),
         ("dtype", "text"),
@@ -204,9 +222,8 @@ def _records_table(records: list[dict[str, Any]]) -> str:
         ("p5–p95 (s)", ""),
         ("× ZeRO-3", ""),
         ("× ZeRO++", ""),
-        ("bound ×", ""),
-        ("overlap-only ×", ""),
-        ("Allgather GB/iter", ""),
+        ("own bound × / overlap-only ×", ""),
+        ("Allgather GB/iter" + (" (intra / inter-node)" if has_split else ""), ""),
         ("shards selected", ""),
     ]
     head = "".join(f'<th class="{css}">{html.escape(name)}</th>' for name, css in headers)
@@ -214,26 +231,47 @@ def _records_table(records: list[dict[str, Any]]) -> str:
     for r in ordered:
         iteration = r["iteration_s"]
         allgather_bytes = r.get("allgather_bytes_per_iter")
+        intra = r.get("allgather_bytes_intra_node_per_iter")
+        inter = r.get("allgather_bytes_inter_node_per_iter")
+        split = (
+            f'<br><span class="split">{_format_number(intra / 1e9, 3)} / {_format_number(inter / 1e9, 3)}</span>'
+            if intra is not None and inter is not None
+            else ("<br>—" if has_split else "")
+        )
+        selected = r.get("shards_selected")
+        total = r.get("shards_total")
+        shards = _format_number(selected, 6) + (f" / {total}" if selected is not None and total else "")
         cells = [
-            f'<td class="text">{html.escape(r["model"])}</td>',
+            f'<td class="text wrap">{html.escape(r["model"])}</td>',
             f'<td class="text">{html.escape(r["dtype"])}</td>',
             f"<td>{r['gpus']}</td>",
-            f'<td class="text" style="color:{system_colour(r["system"])};font-weight:600">'
+            f'<td class="text wrap" style="color:{system_colour(r["system"])};font-weight:600">'
             f"{html.escape(system_label(r['system']))}</td>",
-            f'<td class="text source">{provenance_label(r)}</td>',
+            f'<td class="text wrap source">{provenance_label(r)}</td>',
             f"<td>{_format_number(iteration['p50'])}</td>",
-            f'<td data-sort="{iteration["p5"]}">{_format_number(iteration["p5"])}–{_format_number(iteration["p95"])}</td>',
+            f'<td class="wrap" data-sort="{iteration["p5"]}">{_format_number(iteration["p5"])}–'
+            f"{_format_number(iteration['p95'])}</td>",
             f"<td>{_format_number(r['speedup_vs_zero3'], 3)}</td>",
             f"<td>{_format_number(r.get('speedup_vs_zeropp'), 3)}</td>",
-            f"<td>{_format_number(r.get('bound_speedup'), 3)}</td>",
-            f"<td>{_format_number(r.get('overlap_only_speedup'), 3)}</td>",
-            f"<td>{_format_number(None if allgather_bytes is None else allgather_bytes / 1e9)}</td>",
-            f"<td>{_format_number(r.get('shards_selected'), 6)}</td>",
+            f'<td data-sort="{r.get("bound_speedup") or 0}">{_format_number(r.get("bound_speedup"), 3)} / '
+            f"{_format_number(r.get('overlap_only_speedup'), 3)}</td>",
+            f'<td data-sort="{allgather_bytes or 0}">'
+            f"{_format_number(None if allgather_bytes is None else allgather_bytes / 1e9)}{split}</td>",
+            f'<td class="wrap">{shards}</td>',
         ]
         row_class = "measured" if is_measured_point(r) else "projected"
         rows.append(f'<tr class="{row_class}">{"".join(cells)}</tr>')
+    missing = []
+    if not has_split:
+        missing.append(
+            "The intra/inter-node split of the Allgather bytes is not in these records (older simulator "
+            "output); the total is shown."
+        )
+    if any(r.get("bound_speedup") is None for r in records):
+        missing.append("“—” as a bound: the record states no bound for that system.")
+    notes = f'<p class="caption">{" ".join(missing)}</p>' if missing else ""
     return (
-        '<div class="table-tools"><input id="records-filter" type="search" '
+        notes + '<div class="table-tools"><input id="records-filter" type="search" '
         'placeholder="filter rows, e.g. &quot;mixtral fp16 ciera&quot;"> '
         "<span>click a column header to sort</span></div>"
         f'<div class="table-scroll"><table class="records" id="records-table"><thead><tr>{head}</tr></thead>'
@@ -724,6 +762,85 @@ def _validation_body(results: ValidationResults | None) -> tuple[str, dict[str, 
     return "".join(blocks), figures
 
 
+def _summary_body(records: list[dict[str, Any]]) -> str:
+    """Per model and dtype: the best system and its speedup over ZeRO-3 at each W (the best lossless one,
+    and a lossy ZeRO++ beneath it when that is faster), and from which W the full CIERA pays."""
+    rows = summary_rows(records, provenance_label)
+    gpus = sorted({r["gpus"] for r in records})
+    head = "".join(
+        [
+            '<th class="text">model · dtype</th>',
+            *(f"<th>W = {g}</th>" for g in gpus),
+            f'<th class="text">{html.escape(system_label("ciera"))} pays over ZeRO-3</th>',
+        ]
+    )
+
+    def cell(row: SummaryRow, g: int) -> str:
+        if g not in row.best:
+            return "<td>—</td>"
+        system, speedup = row.best_lossless.get(g, row.best[g])
+        text = (
+            f'<span style="color:{system_colour(system)};font-weight:600">{html.escape(system_label(system))}'
+            f"</span> {speedup:.2f}×"
+        )
+        if system != "ciera" and g in row.ciera:
+            text += f'<br><span class="lossy">CIERA {row.ciera[g]:.2f}×</span>'
+        best_system, best_speedup = row.best[g]
+        if best_system != system:
+            text += (
+                f'<br><span class="lossy">{html.escape(system_label(best_system))} {best_speedup:.2f}× '
+                "(int8, lossy)</span>"
+            )
+        return f"<td>{text}</td>"
+
+    body = "".join(
+        f'<tr><td class="text">{html.escape(row.model)} · {row.dtype}</td>'
+        + "".join(cell(row, g) for g in gpus)
+        + f'<td class="text pays">{html.escape(pays_text(row))}</td></tr>'
+        for row in rows
+    )
+    target = 64 if 64 in gpus else gpus[-1]
+    verdicts = []
+    for dtype in ("bf16", "fp16"):
+        at_target = [row for row in rows if row.dtype == dtype and target in row.ciera]
+        if not at_target:
+            continue
+        values = [row.ciera[target] for row in at_target]
+        paying = sum(v > PAYS_ABOVE for v in values)
+        better = [
+            row.model
+            for row in at_target
+            if row.best_lossless.get(target, ("ciera", 0))[0] != "ciera"
+            and row.best_lossless[target][1] > row.ciera[target] + 1e-3
+        ]
+        line = (
+            f"{dtype.upper()}: {system_label('ciera')} is {min(values):.2f}–{max(values):.2f}× ZeRO-3's speed "
+            f"across the {len(values)} models and pays for {paying} of them"
+        )
+        if better:
+            line += f"; a simpler CIERA variant or another lossless system is faster for {', '.join(better)}"
+        verdicts.append(html.escape(line) + ".")
+    provenance = sorted({row.provenance for row in rows})
+    caution = (
+        "Every number here is an <b>analytic projection</b> of the simulator (traces from the analytic "
+        "generator, extrapolated to these world sizes), not a measurement: check it against a measured run "
+        "of your cluster (<code>ciera report --bundle measured</code>, the Validation section) before deploying."
+        if provenance == ["analytic projection"]
+        else f"Sources: {html.escape(', '.join(provenance))}; hollow markers and pale bars below are projections."
+    )
+    return (
+        f'<p class="verdict"><b>At W = {target}:</b> {" ".join(verdicts)}</p>'
+        f'<p class="caption">{caution}</p>'
+        f'<div class="table-wide"><table class="records summary" id="summary-table"><thead><tr>{head}</tr>'
+        f"</thead><tbody>{body}</tbody></table></div>"
+        '<p class="caption">Each cell: the fastest <em>lossless</em> system at that W and its speedup over '
+        f"ZeRO-3 (p50 iteration times); below it, {html.escape(system_label('ciera'))}'s own speedup when "
+        "another system is faster, and ZeRO++ when its int8 (lossy) gathers are faster still. A speedup of "
+        f"at most {PAYS_ABOVE:.3f}× counts as not paying (a CIERA that selects no shard replays ZeRO-3 "
+        "exactly). “Pays from W = n”: at n and every larger swept W.</p>"
+    )
+
+
 def _provenance_banner(records: list[dict[str, Any]], bundle: TraceBundle | None) -> str:
     measured = sum(is_measured_point(r) for r in records)
     analytic = sum(provenance_label(r) == "analytic projection" for r in records)
@@ -773,8 +890,16 @@ def build_report(
     timeline_events = validate_timeline(list(timeline_events), "<timeline>")
     systems_present = [s for s in SYSTEMS if any(r["system"] == s for r in records)]
     if timeline_caption is None:
-        contexts = sorted({event["context"] for event in timeline_events if event.get("context")})
-        timeline_caption = f"Simulated: {'; '.join(contexts)}." if contexts else None
+        contexts = timeline_contexts(timeline_events)
+        timeline_caption = (
+            (
+                f"Simulated: {'; '.join(contexts)}."
+                if contexts
+                else "The timeline does not say which model, dtype and W it shows."
+            )
+            if timeline_events
+            else None
+        )
 
     figures: dict[str, dict[str, Any]] = {}
     if records:
@@ -800,8 +925,17 @@ def build_report(
             reference_label,
         )
     has_exponents = bundle is not None and len(bundle.exponents) > 0
+    exponent_note = ""
     if has_exponents:
         figures["fig-exponents"] = exponent_figure(bundle.exponents, bundle.runs)
+        block_sizes = set(bundle.exponents["block_size"].astype(int))
+        block_size = DEFAULT_BLOCK_SIZE if DEFAULT_BLOCK_SIZE in block_sizes else max(block_sizes)
+        iterations, spread = iteration_spread(bundle.exponents, block_size)
+        exponent_note = (
+            f"q over iterations is not drawn: the bundle holds {iterations} iteration"
+            f"{'s' if iterations != 1 else ''} per run and no category's q moves by more than {spread:.3f} "
+            "across them, so it would be flat lines."
+        )
 
     measured_rows = measured_run_rows(bundle) if bundle is not None else []
     if validation is not None:
@@ -815,14 +949,27 @@ def build_report(
     no_records = '<p class="empty">No simulation records.</p>'
     sections = [
         section(
+            "summary",
+            "Summary: where CIERA pays",
+            "Per model and dtype, the fastest system at each world size W and its speedup over ZeRO-3, and "
+            "from which W the full CIERA (ER+BSC+CCP) pays. The sections below show how each number comes "
+            "about.",
+            _summary_body(records) if records else no_records,
+        ),
+        section(
             "speedup",
             "Speedup vs GPUs",
-            "Iteration-time speedup of each system over ZeRO-3 (left) and over ZeRO++ (right, FP16 only) as the "
-            "world size grows. Filled markers on solid lines are measured; hollow markers on dashed lines are "
-            "analytic projections. For CIERA (ER+BSC+CCP) the shaded band runs from what perfect overlap alone gives "
-            "(dash-dot) up to the bound that its fewer bytes plus perfect overlap allow (dotted); every point's own "
-            "bound and the split of its speedup into bytes × overlap × other are in its hover text. The dotted "
-            "line at 1 is parity. "
+            "Iteration-time speedup (ratio of p50 iteration times) of each system over ZeRO-3 as the world "
+            "size grows, on log axes so ZeRO++ at several × and CIERA near 1× both read. Right: in FP16 "
+            "views the speedup over ZeRO++ (int8 weight gathers: lossy, FP16 only); in BF16 views, where "
+            "ZeRO++ does not exist, the Allgather bytes per iteration that CIERA's compression cuts. Filled "
+            "markers on solid lines are measured; hollow markers on dashed lines are projections. Each system "
+            "has its own marker and dash, and the CIERA variants are drawn widest first (ER wide and pale, "
+            "ER+BSC dotted, CIERA thin on top), so lines that coincide stay visible; which ones coincide, and "
+            "why, is written under the plot. For CIERA (ER+BSC+CCP) the shaded band runs from what perfect "
+            "overlap alone gives (dash-dot) up to the bound its own fewer bytes plus perfect overlap allow "
+            "(dotted); every point's own bound (none for systems without one), bytes and the split of its "
+            "speedup into bytes × overlap × other are in its hover text. The dotted line at 1 is parity. "
             "Use the dropdown to pick the model and dtype.",
             (_system_key([s for s in systems_present if s != "zero3"]) + _plot_div("fig-speedup"))
             if records
@@ -848,19 +995,25 @@ def build_report(
         section(
             "breakdown",
             "Where the iteration time goes",
-            "Stacked per-rank time of one iteration for every system, grouped by world size W: compute, the "
-            "Allgather and ReduceScatter time not hidden behind compute, codec work left on the critical path, "
-            "and the rest (optimizer step, launch gaps). Markers with whiskers show the p50 iteration time and "
-            "its p5–p95 Monte Carlo band. Paler bars are analytic projections, full-colour bars measured.",
+            "The simulator's attribution of one iteration's critical path (nominal replay) to compute, "
+            "Allgather and ReduceScatter time not hidden behind compute, codec work on the critical path, and "
+            "the rest (optimizer step, launch gaps), per system. One panel per world size W, each with its own "
+            "time axis, because W = 4 takes a fraction of what W = 128 takes (compare bars within a panel; "
+            "the axis values across panels). The vertical tick with whiskers is the Monte Carlo p50 iteration "
+            "time and its p5–p95 band. ER+BSC is CIERA-ER+BSC, CIERA is ER+BSC+CCP. Paler bars are "
+            "projections, full-colour bars measured.",
             _plot_div("fig-breakdown") if records else no_records,
         ),
         section(
             "timeline",
             "One iteration, per stream",
-            "Gantt view of one simulated iteration per system: each row is a stream of a rank (compute, "
+            (f"<b>{html.escape(timeline_caption)}</b> " if timeline_caption else "")
+            + "Gantt view of one simulated iteration per system: each row is a stream of a rank (compute, "
             "Allgather, ReduceScatter, codec sender, codec receiver); gaps are idle time. Panels share the time "
-            "axis: zoom one to zoom all. The same trace opens in Perfetto (ciera simulate --timeline)."
-            + (f" {html.escape(timeline_caption)}" if timeline_caption else ""),
+            "axis: zoom one to zoom all. The same trace opens in Perfetto (ciera simulate --timeline). It is "
+            "one (model, dtype, W), not the one picked in the dropdowns above; for another, run "
+            "<code>ciera simulate --models M --gpus W --dtype D --json s.json --timeline t.json</code> and "
+            "<code>ciera report --records s.json --timeline t.json</code>.",
             _plot_div("fig-timeline")
             if timeline_events
             else '<p class="empty">No timeline events were given.</p>',
@@ -870,7 +1023,9 @@ def build_report(
             "Exponent churn",
             "How often exponents change between iterations, per parameter category: the fraction of values "
             "whose exponent changed, and the fraction of B-value blocks holding any change (the block change "
-            "rate q that sets CIERA's payload ratio r(q) ≈ 0.5 + 1/(16B) + q·H/16 for BF16).",
+            "rate q that sets CIERA's payload ratio r(q) ≈ 0.5 + 1/(16B) + q·H/16 for BF16), on a log axis "
+            "(a rate of exactly 0 is drawn at 10⁻⁵); and how q grows with the block size B."
+            + (f" {html.escape(exponent_note)}" if exponent_note else ""),
             _plot_div("fig-exponents")
             if has_exponents
             else '<p class="empty">The trace bundle holds no exponent statistics.</p>',
@@ -908,8 +1063,9 @@ def build_report(
             "records",
             "All records",
             "Every simulated (model, dtype, GPUs, system) point. Speedups are ratios of p50 iteration times; "
-            "“bound ×” is the most that fewer Allgather bytes plus perfect overlap could give, “overlap-only ×” "
-            "what perfect overlap gives without compression.",
+            "“own bound ×” is the most that this system's own Allgather bytes plus perfect overlap could give "
+            "(“—” where the record states none), “overlap-only ×” what perfect overlap gives without "
+            "compression; “source” says whether the point is measured or a projection (and from which traces).",
             _records_table(records) if records else no_records,
         ),
     ]
@@ -925,6 +1081,7 @@ def build_report(
     nav = "".join(
         f'<a href="#{anchor}">{name}</a>'
         for anchor, name in (
+            ("summary", "Summary"),
             ("speedup", "Speedup"),
             ("sensitivity", "Bandwidth"),
             ("breakdown", "Breakdown"),

@@ -208,6 +208,20 @@ def validate_timeline(document: object, origin: str) -> list[dict[str, Any]]:
     return complete_events
 
 
+def timeline_contexts(events: list[dict[str, Any]]) -> list[str]:
+    """What the timeline's process names say was simulated, e.g. 'Mixtral-8x7B bf16 W=32' (deduplicated)."""
+    return sorted({event["context"] for event in events if event.get("context")})
+
+
+def parse_context(context: str) -> tuple[str, str, int] | None:
+    """'Mixtral-8x7B bf16 W=32' → ('Mixtral-8x7B', 'bf16', 32); None for any other shape."""
+    parts = context.rsplit(" ", 2)
+    if len(parts) != 3 or parts[1] not in DTYPES or not parts[2].startswith("W="):
+        return None
+    gpus = parts[2][2:]
+    return (parts[0], parts[1], int(gpus)) if gpus.isdigit() else None
+
+
 def load_timeline(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     path = Path(path)
     return validate_timeline(read_json(path), str(path))

@@ -89,7 +89,12 @@ def test_figures_are_valid_plotly(records, timeline_events, bundle):
 def test_colours_are_consistent_per_system(records, timeline_events):
     speedup = speedup_figure(records)
     timeline = timeline_figure(validate_timeline(timeline_events, "t"))
-    speedup_colours = {t["legendgroup"]: t["line"]["color"] for t in speedup["data"] if "legendgroup" in t}
+    # Markers carry the system's colour; a wide underlay line is a paler version of it.
+    speedup_colours = {
+        t["legendgroup"]: t["marker"]["color"]
+        for t in speedup["data"]
+        if "legendgroup" in t and "marker" in t
+    }
     for trace in timeline["data"]:
         system = next(
             s

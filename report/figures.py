@@ -494,13 +494,10 @@ def speedup_figure(records: list[dict[str, Any]]) -> Figure:
     data: list[dict[str, Any]] = []
     owners: list[int] = []
     view_layouts: list[dict[str, Any]] = []
-    legend_rows = _legend_rows(
-        [
-            "perfect overlap, no compression",
-            "CIERA bound: its bytes + perfect overlap",
-            *(system_label(s) for s in _ordered_systems({r["system"] for r in records} - {"zero3"})),
-        ]
-    )
+    # Plotly wraps a horizontal legend into aligned columns whose count depends on the width: budget for
+    # three entries a row (what 1024 px holds), so the legend never runs off the bottom.
+    legend_entries = 2 + len({r["system"] for r in records} - {"zero3"})
+    legend_rows = math.ceil(legend_entries / 3)
     notes_by_view: list[list[str]] = []
     for view_index, (model, dtype) in enumerate(views):
         selected = [r for r in records if r["model"] == model and r["dtype"] == dtype]
@@ -563,16 +560,13 @@ def speedup_figure(records: list[dict[str, Any]]) -> Figure:
             }
         )
     note_rows = max((len(n) for n in notes_by_view), default=0)
-    height_px = 600 + NOTE_ROW_PX * note_rows
-    margin = {
-        "l": 70,
-        "r": 30,
-        "t": 110,
-        "b": LEGEND_TOP_PX + LEGEND_ROW_PX * legend_rows + 16 + NOTE_ROW_PX * note_rows,
-    }
+    notes_px = NOTE_ROW_PX * note_rows + (10 if note_rows else 0)
+    height_px = 600 + notes_px
+    margin = {"l": 70, "r": 30, "t": 110, "b": LEGEND_TOP_PX + notes_px + LEGEND_ROW_PX * legend_rows + 10}
     plot_px = height_px - margin["t"] - margin["b"]
     for notes, view_layout in zip(notes_by_view, view_layouts, strict=True):
-        if notes:  # under the legend, in pixels: plotly places paper fractions relative to the plot area
+        if notes:  # under the x axis title, above the legend; in pixels (yshift), since plotly places
+            # paper fractions relative to the plot area
             view_layout["annotations"].append(
                 {
                     "text": "<br>".join(notes),
@@ -583,7 +577,7 @@ def speedup_figure(records: list[dict[str, Any]]) -> Figure:
                     "xanchor": "left",
                     "yanchor": "top",
                     "align": "left",
-                    "yshift": -(LEGEND_TOP_PX + LEGEND_ROW_PX * legend_rows + 8),
+                    "yshift": -LEGEND_TOP_PX,
                     "showarrow": False,
                     "font": {"size": 12, "color": "#374151"},
                 }
@@ -594,7 +588,7 @@ def speedup_figure(records: list[dict[str, Any]]) -> Figure:
     menus = _view_menus(data, owners, views, view_layouts)
     layout = _base_layout(height_px)
     layout["margin"] = margin
-    layout["legend"] = {**layout["legend"], "y": -LEGEND_TOP_PX / plot_px}
+    layout["legend"] = {**layout["legend"], "y": -(LEGEND_TOP_PX + notes_px) / plot_px}
     layout.update(
         {
             "xaxis": _axis("GPUs (world size W, log₂ scale)", domain=[0, 0.46], **_gpu_ticks(all_gpus)),
@@ -610,21 +604,6 @@ def speedup_figure(records: list[dict[str, Any]]) -> Figure:
     if view_layouts:
         _apply_relayout(layout, view_layouts[0])
     return {"data": data, "layout": layout}
-
-
-LEGEND_WIDTH_PX = 640  # what a horizontal legend gets in a 1024 px window (wider windows wrap less)
-
-
-def _legend_rows(names: Sequence[str], font_px: float = 12) -> int:
-    """Rows a horizontal legend wraps into at LEGEND_WIDTH_PX: each entry is its symbol (~40 px) and
-    its text (~0.6 em a character), packed greedily as plotly does."""
-    rows, used = 1, 0.0
-    for name in names:
-        width = 40 + 0.6 * font_px * len(name)
-        if used and used + width > LEGEND_WIDTH_PX:
-            rows, used = rows + 1, 0.0
-        used += width
-    return rows
 
 
 def _apply_relayout(layout: dict[str, Any], update: dict[str, Any]) -> None:
@@ -682,6 +661,10 @@ SHORT_LABELS = {
 }
 BREAKDOWN_COLUMNS = 2
 BREAKDOWN_PANEL_PX = 190
+
+
+def short_label(system: str) -> str:
+    return SHORT_LABELS.get(system, system)
 
 
 def breakdown_figure(records: list[dict[str, Any]]) -> Figure:

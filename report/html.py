@@ -23,6 +23,7 @@ from .figures import (
     exponent_figure,
     iteration_spread,
     sensitivity_figure,
+    short_label,
     speedup_figure,
     system_colour,
     system_label,
@@ -99,6 +100,7 @@ table.records th { white-space:normal; vertical-align:bottom; }
 #records-table { font-size:12.5px; }
 #records-table .split { color:var(--muted); font-size:11.5px; }
 table.summary td { white-space:normal; vertical-align:top; }
+table.summary td:first-child { min-width:150px; }
 table.summary td .lossy { color:var(--muted); font-size:12px; }
 table.summary td.pays { font-weight:600; }
 .verdict { margin:8px 0 4px; font-size:15px; max-width:980px; }
@@ -780,7 +782,7 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
             return "<td>—</td>"
         system, speedup = row.best_lossless.get(g, row.best[g])
         text = (
-            f'<span style="color:{system_colour(system)};font-weight:600">{html.escape(system_label(system))}'
+            f'<span style="color:{system_colour(system)};font-weight:600">{html.escape(short_label(system))}'
             f"</span> {speedup:.2f}×"
         )
         if system != "ciera" and g in row.ciera:
@@ -835,7 +837,8 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
         f"</thead><tbody>{body}</tbody></table></div>"
         '<p class="caption">Each cell: the fastest <em>lossless</em> system at that W and its speedup over '
         f"ZeRO-3 (p50 iteration times); below it, {html.escape(system_label('ciera'))}'s own speedup when "
-        "another system is faster, and ZeRO++ when its int8 (lossy) gathers are faster still. A speedup of "
+        "another system is faster, and ZeRO++ when its int8 (lossy) gathers are faster still. CIERA is "
+        "ER+BSC+CCP, ER+BSC is CIERA-ER+BSC. A speedup of "
         f"at most {PAYS_ABOVE:.3f}× counts as not paying (a CIERA that selects no shard replays ZeRO-3 "
         "exactly). “Pays from W = n”: at n and every larger swept W.</p>"
     )

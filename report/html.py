@@ -822,6 +822,19 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
         if better:
             line += f"; a simpler CIERA variant or another lossless system is faster for {', '.join(better)}"
         verdicts.append(html.escape(line) + ".")
+    left_out = sorted(
+        {f"{system_label(system)} ({row.model}, W = {g})" for row in rows for system, g in row.over_budget}
+    )
+    budget_note = (
+        '<p class="caption">Left out of “fastest”: '
+        + html.escape(
+            ", ".join(left_out[:6]) + (f" and {len(left_out) - 6} more" if len(left_out) > 6 else "")
+        )
+        + " — compressing every shard needs more receiver cache per GPU than the preset's budget "
+        "(<code>ciera.cache_budget_bytes</code>), so that plan does not fit; its records carry the figure.</p>"
+        if left_out
+        else ""
+    )
     provenance = sorted({row.provenance for row in rows})
     caution = (
         "Every number here is an <b>analytic projection</b> of the simulator (traces from the analytic "
@@ -840,7 +853,7 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
         "another system is faster, and ZeRO++ when its int8 (lossy) gathers are faster still. CIERA is "
         "ER+BSC+CCP, ER+BSC is CIERA-ER+BSC. A speedup of "
         f"at most {PAYS_ABOVE:.3f}× counts as not paying (a CIERA that selects no shard replays ZeRO-3 "
-        "exactly). “Pays from W = n”: at n and every larger swept W.</p>"
+        "exactly). “Pays from W = n”: at n and every larger swept W.</p>" + budget_note
     )
 
 

@@ -135,6 +135,8 @@ class SummaryRow:
     pays_from: int | None  # the smallest W from which CIERA pays at every larger swept W
     pays_at: tuple[int, ...]  # every W where it pays
     provenance: str
+    # (system, W) left out of `best`: its receiver cache exceeds the cache budget, so the plan does not fit
+    over_budget: tuple[tuple[str, int], ...] = ()
 
 
 def summary_rows(records: Sequence[dict[str, Any]], provenance: Any) -> list[SummaryRow]:
@@ -148,12 +150,16 @@ def summary_rows(records: Sequence[dict[str, Any]], provenance: Any) -> list[Sum
             if not view:
                 continue
             gpus = sorted({r["gpus"] for r in view})
+            over_budget = tuple(
+                (r["system"], r["gpus"]) for r in view if r.get("within_cache_budget", True) is False
+            )
+            view_fits = [r for r in view if r.get("within_cache_budget", True) is not False]
             best: dict[int, tuple[str, float]] = {}
             best_lossless: dict[int, tuple[str, float]] = {}
             for g in gpus:
                 # Ties go to the simpler system (earlier in SYSTEMS): it needs less to deploy.
                 at = sorted(
-                    (r for r in view if r["gpus"] == g),
+                    (r for r in view_fits if r["gpus"] == g),
                     key=lambda r: (-round(_speedup(r), 3), rank.get(r["system"], 99)),
                 )
                 best[g] = (at[0]["system"], _speedup(at[0]))
@@ -179,6 +185,7 @@ def summary_rows(records: Sequence[dict[str, Any]], provenance: Any) -> list[Sum
                     pays_from,
                     pays_at,
                     labels.pop() if len(labels) == 1 else "measured and projected points",
+                    over_budget,
                 )
             )
     return rows

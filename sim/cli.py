@@ -88,7 +88,8 @@ def _print_summary(records: list[SimRecord], console: Console) -> None:
                 and best.system != "ciera"
                 and (ciera is None or best.speedup_vs_zero3 > ciera.speedup_vs_zero3 * 1.005)
             ):
-                cell += f" ({best.system} {best.speedup_vs_zero3:.2f}×)"
+                over = "" if best.within_cache_budget else ", cache over budget"
+                cell += f" ({best.system} {best.speedup_vs_zero3:.2f}×{over})"
             cells.append(cell or "-")
             if ciera is not None and ciera.speedup_vs_zero3 > 1.005:
                 paying.append(str(w))

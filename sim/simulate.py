@@ -74,6 +74,8 @@ class SimRecord:
     speedup_vs_zeropp: float | None
     shards_selected: int
     shards_total: int
+    receiver_cache_bytes: float  # ExpCache the selected shards need on each receiving GPU
+    within_cache_budget: bool  # receiver_cache_bytes <= ciera.cache_budget_bytes (True without a cache)
     payload_ratio: float  # this system's gathered bytes / zero3's
     bound_speedup: float | None  # this system's own bound (bound_basis); None where none applies
     bound_basis: str  # bytes | link | none: which bound model (docs/simulator.md)
@@ -368,6 +370,22 @@ class Simulator:
                 op.bytes for op in graph.ops if op.category == "reduce_scatter" and op.uses_link
             )
             decisions = outcome.built.decisions
+            cache_bytes = (
+                float(decisions.loc[decisions["selected"].astype(bool), "memory_bytes"].sum())
+                if decisions is not None
+                else 0.0
+            )
+            budget_bytes = float(self.preset.ciera.cache_budget_bytes)
+            over_budget = (
+                [
+                    f"{system} at W={world_size}: every shard's receiver cache needs "
+                    f"{cache_bytes / 2**30:.1f} GiB per GPU, over the {budget_bytes / 2**30:.0f} GiB "
+                    "budget (ciera.cache_budget_bytes): an upper reference that does not fit, not a "
+                    "deployable plan; ciera and ciera-er-bsc keep within the budget"
+                ]
+                if cache_bytes > budget_bytes
+                else []
+            )
             records.append(
                 SimRecord(
                     model=model,
@@ -394,6 +412,8 @@ class Simulator:
                     speedup_vs_zeropp=(zeropp_p50 / p50) if zeropp_p50 is not None else None,
                     shards_selected=outcome.built.shards_selected,
                     shards_total=len(decisions) if decisions is not None else 0,
+                    receiver_cache_bytes=cache_bytes,
+                    within_cache_budget=not over_budget,
                     payload_ratio=ratio,
                     bound_speedup=bound,
                     bound_basis=basis,
@@ -416,6 +436,7 @@ class Simulator:
                             if (system, model, dtype, world_size) in self.selection_overrides
                             else []
                         ),
+                        *over_budget,
                     ],
                 )
             )

@@ -186,9 +186,11 @@ def _simulate_sweep(
     cluster: str | None,
     overrides: list[str],
     console: Console,
+    timeline_of: tuple[str, int, str | None] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
-    """Run the simulator's sweep through its public API, plus one timeline: the first model, FP16 when
-    swept (so all six systems, ZeRO++ included, appear), at the largest world size."""
+    """Run the simulator's sweep through its public API, plus one timeline: `timeline_of` (model, W,
+    dtype) when given, else the first model, FP16 when swept (so all six systems, ZeRO++ included,
+    appear), at the largest world size — and the console says which."""
     sim = _import_sim()
     preset = sim.load_cluster(cluster or DEFAULT_CLUSTER, sim.parse_overrides(overrides))
     sweep_gpus = gpus or list(sim.DEFAULT_GPUS)
@@ -206,12 +208,48 @@ def _simulate_sweep(
             progress=lambda done, total: progress.update(task, completed=done, total=total),
         )
     records = [record.to_dict() for record in sim_records]
-    first_model = records[0]["model"]
-    timeline_dtype = "fp16" if any(r["dtype"] == "fp16" for r in records) else records[0]["dtype"]
-    timeline_document = sim.timeline(
-        bundle, preset, first_model, timeline_dtype, max(r["gpus"] for r in records)
+    if timeline_of is None:
+        timeline_model = records[0]["model"]
+        timeline_gpus = max(r["gpus"] for r in records)
+        timeline_dtype = "fp16" if any(r["dtype"] == "fp16" for r in records) else records[0]["dtype"]
+        chosen = "(choose another with --timeline-of MODEL:W[:DTYPE])"
+    else:
+        timeline_model, timeline_gpus, wanted_dtype = timeline_of
+        (timeline_model,) = resolve_model_names(
+            [timeline_model], list(dict.fromkeys(r["model"] for r in records))
+        )
+        if timeline_gpus not in {r["gpus"] for r in records}:
+            raise ReportInputError(
+                f"--timeline-of: W={timeline_gpus} is not among the simulated world sizes "
+                f"({', '.join(str(g) for g in sorted({r['gpus'] for r in records}))})"
+            )
+        dtypes = sorted({r["dtype"] for r in records if r["model"] == timeline_model})
+        timeline_dtype = wanted_dtype or ("fp16" if "fp16" in dtypes else dtypes[0])
+        if timeline_dtype not in dtypes:
+            raise ReportInputError(
+                f"--timeline-of: dtype {timeline_dtype!r} is not simulated (have {dtypes})"
+            )
+        chosen = "(--timeline-of)"
+    console.print(
+        f"timeline: {timeline_model} {timeline_dtype} at W={timeline_gpus} {chosen}",
+        markup=False,
+        highlight=False,
     )
+    timeline_document = sim.timeline(bundle, preset, timeline_model, timeline_dtype, timeline_gpus)
     return records, timeline_document["traceEvents"], {"cluster": preset.name}
+
+
+def _parse_timeline_of(text: str) -> tuple[str, int, str | None]:
+    """MODEL:W[:DTYPE] → (model, W, dtype or None); one line for anything else."""
+    parts = [part.strip() for part in text.split(":")]
+    if len(parts) not in (2, 3) or not parts[0] or not parts[1].isdigit():
+        raise ReportInputError(f"--timeline-of {text!r}: expected MODEL:W[:DTYPE], e.g. olmoe:32:bf16")
+    dtype = parts[2] if len(parts) == 3 else None
+    if dtype is not None and dtype not in DTYPES:
+        raise ReportInputError(
+            f"--timeline-of {text!r}: dtype {dtype!r}, expected one of {', '.join(DTYPES)}"
+        )
+    return parts[0], int(parts[1]), dtype
 
 
 def _cluster_name(value: Any) -> str | None:
@@ -274,6 +312,14 @@ def report_command(
             "each recognised by its schema) for the Validation section.",
         ),
     ] = None,
+    timeline_of: Annotated[
+        str | None,
+        typer.Option(
+            "--timeline-of",
+            help="Which simulated iteration the timeline shows, MODEL:W[:DTYPE] (e.g. olmoe:32:bf16); default: "
+            "the first model at the largest W (simulation only; with --records pass --timeline).",
+        ),
+    ] = None,
     title: Annotated[str, typer.Option("--title", help="Report title.")] = DEFAULT_TITLE,
 ) -> None:
     """Write one self-contained HTML report (plotly inlined, works offline)."""
@@ -292,6 +338,15 @@ def report_command(
         raise ReportInputError(f"--gpus: {repeated} given twice")
     if timeline_path is not None and records_path is None:
         raise ReportInputError("--timeline needs --records (the records the timeline belongs to)")
+    parsed_timeline_of = _parse_timeline_of(timeline_of) if timeline_of is not None else None
+    if parsed_timeline_of is not None and records_path is not None:
+        raise ReportInputError(
+            "--timeline-of chooses a simulated iteration; with --records pass the matching --timeline file"
+        )
+    if parsed_timeline_of is not None and gpu_counts and parsed_timeline_of[1] not in gpu_counts:
+        raise ReportInputError(
+            f"--timeline-of: W={parsed_timeline_of[1]} is not in --gpus ({', '.join(map(str, gpu_counts))})"
+        )
     if records_path is not None:
         if cluster is not None or overrides:
             raise ReportInputError(
@@ -315,7 +370,7 @@ def report_command(
         if bundle is None:
             raise ReportInputError("--bundle: no trace bundle to simulate (the packaged default is missing)")
         records, timeline_events, metadata = _simulate_sweep(
-            bundle, model_names, gpu_counts, dtype, cluster, overrides or [], console
+            bundle, model_names, gpu_counts, dtype, cluster, overrides or [], console, parsed_timeline_of
         )
     records = _filter_records(records, model_names, gpu_counts, dtype)
     if timeline_path is not None:

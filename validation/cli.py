@@ -147,9 +147,8 @@ def lossless_command(
     """Train with the engine + CIERA (checkpointed and resumed half-way) and with the plain engine from the
     same seed and data; compare the loss and every parameter and optimizer state at every step. A control
     arm with one int8-quantised gather must be flagged. Exit 1 unless bit-identical and flagged."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from measure.train import ENGINES, TrainError
+    from measure.train import ENGINES
 
     from .lossless import LosslessPlan, run_lossless
 
@@ -164,20 +163,7 @@ def lossless_command(
         engine=engine, steps=steps, world_size=world_size, model=model, layers=layers or None, seed=seed
     )
     _check_train_options(plan)
-    console = Console(stderr=True)
-    with Progress(
-        TextColumn("[bold]lossless"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(), console=console,
-    ) as progress:  # fmt: skip
-        task = progress.add_task("arms", total=None, status="starting the reference arm")
-
-        def on_progress(status: str, done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total, status=status)
-
-        try:
-            document = run_lossless(plan, on_progress)
-        except TrainError as error:
-            raise ValidationInputError(str(error)) from None
+    document = _run_arms("lossless", run_lossless, plan)
     table = Table(
         title=f"lossless: {engine} + CIERA against {engine}, {world_size} ranks", box=box.SIMPLE_HEAD
     )
@@ -247,9 +233,8 @@ def divergence_command(
     """Train a reference and four arms (CIERA, a 1-ULP nudge, int8 weight gathers, another seed) on the same
     data; at each checkpoint compare each arm's next-token distributions and routing decisions with the
     reference's on held-out tokens."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from measure.train import ENGINES, TrainError
+    from measure.train import ENGINES
 
     from .divergence import DivergencePlan, run_divergence
 
@@ -265,20 +250,7 @@ def divergence_command(
         layers=layers or None, seed=seed, other_seed=seed + 1, held_out_sequences=held_out_sequences,
     )  # fmt: skip
     _check_train_options(plan)
-    console = Console(stderr=True)
-    with Progress(
-        TextColumn("[bold]divergence"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(), console=console,
-    ) as progress:  # fmt: skip
-        task = progress.add_task("arms", total=None, status="starting the reference arm")
-
-        def on_progress(status: str, done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total, status=status)
-
-        try:
-            document = run_divergence(plan, on_progress)
-        except TrainError as error:
-            raise ValidationInputError(str(error)) from None
+    document = _run_arms("divergence", run_divergence, plan)
     table = Table(
         title=f"divergence from the reference ({engine}, {model}, {document['held_out_tokens']:,} held-out "
         "tokens); × seed: as a fraction of the other-seed arm",
@@ -321,6 +293,27 @@ def divergence_command(
         write_json_atomic(document, json_path, "--json")
     if not exact:
         raise typer.Exit(1)
+
+
+def _run_arms(label: str, runner, plan):  # noqa: ANN001 — run_lossless/run_divergence and their plan
+    """Run the arms under one progress bar on stderr; a training failure is one line."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from measure.train import TrainError
+
+    with Progress(
+        TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(), console=Console(stderr=True),
+    ) as progress:  # fmt: skip
+        task = progress.add_task("arms", total=None, status="starting the reference arm")
+
+        def on_progress(status: str, done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total, status=status)
+
+        try:
+            return runner(plan, on_progress)
+        except TrainError as error:
+            raise ValidationInputError(str(error)) from None
 
 
 def _check_json_path(path: Path | None) -> None:

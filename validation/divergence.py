@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .arm_runs import ArmProgress, ProgressCallback, host_description
 
 SCHEMA = "ciera.validate.divergence/1"
 NEAR_TIE_MARGIN = 0.01  # of the token's score spread (the method's definition)
@@ -52,14 +53,6 @@ class DivergencePlan:
     def checkpoint_steps(self) -> list[int]:
         count = max(1, min(self.checkpoints, self.steps))
         return sorted({0, *(round(self.steps * (i + 1) / count) for i in range(count))})
-
-
-def host_description() -> dict[str, Any]:
-    """Where the arms ran (CPU ranks on one host): enough to tell two machines' results apart."""
-    import os
-    import platform
-
-    return {"hostname": platform.node(), "cpus": len(os.sched_getaffinity(0)), "machine": platform.machine()}
 
 
 # ---------------------------------------------------------------------------------------- metrics
@@ -187,7 +180,7 @@ def _arm_config(base, arm: str, plan: DivergencePlan):
 
 def run_divergence(
     plan: DivergencePlan,
-    on_progress: Callable[[str, int, int], None] | None = None,
+    on_progress: ProgressCallback | None = None,
     work_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Train the reference and every arm, evaluate them at the checkpoints, return the JSON document."""
@@ -198,18 +191,9 @@ def run_divergence(
 
     checkpoints = plan.checkpoint_steps()
     arms = ["reference", *ARMS]
-    total, done = plan.steps * len(arms), 0
+    progress = ArmProgress(plan.steps * len(arms), on_progress)
     losses: dict[str, list[float]] = {}
     nudged = None
-
-    def progress(arm: str) -> Callable[[dict], None]:
-        def on_step(record: dict) -> None:
-            nonlocal done
-            done += 1
-            if on_progress is not None:
-                on_progress(f"{arm}: step {record['step'] + 1}, loss {record['loss']:.4f}", done, total)
-
-        return on_step
 
     with tempfile.TemporaryDirectory(prefix="ciera-divergence-", dir=work_dir) as scratch:
         root = Path(scratch)
@@ -227,12 +211,11 @@ def run_divergence(
         )
         for arm in arms:
             config = dataclasses.replace(_arm_config(base, arm, plan), snapshot_dir=str(root / arm))
-            document = train(config, progress(arm))
+            document = train(config, progress.arm(arm))
             losses[arm] = [record["loss"] for record in document["steps"]]
             if arm == "ulp":
                 nudged = document["nudged"]
-        if on_progress is not None:
-            on_progress("evaluating on held-out tokens", done, total)
+        progress.say("evaluating on held-out tokens")
         torch.manual_seed(0)
         model = build_model(plan.model, plan.layers, None, plan.seed, activation_checkpointing=False)
         tokens = held_out_tokens(plan)

@@ -19,11 +19,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .divergence import host_description
+from .arm_runs import ArmProgress, ProgressCallback, host_description
 
 SCHEMA = "ciera.validate.lossless/1"
 CONTROL_STEPS = 3  # enough to show the lossy gather changes the state and the loss that follows
@@ -103,23 +102,13 @@ def max_abs_difference(first: Path, second: Path) -> float:
 
 def run_lossless(
     plan: LosslessPlan,
-    on_progress: Callable[[str, int, int], None] | None = None,
+    on_progress: ProgressCallback | None = None,
     work_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Run the three arms and return the `ciera.validate.lossless/1` document."""
     from measure.train import TrainConfig, train
 
-    total_steps = plan.steps * 2 + min(CONTROL_STEPS, plan.steps)
-    done = 0
-
-    def progress(arm: str) -> Callable[[dict], None]:
-        def on_step(record: dict) -> None:
-            nonlocal done
-            done += 1
-            if on_progress is not None:
-                on_progress(f"{arm}: step {record['step'] + 1}, loss {record['loss']:.4f}", done, total_steps)
-
-        return on_step
+    progress = ArmProgress(plan.steps * 2 + min(CONTROL_STEPS, plan.steps), on_progress)
 
     with tempfile.TemporaryDirectory(prefix="ciera-lossless-", dir=work_dir) as scratch:
         root = Path(scratch)
@@ -144,7 +133,7 @@ def run_lossless(
                 snapshot_dir=str(root / "reference"),
                 snapshot_steps=tuple(sorted({control_steps, half, last})),
             ),
-            progress("reference"),
+            progress.arm("reference"),
         )
         checkpoint = str(root / "checkpoint")
         ciera_first = train(
@@ -157,7 +146,7 @@ def run_lossless(
                 snapshot_dir=str(root / "ciera"),
                 snapshot_steps=(half,),
             ),
-            progress("ciera"),
+            progress.arm("ciera"),
         )
         ciera_resumed = (
             train(
@@ -169,7 +158,7 @@ def run_lossless(
                     snapshot_dir=str(root / "ciera"),
                     snapshot_steps=(last,),
                 ),
-                progress("ciera, resumed"),
+                progress.arm("ciera, resumed"),
             )
             if last > half
             else None
@@ -182,7 +171,7 @@ def run_lossless(
                 snapshot_dir=str(root / "control"),
                 snapshot_steps=(control_steps,),
             ),
-            progress("control (one lossy gather)"),
+            progress.arm("control (one lossy gather)"),
         )
         control_reference = root / "reference" / f"state-{control_steps}.pt"
         ciera_document = _merge(ciera_first, ciera_resumed)

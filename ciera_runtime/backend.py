@@ -74,17 +74,68 @@ class CodecBackend(Protocol):
     def ans_decode(self, stream, out) -> None: ...
 
 
+CODEC_THREADS_ENV = "CIERA_CODEC_THREADS"
+
+
+def default_codec_threads() -> tuple[int, str]:
+    """numba threads one rank's codec may use, and why: ``CIERA_CODEC_THREADS`` when set, else the cores
+    this process may run on divided by the ranks on this host (``LOCAL_WORLD_SIZE``, set by torchrun and
+    the deepspeed launcher; 1 when absent).
+
+    Why not numba's default (every core): each rank would start a team of all cores, so W local ranks run
+    W × cores threads, and a parallel region ends only when its last thread has been scheduled. Measured
+    on 2 cores with 2 ranks (small MoE, ZeRO-3 + CIERA): 2,532 ms per step with 2 numba threads per rank,
+    960 ms with 1 (`benchmarks/codec_threads.py`)."""
+    import os
+
+    raw = os.environ.get(CODEC_THREADS_ENV)
+    if raw is not None:
+        try:
+            threads = int(raw)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise BackendUnavailableError(f"{CODEC_THREADS_ENV}={raw!r}: expected a whole number >= 1")
+        return threads, f"{CODEC_THREADS_ENV}={threads}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    raw_local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    try:
+        local_ranks = max(1, int(raw_local))
+    except ValueError:
+        raise BackendUnavailableError(f"LOCAL_WORLD_SIZE={raw_local!r}: expected a whole number") from None
+    return max(1, cores // local_ranks), f"{cores} cores / {local_ranks} local ranks"
+
+
 class CpuBackend:
-    """numba kernels (vectorised loops; blocks and rANS chunks in parallel) and the numba interleaved rANS."""
+    """numba kernels (vectorised loops; blocks and rANS chunks in parallel) and the numba interleaved rANS.
+
+    ``threads`` caps the numba threads of every kernel call (see :func:`default_codec_threads`). numba's
+    thread count is per calling thread, so each call checks its caller's; a caller that asked for fewer
+    (the CCP worker) keeps its lower count."""
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
+        import numba
+
         from ciera_runtime import kernels, rans
 
         self._kernels = kernels
         self._rans = rans
+        self._numba = numba
         kernels.start_thread_pool()
+        if threads is None:
+            threads, self.threads_basis = default_codec_threads()
+        else:
+            self.threads_basis = "given"
+        # numba cannot run more threads than the pool it started with (NUMBA_NUM_THREADS).
+        self.threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+        if self.threads < threads:
+            self.threads_basis += f", capped at numba's pool of {self.threads}"
+
+    def _cap_threads(self) -> None:
+        if self._numba.get_num_threads() > self.threads:
+            self._numba.set_num_threads(self.threads)
 
     def encode_planes_hash(
         self,
@@ -99,6 +150,7 @@ class CpuBackend:
         force_all,
         sm_out,
     ):
+        self._cap_threads()
         return self._kernels.encode_planes_hash(
             bits,
             exp_shift,
@@ -125,32 +177,41 @@ class CpuBackend:
         force_all,
         sm_out,
     ):
+        self._cap_threads()
         return self._kernels.encode_planes_exact(
             bits, exp_shift, exp_mask, is_fp16, block_size, exp_out, last_exp, changed_out, force_all, sm_out
         )
 
     def extract_exponents(self, bits, exp_shift, exp_mask, exp_out):
+        self._cap_threads()
         self._kernels.extract_exponents(bits, exp_shift, exp_mask, exp_out)
 
     def pack_sign_mantissa(self, bits, is_fp16, out):
+        self._cap_threads()
         self._kernels.pack_sign_mantissa(bits, is_fp16, out)
 
     def merge_planes_checked(self, exp, sign_mantissa, exp_shift, is_fp16, out) -> int:
+        self._cap_threads()
         return self._kernels.merge_planes_checked(exp, sign_mantissa, exp_shift, is_fp16, out)
 
     def gather_blocks(self, exp, changed_blocks, block_offsets, block_size, out):
+        self._cap_threads()
         self._kernels.gather_blocks(exp, changed_blocks, block_offsets, block_size, out)
 
     def scatter_blocks(self, packed, changed_blocks, block_offsets, block_size, exp):
+        self._cap_threads()
         self._kernels.scatter_blocks(packed, changed_blocks, block_offsets, block_size, exp)
 
     def checksum64(self, plane: np.ndarray) -> int:
+        self._cap_threads()
         return self._kernels.checksum64(plane)
 
     def ans_encode_into(self, data: np.ndarray, out: np.ndarray) -> int:
+        self._cap_threads()
         return self._rans.encode_into(data, out)
 
     def ans_decode(self, stream, out: np.ndarray) -> None:
+        self._cap_threads()
         self._rans.decode(stream, out)
 
 

@@ -247,6 +247,9 @@ def train_command(
     table.add_row("the same gathers raw", f"{raw:,.0f}")
     table.add_row("on the wire / raw", f"{sent / raw:.4f}" if raw else "-")
     table.add_row("final parameters (sha256, every rank alike)", document["parameter_digest"][:16])
+    table.add_row("torch threads per rank", str(document["threads_per_rank"]))
+    if document["codec_threads_per_rank"] is not None:
+        table.add_row("codec (numba) threads per rank", document["codec_threads_per_rank"])
     Console().print(table)
     if document["exponent_stats"] is not None:
         stats = document["exponent_stats"]

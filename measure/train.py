@@ -13,9 +13,12 @@ counted where every all-gather passes (`torch.distributed.all_gather_single`, wh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import faulthandler
 import math
 import os
+import signal
 import socket
 import struct
 import time
@@ -134,6 +137,7 @@ class RankResult:
     gathers_per_parameter: dict[str, int] | None = None
     ciera: dict | None = None
     threads: int = 0
+    codec_threads: str | None = None  # with CIERA: "N (why)", the numba threads its codec runs per rank
     exponent_rates: list[dict | None] | None = None  # per step: {category: rates}
     state_names: list[str] | None = None  # the tensors state_digests cover, in order
     state_digests: list[dict] | None = None  # per step: {"step", "all": sha256, "tensors": [8-hex each]}
@@ -451,6 +455,11 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
     model, categories, run, threads = start_run(cfg, world_size)
     start_step = run.load(cfg.checkpoint_dir) if cfg.resume else 0
     result = RankResult(rank, threads=threads, nudged=run.nudged)
+    if cfg.ciera:
+        from ciera_runtime import get_backend
+
+        backend = get_backend("cpu")
+        result.codec_threads = f"{backend.threads} ({backend.threads_basis})"
     if cfg.record_state:
         result.state_digests = []
     tracker = None
@@ -549,6 +558,9 @@ def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig, queue
     warnings.filterwarnings(
         "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
     )
+    # A hung run is stopped by the parent after cfg.timeout_s + 60 s without progress; it first asks each
+    # rank for its Python stacks (SIGUSR1) so the hang can be located from the console.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     # What torchrun / the deepspeed launcher would set (DeepSpeed asserts LOCAL_RANK).
@@ -671,7 +683,7 @@ def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> di
                     for rank in dead:
                         errors[rank] = f"rank {rank} exited with code {processes.processes[rank].exitcode}"
                 if time.monotonic() - last_progress > cfg.timeout_s + 60:
-                    errors.setdefault(-1, f"no progress for {cfg.timeout_s + 60:.0f} s")
+                    errors.setdefault(-1, _no_progress(processes.processes, cfg.timeout_s + 60))
                 continue
             last_progress = time.monotonic()
             if kind == "step":
@@ -701,6 +713,20 @@ def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> di
     return summarize(cfg, [results[rank] for rank in sorted(results)])
 
 
+def _no_progress(processes, waited_s: float) -> str:
+    """Ask every live rank to print its Python stacks (stderr), then the one-line reason."""
+    asked = []
+    for rank, process in enumerate(processes):
+        if process.is_alive() and process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGUSR1)
+                asked.append(rank)
+    if asked:
+        time.sleep(2.0)  # faulthandler writes from a signal handler; give it a moment before the kill
+    stacks = f"; the Python stacks of ranks {asked} are printed above" if asked else ""
+    return f"no progress for {waited_s:.0f} s{stacks}"
+
+
 def summarize(cfg: TrainConfig, ranks: list[dict]) -> dict:
     """The result document: config, per-step records (rank 0's bytes; losses and times are global), the
     final parameter digest (the same on every rank, checked), gather counts and CIERA's stats."""
@@ -722,6 +748,7 @@ def summarize(cfg: TrainConfig, ranks: list[dict]) -> dict:
         "median_step_s": sorted(r["step_s"] for r in steps)[len(steps) // 2] if steps else None,
         "gathers_per_parameter": rank0["gathers_per_parameter"],
         "threads_per_rank": rank0["threads"],
+        "codec_threads_per_rank": rank0.get("codec_threads"),
         "ciera": rank0["ciera"],
         "exponent_stats": _exponent_summary(cfg, rank0),
         "nudged": rank0.get("nudged"),

@@ -22,3 +22,15 @@ def runs_worker(rank: int, world_size: int, port: int, runs: list, result_queue)
         result_queue.put((rank, results))
     finally:
         dist.destroy_process_group()
+
+
+def hung_rank(ready) -> None:
+    """A rank stuck in a wait, with the stack dump `measure.train` registers in its spawned ranks."""
+    import faulthandler
+    import signal
+    import time
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    ready.set()
+    while True:
+        time.sleep(0.05)

@@ -126,3 +126,23 @@ def test_nan_loss_stops_and_names_the_step() -> None:
     config = dataclasses.replace(TINY, engine="fsdp", steps=8, lr=1e30)
     with pytest.raises(TrainError, match=r"loss is nan at step \d+"):
         train(config)
+
+
+def test_a_hung_run_prints_each_live_ranks_stack_before_it_is_stopped(capfd) -> None:
+    from _train_workers import hung_rank
+
+    from measure.train import _no_progress
+
+    context = mp.get_context("spawn")
+    ready = context.Event()
+    hung = context.Process(target=hung_rank, args=(ready,))
+    hung.start()
+    try:
+        assert ready.wait(60)
+        message = _no_progress([hung], 360.0)
+    finally:
+        hung.kill()
+        hung.join()
+    assert message == "no progress for 360 s; the Python stacks of ranks [0] are printed above"
+    assert "in hung_rank" in capfd.readouterr().err
+    assert _no_progress([hung], 360.0) == "no progress for 360 s"  # nobody left to ask

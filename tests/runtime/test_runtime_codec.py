@@ -234,3 +234,46 @@ def test_starting_the_codec_keeps_torchs_thread_count() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"
+
+
+def test_codec_threads_default_to_the_cores_of_one_local_rank_and_cap_every_caller(monkeypatch) -> None:
+    import os
+    import threading
+
+    import numba
+
+    from ciera_runtime.backend import CpuBackend, default_codec_threads
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("CIERA_CODEC_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert default_codec_threads() == (1, f"{cores} cores / {cores} local ranks")
+    monkeypatch.setenv("CIERA_CODEC_THREADS", "3")
+    assert default_codec_threads() == (3, "CIERA_CODEC_THREADS=3")
+    for bad in ("0", "two", ""):
+        monkeypatch.setenv("CIERA_CODEC_THREADS", bad)
+        with pytest.raises(BackendUnavailableError, match=f"CIERA_CODEC_THREADS={bad!r}: expected"):
+            default_codec_threads()
+    monkeypatch.delenv("CIERA_CODEC_THREADS")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
+    with pytest.raises(BackendUnavailableError, match="LOCAL_WORLD_SIZE='x'"):
+        default_codec_threads()
+
+    pool = numba.config.NUMBA_NUM_THREADS
+    assert CpuBackend(threads=pool + 5).threads == pool  # never more than numba's pool
+    backend = CpuBackend(threads=1)
+    data = np.random.default_rng(5).integers(0, 7, 50_000).astype(np.uint8)
+    stream = np.empty(data.size * 2 + 4096, dtype=np.uint8)
+    seen: dict[str, object] = {}
+
+    def call_from_a_fresh_thread() -> None:  # numba's count is per thread: a new one starts at the pool
+        seen["before"] = numba.get_num_threads()
+        length = backend.ans_encode_into(data, stream)
+        out = np.empty_like(data)
+        backend.ans_decode(stream[:length], out)
+        seen["after"], seen["exact"] = numba.get_num_threads(), bool((out == data).all())
+
+    worker = threading.Thread(target=call_from_a_fresh_thread)
+    worker.start()
+    worker.join()
+    assert seen == {"before": pool, "after": 1, "exact": True}

@@ -76,8 +76,11 @@ if rank == 0:
 """
 
 # Holds an open 2-node cluster with a `sleep` on node 1; prints the sleep's pid, then waits.
+# The owner of a cluster. Python installs its Ctrl-C handler only where SIGINT was not ignored at start
+# (a shell's background job, nohup): the holder sets the state each test wants, whatever pytest inherited.
 _HOLDER = """
-import time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN if sys.argv[1] == "ignore-sigint" else signal.default_int_handler)
 from measure.emulated import EmulatedCluster
 cluster = EmulatedCluster(2, 1, "100mbit").open()
 child = cluster.popen(1, ["sleep", "600"])
@@ -185,8 +188,16 @@ def test_check_environment_without_root(monkeypatch):
 # ------------------------------------------------------------------------------------ needs root
 
 
+@pytest.fixture
+def interactive_sigint():
+    """SIGINT as an interactive Python has it, even when pytest was started with it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @needs_root
-def test_open_close_leaves_nothing():
+def test_open_close_leaves_nothing(interactive_sigint):
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     cluster = EmulatedCluster(2, 2, "200mbit")
     names = {*cluster.node_namespaces, cluster.hub_namespace}
@@ -269,9 +280,9 @@ def test_probe_times_out_in_one_line_and_never_hangs(cluster):
     ).stdout
 
 
-def _start_holder() -> tuple[subprocess.Popen, int]:
+def _start_holder(sigint: str = "default") -> tuple[subprocess.Popen, int]:
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER],
+        [sys.executable, "-c", _HOLDER, sigint],
         cwd=_REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -304,6 +315,19 @@ def test_signal_to_owner_removes_everything(signum):
     holder, child = _start_holder()
     assert len(_ours(holder.pid)) == 3
     holder.send_signal(signum)
+    holder.communicate(timeout=30)
+    assert holder.returncode != 0
+    assert _ours(holder.pid) == []
+    assert _gone(child)
+
+
+@needs_root
+def test_an_owner_that_ignores_sigint_keeps_ignoring_it_and_sigterm_still_cleans_up():
+    holder, child = _start_holder("ignore-sigint")  # as under nohup or in a shell's background job
+    holder.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    assert holder.poll() is None and len(_ours(holder.pid)) == 3
+    holder.send_signal(signal.SIGTERM)
     holder.communicate(timeout=30)
     assert holder.returncode != 0
     assert _ours(holder.pid) == []

@@ -296,19 +296,37 @@ def divergence_command(
 
 
 def _run_arms(label: str, runner, plan):  # noqa: ANN001 — run_lossless/run_divergence and their plan
-    """Run the arms under one progress bar on stderr; a training failure is one line."""
+    """Run the arms under one progress bar on stderr; a training failure is one line.
+
+    Where stderr is not a terminal (a batch job, a log file) a bar never shows, so a plain line is printed
+    when an arm starts and at most once a minute in between."""
+    import time
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from measure.train import TrainError
 
+    console = Console(stderr=True)
+    started_s, last_line = time.monotonic(), {"s": -math.inf, "arm": None}
     with Progress(
         TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(), console=Console(stderr=True),
+        TimeElapsedColumn(), console=console,
     ) as progress:  # fmt: skip
         task = progress.add_task("arms", total=None, status="starting the reference arm")
 
         def on_progress(status: str, done: int, total: int) -> None:
             progress.update(task, completed=done, total=total, status=status)
+            if console.is_terminal:
+                return
+            now_s, arm = time.monotonic(), status.partition(":")[0]
+            if arm != last_line["arm"] or now_s - last_line["s"] >= 60 or done == total:
+                elapsed = int(now_s - started_s)
+                console.print(
+                    f"{label}: {done}/{total} steps of all arms; {status} "
+                    f"({elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d})",
+                    highlight=False,
+                )
+                last_line.update(s=now_s, arm=arm)
 
         try:
             return runner(plan, on_progress)

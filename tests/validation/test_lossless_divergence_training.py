@@ -49,6 +49,13 @@ def test_a_thousand_steps_of_the_small_moe_stay_bit_identical() -> None:
     _check_lossless(run_lossless(LosslessPlan(engine="zero3", steps=1000, layers=2)), 1000)
 
 
+@pytest.mark.slow
+def test_lossless_is_the_same_twice_bit_for_bit() -> None:
+    plan = LosslessPlan(engine="fsdp", steps=2, layers=1)
+    first, second = run_lossless(plan), run_lossless(plan)
+    assert first["passed"] and json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
 def _tiny_divergence() -> dict:
     return run_divergence(
         DivergencePlan(engine="fsdp", steps=2, checkpoints=1, layers=1, held_out_sequences=4)

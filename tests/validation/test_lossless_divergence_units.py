@@ -154,3 +154,22 @@ def test_bad_options_are_one_line_before_any_rank_starts(arguments: list[str], e
     )  # fmt: skip
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], done.stderr
+
+
+def test_progress_without_a_terminal_is_a_line_per_arm_and_at_the_end(capsys) -> None:
+    from validation.cli import _run_arms
+
+    def two_arms(plan, on_progress):  # noqa: ANN001 — stands in for run_lossless
+        for done, status in enumerate(
+            ["reference: step 1", "reference: step 2", "ciera: step 1", "ciera: step 2"]
+        ):
+            on_progress(status, done + 1, 4)
+        return {"plan": plan}
+
+    assert _run_arms("lossless", two_arms, "the plan") == {"plan": "the plan"}
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lossless: ")]
+    assert [line.split(" (")[0] for line in lines] == [
+        "lossless: 1/4 steps of all arms; reference: step 1",
+        "lossless: 3/4 steps of all arms; ciera: step 1",
+        "lossless: 4/4 steps of all arms; ciera: step 2",
+    ]

@@ -83,9 +83,8 @@ def default_codec_threads() -> tuple[int, str]:
     the deepspeed launcher; 1 when absent).
 
     Why not numba's default (every core): each rank would start a team of all cores, so W local ranks run
-    W × cores threads, and a parallel region ends only when its last thread has been scheduled. Measured
-    on 2 cores with 2 ranks (small MoE, ZeRO-3 + CIERA): 2,532 ms per step with 2 numba threads per rank,
-    960 ms with 1 (`benchmarks/codec_threads.py`)."""
+    W × cores threads, and a parallel region ends only when its last thread has been scheduled (measured
+    cost: docs/runtime.md, "Codec threads per rank"; `benchmarks/codec_threads.py`)."""
     import os
 
     raw = os.environ.get(CODEC_THREADS_ENV)

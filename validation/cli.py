@@ -301,6 +301,7 @@ def _run_arms(label: str, runner, plan):  # noqa: ANN001 — run_lossless/run_di
     Where stderr is not a terminal (a batch job, a log file) a bar never shows, so a plain line is printed
     when an arm starts and at most once a minute in between."""
     import time
+    from datetime import timedelta
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -320,11 +321,9 @@ def _run_arms(label: str, runner, plan):  # noqa: ANN001 — run_lossless/run_di
                 return
             now_s, arm = time.monotonic(), status.partition(":")[0]
             if arm != last_line["arm"] or now_s - last_line["s"] >= 60 or done == total:
-                elapsed = int(now_s - started_s)
+                elapsed = timedelta(seconds=int(now_s - started_s))
                 console.print(
-                    f"{label}: {done}/{total} steps of all arms; {status} "
-                    f"({elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d})",
-                    highlight=False,
+                    f"{label}: {done}/{total} steps of all arms; {status} ({elapsed})", highlight=False
                 )
                 last_line.update(s=now_s, arm=arm)
 

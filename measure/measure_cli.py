@@ -81,6 +81,29 @@ def _topologies(
     return tuple(Topology(nodes, g, rate, latency_s) for g, rate in itertools.product(per_node, rates))
 
 
+def _listed_topologies(text: str, latency_s: float) -> tuple[Topology, ...]:
+    """`--topologies 2x1-200mbit,2x2-200mbit,3x1-200mbit,1x2`: each item M x G ranks, with an emulated
+    inter-node link rate after the dash (none: plain local ranks on one node)."""
+    topologies = []
+    for item in _names(text):
+        shape, _, rate = item.partition("-")
+        nodes_text, _, per_node_text = shape.partition("x")
+        try:
+            nodes, per_node = int(nodes_text), int(per_node_text)
+        except ValueError:
+            raise CaptureError(
+                f"--topologies {item!r}: expected NODESxRANKS[-RATE], e.g. 2x1-200mbit or 1x2"
+            ) from None
+        if nodes < 1 or per_node < 1:
+            raise CaptureError(f"--topologies {item!r}: nodes and ranks per node must be >= 1")
+        topologies.extend(_topologies(nodes, str(per_node), rate or None, latency_s))
+    if not topologies:
+        raise CaptureError(f"--topologies {text!r}: expected at least one NODESxRANKS[-RATE]")
+    if len(set(topologies)) != len(topologies):
+        raise CaptureError(f"--topologies {text!r}: names a topology twice")
+    return tuple(topologies)
+
+
 def _check_packages(plan: CapturePlan) -> None:
     """torch, and DeepSpeed where a system runs on it: one line naming what to install, before any rank."""
     from .train import TrainConfig, check_environment
@@ -284,13 +307,21 @@ TimeoutOption = Annotated[
 
 
 def _plan(kinds, model, width_scale, nodes, ranks_per_node, link_rate, link_latency, layers, systems,
-          iterations, warmup, exponent_steps, timeout_s, collectives_max_mib) -> CapturePlan:  # fmt: skip
+          iterations, warmup, exponent_steps, timeout_s, collectives_max_mib,
+          topologies=None) -> CapturePlan:  # fmt: skip
+    if topologies is not None:
+        if nodes != 1 or ranks_per_node != "2" or link_rate is not None:
+            raise CaptureError("--topologies names nodes, ranks per node and link rates: drop --nodes, "
+                               "--ranks-per-node and --link-rate")  # fmt: skip
+        chosen = _listed_topologies(topologies, link_latency)
+    else:
+        chosen = _topologies(nodes, ranks_per_node, link_rate, link_latency)
     return CapturePlan(
         model=model,
         width_scale=width_scale or None,
         layers=_ints("--layers", layers),
         systems=_names(systems),
-        topologies=_topologies(nodes, ranks_per_node, link_rate, link_latency),
+        topologies=chosen,
         iterations=iterations,
         warmup_iterations=warmup,
         exponent_steps=exponent_steps,
@@ -309,6 +340,14 @@ def _command(kinds: tuple[str, ...], default_exponent_steps: int):
         ranks_per_node: RanksOption = "2",
         link_rate: RateOption = None,
         link_latency: LatencyOption = 0.0,
+        topologies: Annotated[
+            str | None,
+            typer.Option(
+                "--topologies",
+                help="Topologies to capture, NODESxRANKS[-RATE] each (e.g. 2x1-200mbit,2x2-200mbit,3x1-200mbit); "
+                "instead of --nodes/--ranks-per-node/--link-rate.",
+            ),
+        ] = None,
         layers: LayersOption = "2,4,6,8",
         systems: SystemsOption = "zero3,fsdp,ciera",
         iterations: IterationsOption = 3,
@@ -334,7 +373,8 @@ def _command(kinds: tuple[str, ...], default_exponent_steps: int):
         json_path: JsonOption = None,
     ) -> None:
         plan = _plan(kinds, model, width_scale, nodes, ranks_per_node, link_rate, link_latency, layers,
-                     systems, iterations, warmup, exponent_steps, timeout_s, collectives_max_mib)  # fmt: skip
+                     systems, iterations, warmup, exponent_steps, timeout_s, collectives_max_mib,
+                     topologies)  # fmt: skip
         _run(dataclasses.replace(plan, select=select), out, json_path)
 
     return command

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -333,21 +334,25 @@ def _measured_cluster_command(
     gpus: list[str] | None,
     json_path: Path | None,
 ) -> None:
-    """Replay (traced depth) or fit across depths (other depth) on a cluster the bundle was measured on."""
+    """Replay (traced configuration) or project (another depth or world size of the cluster's kind) a
+    cluster the bundle was measured on; both through the one op graph."""
     if json_path is not None:
         check_output_path(json_path, "--json")
     if dtype is not None and dtype not in DTYPES:
         raise SimInputError(f"--dtype: value {dtype!r}, expected one of {list(DTYPES)}")
-    records = simulate_measured_cluster(
-        loaded,
-        cluster,
-        models=_split(models) or None,
-        systems=_split(systems) or None,
-        layers=layers,
-        gpus=parse_gpus(gpus) if gpus else None,
-        dtypes=[dtype] if dtype else None,
-    )
-    table = Table(title=f"Iteration time on the measured cluster {cluster}")
+    started_s = time.perf_counter()
+    with Console(stderr=True).status("replaying and rewriting the measured graphs"):
+        records = simulate_measured_cluster(
+            loaded,
+            cluster,
+            models=_split(models) or None,
+            systems=_split(systems) or None,
+            layers=layers,
+            gpus=parse_gpus(gpus) if gpus else None,
+            dtypes=[dtype] if dtype else None,
+        )
+    elapsed_s = time.perf_counter() - started_s
+    table = Table(title=f"Iteration time on the measured cluster {cluster} and clusters of its kind")
     for name in (
         "model",
         "dtype",
@@ -380,14 +385,23 @@ def _measured_cluster_command(
             record.kind,
         )
     table.caption = (
-        "replayed: the measured events replayed (durations and stream dependencies), a traced configuration. "
-        "projected: another depth, from the replays of the traced depths fitted as a + b·L (not measured; "
-        "`ciera validate sim` shows how far such fits miss)."
+        "replayed: a traced configuration, its measured events evaluated again. projected: the traced graph "
+        "rewritten (blocks repeated, collectives re-costed on the target, compute on its cores) and "
+        "evaluated — not measured; `ciera validate sim` shows how far these rewrites miss."
     )
     out = Console()
     (out if out.is_terminal else Console(width=160)).print(table)
-    for basis in sorted({r.basis for r in records if r.kind == "projected"}):
-        out.print(f"projected from the {basis}", markup=False, highlight=False)
+    for text in sorted({f"{r.cluster}: compute {r.compute}" for r in records if r.kind == "projected"}):
+        out.print(text, markup=False, highlight=False)
+    for note in sorted({note for r in records for note in r.notes}):
+        out.print(note, markup=False, highlight=False)
+    events = sum(r.simulated_events for r in records)
+    out.print(
+        f"{len(records)} records, {events:,} simpy events in {elapsed_s:.1f} s "
+        f"({events / max(elapsed_s, 1e-9):,.0f} events/s)",
+        markup=False,
+        highlight=False,
+    )
     if json_path is not None:
         write_json_atomic(measured_records_to_json(records), json_path, "--json")
         print(f"wrote {json_path}", file=sys.stderr)
@@ -466,6 +480,7 @@ def replay_command(
         raise SimInputError(
             f"--bundle {bundle}: holds no events (an analytic or schema-v1 bundle); nothing to replay"
         )
+    started_s = time.perf_counter()
     if run is not None:
         if run not in set(loaded.events["run_id"]):
             raise SimInputError(f"--run {run!r}: no run with events of that id in --bundle {bundle}")
@@ -477,6 +492,7 @@ def replay_command(
                 "measured_s": float(per_iteration["measured_s"].median()),
                 "replayed_s": float(per_iteration["replayed_s"].median()),
                 "max_abs_error": float(per_iteration["error"].abs().max()),
+                "events": int(per_iteration["events"].sum()),
                 **loaded.runs.set_index("run_id")
                 .loc[run, ["cluster", "system", "layers", "world_size"]]
                 .to_dict(),
@@ -501,14 +517,22 @@ def replay_command(
     console = Console()
     console.print(table)
     worst = max(row["max_abs_error"] for row in rows)
-    console.print(f"{len(rows)} runs replayed; largest |replayed − measured| / measured: {worst * 100:.3f} %")
+    elapsed_s = time.perf_counter() - started_s
+    events = sum(int(row["events"]) for row in rows)
+    console.print(
+        f"{len(rows)} runs replayed; largest |replayed − measured| / measured: {worst * 100:.3f} %; "
+        f"{events:,} simpy events in {elapsed_s:.1f} s ({events / max(elapsed_s, 1e-9):,.0f} events/s)"
+    )
     if json_path is not None:
         write_json_atomic(
             {
                 "schema": "ciera.replay/1",
                 "bundle": str(bundle),
                 "runs": [
-                    {k: (int(v) if k in ("layers", "world_size", "iterations") else v) for k, v in r.items()}
+                    {
+                        k: (int(v) if k in ("layers", "world_size", "iterations", "events") else v)
+                        for k, v in r.items()
+                    }
                     for r in rows
                 ],
                 "max_abs_error": worst,

@@ -1,18 +1,21 @@
-"""`ciera simulate --cluster <a measured cluster>`: the simulator on a cluster the bundle was captured on.
+"""`ciera simulate --cluster <a measured cluster>`: the simulator on a cluster the bundle was captured on,
+and on larger clusters of its kind — all through the one op graph (sim/opgraph.py → sim/rewrite.py →
+sim/evaluate.py).
 
-At a traced configuration (model, system, cluster, depth) the measured events are replayed
-(`sim.replay`): the iteration comes back as it was measured, per rank, from its durations and the
-dependencies between its streams. At another depth of that cluster the replays of its traced depths are
-fitted as a + b·L (`sim.predict`; the blocks are identical) and the record says it is a projection.
-Other world sizes and topologies are not measured clusters: they are simulated on a preset
-(`--cluster a100-hdr-testbed` or a TOML file), which models the collectives instead of replaying them.
+- At a traced configuration (model, system, cluster, depth, world size) the measured events are
+  **replayed**: each iteration's graph at its measured durations gives it back.
+- Another depth or world size is **projected**: the cluster's run of that system is rewritten (blocks
+  repeated, collectives re-costed, compute on the target's cores) and evaluated. `--gpus W` means W ranks
+  of the cluster's kind: its ranks per node, nodes = W / ranks per node, its link; each node its own host
+  with the capture host's cores (the emulated cluster put every node on one host), collectives from α–β
+  per level fitted to the kind's measured sweeps. `ciera validate sim` measures how far these rewrites
+  miss on runs they were not given.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,25 +24,31 @@ import pandas as pd
 import traces
 
 from .errors import SimInputError
-from .predict import predict_iteration_s
+from .predict import predict_run
 from .replay import replay_run
+from .rewrite import ClusterSpec, measured_cluster, projected_cluster
 
-SCHEMA = "ciera.simulate.measured/1"
+SCHEMA = "ciera.simulate.measured/2"
+MAX_PROJECTED_RANKS = 4096
 
 
 @dataclass(frozen=True)
 class MeasuredClusterRecord:
     model: str
     dtype: str
-    cluster: str
+    cluster: str  # the target: the measured cluster, or `<kind>-<M>x<G>` projected from it
     gpus: int
     layers: int
     system: str
-    kind: str  # replayed (a traced configuration) | projected (another depth of the cluster)
-    iteration_s: float  # median over the measured iterations of the replayed (or fitted) time
+    kind: str  # replayed (a traced configuration) | projected (a rewritten graph)
+    iteration_s: float  # median over the anchor's iterations
     measured_s: float | None  # the median measured iteration time, at a traced configuration
     speedup_vs_zero3: float
     basis: str  # what the number was computed from
+    measured_cluster: str  # the cluster the anchor run was captured on
+    compute: str  # where compute comes from: the trace, and on which host assumption
+    simulated_events: int
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,6 +61,31 @@ def measured_clusters(bundle: traces.TraceBundle) -> list[str]:
     return sorted(set(with_events["cluster"]))
 
 
+def _target_cluster(bundle: traces.TraceBundle, anchor: pd.Series, world_size: int) -> ClusterSpec:
+    """The measured cluster at its own W; W ranks of its kind otherwise."""
+    spec = measured_cluster(bundle.collectives, anchor)
+    if world_size == spec.world_size:
+        return spec
+    per_node = spec.ranks_per_node
+    if world_size % per_node:
+        raise SimInputError(
+            f"--gpus {world_size}: cluster {spec.name!r} has {per_node} ranks per node; "
+            f"expected a multiple of {per_node}"
+        )
+    runs = bundle.runs
+    same_kind = runs[(runs["link_rate_Bps"] == anchor["link_rate_Bps"]) & (runs["source"] == "measured")]
+    kind = []
+    for cluster in sorted(set(same_kind["cluster"])):
+        row = same_kind[same_kind["cluster"] == cluster].iloc[0]
+        try:
+            kind.append(measured_cluster(bundle.collectives, row))
+        except SimInputError:
+            continue
+    nodes = world_size // per_node
+    name = f"{spec.name}-kind-{nodes}x{per_node}"
+    return projected_cluster(kind, nodes, per_node, name)
+
+
 def simulate_measured_cluster(
     bundle: traces.TraceBundle,
     cluster: str,
@@ -61,7 +95,8 @@ def simulate_measured_cluster(
     gpus: Sequence[int] | None = None,
     dtypes: Sequence[str] | None = None,
 ) -> list[MeasuredClusterRecord]:
-    """One record per (model, dtype, depth, system) on `cluster`: every traced depth when `layers` is None."""
+    """One record per (model, dtype, world size, depth, system) on `cluster` or clusters of its kind: every
+    traced depth at the traced world size when `layers` and `gpus` are None."""
     runs = bundle.runs
     on_cluster = runs[
         (runs["cluster"] == cluster)
@@ -73,14 +108,9 @@ def simulate_measured_cluster(
             f"--cluster {cluster!r}: the bundle holds no measured run with events on it "
             f"(measured clusters: {', '.join(measured_clusters(bundle)) or 'none'})"
         )
-    world_sizes = sorted({int(w) for w in on_cluster["world_size"]})
-    if gpus:
-        foreign = [g for g in gpus if g not in world_sizes]
-        if foreign:
-            raise SimInputError(
-                f"--gpus {foreign[0]}: cluster {cluster!r} was measured at W={','.join(map(str, world_sizes))}; "
-                "other world sizes are simulated on a preset (--cluster a100-hdr-testbed or a TOML file)"
-            )
+    too_large = [g for g in gpus or [] if g > MAX_PROJECTED_RANKS]
+    if too_large:
+        raise SimInputError(f"--gpus {too_large[0]}: expected at most {MAX_PROJECTED_RANKS} ranks")
     known_models = sorted(set(on_cluster["model"]))
     lookup = {name.lower(): name for name in known_models}
     chosen_models = []
@@ -95,14 +125,12 @@ def simulate_measured_cluster(
         if system not in known_systems:
             raise SimInputError(
                 f"--systems: {system!r} was not measured on {cluster!r} (measured: {', '.join(known_systems)}); "
-                "a measured cluster replays what ran on it"
+                "a system is simulated from its own runs"
             )
     if layers is not None and layers < 1:
         raise SimInputError(f"--layers: value {layers}, expected a depth >= 1")
 
     measured_s = bundle.iterations.groupby("run_id")["iteration_s"].median()
-    # Predict from this cluster's runs only: another cluster of the same shape is not this one.
-    own = dataclasses.replace(bundle, runs=on_cluster)
     records: list[MeasuredClusterRecord] = []
     for model in chosen_models:
         of_model = on_cluster[on_cluster["model"] == model]
@@ -110,47 +138,53 @@ def simulate_measured_cluster(
             if dtypes and dtype not in dtypes:
                 continue
             of_dtype = of_model[of_model["dtype"] == dtype]
+            traced_w = int(of_dtype["world_size"].iloc[0])
+            world_sizes = list(gpus) if gpus else [traced_w]
             depths = [layers] if layers is not None else sorted({int(n) for n in of_dtype["layers"]})
             wanted = list(systems or sorted(set(of_dtype["system"])))
             needed = list(dict.fromkeys(["zero3", *wanted])) if "zero3" in set(of_dtype["system"]) else wanted
-            for depth in depths:
-                times: dict[str, tuple[float, float | None, str, str]] = {}
-                for system in needed:
-                    template = of_dtype[of_dtype["system"] == system]
-                    if template.empty:
-                        continue
-                    traced = template[template["layers"] == depth]
-                    if len(traced):
-                        run_id = str(traced.iloc[0]["run_id"])
-                        replayed = float(replay_run(own, run_id)["replayed_s"].median())
-                        measured = float(measured_s[run_id])
-                        times[system] = (replayed, measured, "replayed", f"replay of run {run_id}")
-                        continue
-                    target = template.iloc[0].copy()
-                    target["layers"] = depth
-                    prediction = predict_iteration_s(own, target)
-                    times[system] = (prediction.iteration_s, None, "projected", prediction.basis)
-                baseline = times.get("zero3")
-                for system in wanted:
-                    if system not in times:
-                        continue
-                    value, measured, kind, basis = times[system]
-                    world_size = int(of_dtype[of_dtype["system"] == system].iloc[0]["world_size"])
-                    records.append(
-                        MeasuredClusterRecord(
-                            model=model,
-                            dtype=dtype,
-                            cluster=cluster,
-                            gpus=world_size,
-                            layers=int(depth),
-                            system=system,
-                            kind=kind,
-                            iteration_s=float(value),
-                            measured_s=measured,
-                            speedup_vs_zero3=float(baseline[0] / value) if baseline else float("nan"),
-                            basis=basis,
+            for world_size in world_sizes:
+                for depth in depths:
+                    times: dict[str, MeasuredClusterRecord] = {}
+                    for system in needed:
+                        template = of_dtype[of_dtype["system"] == system].sort_values("layers")
+                        if template.empty:
+                            continue
+                        traced = template[template["layers"] == depth]
+                        if len(traced) and world_size == traced_w:
+                            run_id = str(traced.iloc[0]["run_id"])
+                            replayed = replay_run(bundle, run_id)
+                            times[system] = MeasuredClusterRecord(
+                                model, dtype, cluster, world_size, int(depth), system, "replayed",
+                                float(replayed["replayed_s"].median()), float(measured_s[run_id]), float("nan"),
+                                f"replay of run {run_id}", cluster, "traced", int(replayed["events"].sum()),
+                            )  # fmt: skip
+                            continue
+                        anchor = (traced if len(traced) else template).iloc[-1]
+                        target_cluster = _target_cluster(bundle, anchor, world_size)
+                        target = anchor.copy()
+                        target["layers"] = depth
+                        prediction = predict_run(bundle, target, target_cluster, bundle.collectives)
+                        compute = (
+                            "traced"
+                            if target_cluster.measured
+                            else f"traced; each node its own host with {target_cluster.host_cores} cores"
                         )
-                    )
+                        times[system] = MeasuredClusterRecord(
+                            model, dtype, target_cluster.name, world_size, int(depth), system, "projected",
+                            prediction.iteration_s, None, float("nan"), prediction.basis, cluster, compute,
+                            prediction.events, list(prediction.notes),
+                        )  # fmt: skip
+                    baseline = times.get("zero3")
+                    for system in wanted:
+                        if system in times:
+                            record = times[system]
+                            speedup = baseline.iteration_s / record.iteration_s if baseline else float("nan")
+                            records.append(
+                                MeasuredClusterRecord(
+                                    **{**record.to_dict(), "speedup_vs_zero3": float(speedup)}
+                                )
+                            )
     if not records:
         raise SimInputError(f"--cluster {cluster!r}: no measured run matches --models/--systems/--dtype")
     return records

@@ -1,24 +1,15 @@
-"""Predict the iteration time of a measured configuration that was not seen, from the replay graphs of runs
-that were (sim/replay.py). The model, and nothing fitted to the configuration being predicted:
+"""Predict a configuration from traced runs by the graph rewrites (sim/rewrite.py, sim/depth.py) and the
+one evaluator — the code path of every projection, and the one `ciera validate sim` checks.
 
-- **Link.** Each seen collective keeps its measured duration except for the time its bytes spend on the
-  inter-node link, which is moved from the seen cluster's link to the target's: a ring over W ranks on
-  N > 1 nodes sends (W − 1)/W · S across each node's link per direction (2× that for all_reduce), at the
-  rate gloo measured on that link (`runs.measured_link_Bps`). Per-call overheads, waits and intra-node
-  hops stay as measured.
-- **Depth.** Replayed iteration times of the seen depths of (cluster, system) are fitted as a + b·L and
-  evaluated at the target depth (the blocks are identical).
-- **Cores.** Ranks that share a host's cores run their main thread (compute, optimizer, codec) slower by
-  max(1, ranks on the host / host cores): synchronous data-parallel ranks compute at the same time. Ranks
-  share a host when the capture says so (`versions.clock = "shared"`: every rank of the run on one host,
-  as in the emulated cluster), else `gpus_per_node` of them do; the cores are `versions.host_cpus`. The
-  seen run's main-thread durations are scaled by the target's factor over the seen run's. Where a run does
-  not record its host's cores they are not scaled, and the prediction says so.
+For a target (model, system, cluster, depth): the anchor is a traced run of the same model and system on
+the closest cluster (same ranks per node first, then the same link); its depth the target's when traced
+there, else the deepest traced. Each of the anchor's iterations is rewritten — depth (repeat the block
+windows), cluster (re-cost every collective from the two clusters' curves, compute on the target's shared
+cores, optimizer by the partitioning rule) — and evaluated; the prediction is the median.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,187 +17,97 @@ import pandas as pd
 
 import traces
 
+from .depth import block_map, repeat_blocks
 from .errors import SimInputError
-from .replay import MAIN_THREAD_STREAMS, build_rank_graph, evaluate
-
-_RING_FACTOR_STREAMS = {"allgather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
-
-
-_SWEEP_OPS = {"allgather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
-
-
-class SweepModel:
-    """A cluster's collective time T(S) = α + S/β per op, fitted to its measured sweep over the whole
-    group: α the median time of the sizes up to 64 KiB (small collectives on a shared CPU are noisy, so
-    not a least-squares intercept), 1/β the least-squares slope of T − α over the sizes from 1 MiB.
-    `residual` is the fit's relative RMS error over every measured size."""
-
-    SMALL_BYTES = 64 << 10
-    LARGE_BYTES = 1 << 20
-
-    def __init__(self, rows: pd.DataFrame) -> None:
-        self.alpha_s: dict[str, float] = {}
-        self.inverse_beta: dict[str, float] = {}
-        self.residual: dict[str, float] = {}
-        for op, group in rows.groupby("op"):
-            sizes = group["bytes"].to_numpy(dtype=float)
-            times = group["time_s"].to_numpy(dtype=float)
-            small, large = sizes <= self.SMALL_BYTES, sizes >= self.LARGE_BYTES
-            alpha = float(np.median(times[small])) if small.any() else 0.0
-            slope = (
-                float(np.sum(sizes[large] * (times[large] - alpha)) / np.sum(sizes[large] ** 2))
-                if large.any()
-                else 0.0
-            )
-            self.alpha_s[str(op)], self.inverse_beta[str(op)] = alpha, max(slope, 0.0)
-            fitted = alpha + self.inverse_beta[str(op)] * sizes
-            self.residual[str(op)] = float(np.sqrt(np.mean(((fitted - times) / times) ** 2)))
-
-    @classmethod
-    def for_cluster(cls, collectives: pd.DataFrame, run: pd.Series) -> SweepModel | None:
-        rows = collectives[
-            (collectives["cluster"] == run["cluster"])
-            & (collectives["world_size"] == run["world_size"])
-            & (collectives["nodes"] == run["nodes"])
-        ]
-        return cls(rows) if len(rows) and set(rows["op"]) >= set(_SWEEP_OPS.values()) else None
-
-    def time_s(self, op: str, size_bytes: np.ndarray) -> np.ndarray:
-        return self.alpha_s[op] + self.inverse_beta[op] * size_bytes
-
-
-def link_seconds(size_bytes: np.ndarray, world_size: int, nodes: int, link_Bps: float) -> np.ndarray:
-    """Time the bytes of a ring collective of full size S spend on one node's inter-node link."""
-    if nodes <= 1 or link_Bps <= 0:
-        return np.zeros_like(size_bytes, dtype=float)
-    return (world_size - 1) / world_size * size_bytes / link_Bps
+from .evaluate import evaluate
+from .opgraph import build_graph
+from .rewrite import ClusterSpec, measured_cluster, rewrite_costs
 
 
 @dataclass(frozen=True)
 class Prediction:
-    iteration_s: float
-    basis: str  # what it was predicted from
+    iteration_s: float  # median over the anchor's rewritten iterations
+    basis: str  # what it was predicted from, in words
+    anchor_run: str
+    events: int  # simpy events the evaluations took
+    notes: tuple[str, ...] = ()
 
 
-def core_sharing(run: pd.Series) -> float | None:
-    """How much slower a rank's main thread runs because ranks share the host's cores: max(1, ranks on the
-    host / its cores); None when the run does not record its host's cores."""
-    try:
-        versions = json.loads(run["versions"]) if isinstance(run["versions"], str) else {}
-    except (json.JSONDecodeError, KeyError):
-        versions = {}
-    cores = versions.get("host_cpus")
-    if not isinstance(cores, int) or cores < 1:
-        return None
-    ranks_on_host = int(run["world_size"]) if versions.get("clock") == "shared" else int(run["gpus_per_node"])
-    return max(1.0, ranks_on_host / cores)
+def parameter_count(bundle: traces.TraceBundle, run_id: str) -> float:
+    """Parameters of a run's model at its traced depth (the layers table's forward numel)."""
+    layers = bundle.layers[(bundle.layers["run_id"] == run_id) & (bundle.layers["phase"] == "fwd")]
+    if layers.empty:
+        raise SimInputError(f"bundle: run {run_id!r} has no layer rows to count its parameters")
+    first = layers[layers["iteration"] == layers["iteration"].min()]
+    return float(first["numel"].sum())
 
 
-def _collective_shift(ordered: pd.DataFrame, anchor: pd.Series, target: pd.Series, sweeps) -> np.ndarray:
-    """Per event: what its collective costs more (or less) on the target cluster than on the anchor's."""
-    streams = ordered["stream"].to_numpy(dtype=object)
-    size = ordered["wire_bytes"].to_numpy(dtype=float)
-    shift = np.zeros(len(ordered))
-    anchor_sweep, target_sweep = sweeps
-    for stream, op in _SWEEP_OPS.items():
-        chosen = streams == stream
-        if not chosen.any():
-            continue
-        if anchor_sweep is not None and target_sweep is not None:
-            shift[chosen] = target_sweep.time_s(op, size[chosen]) - anchor_sweep.time_s(op, size[chosen])
-        else:
-            ring = size[chosen] * _RING_FACTOR_STREAMS[stream]
-            shift[chosen] = link_seconds(
-                ring, int(target.world_size), int(target.nodes), float(target.measured_link_Bps)
-            ) - link_seconds(ring, int(anchor.world_size), int(anchor.nodes), float(anchor.measured_link_Bps))
-    return shift
-
-
-def _replayed_median(
-    events: pd.DataFrame,
-    anchor: pd.Series,
-    target: pd.Series,
-    sweeps=(None, None),
-    main_thread_scale: float = 1.0,
+def _target_parameters(
+    bundle: traces.TraceBundle, anchor_id: str, anchor_layers: int, target_layers: int
 ) -> float:
-    """Median over iterations of the replayed iteration time of `anchor`'s events moved to `target`'s
-    cluster (by the two clusters' measured sweeps when both have one, else by their measured link rates),
-    with main-thread durations scaled by `main_thread_scale` (core sharing)."""
-    times = []
-    for _, per_iteration in events.groupby("iteration", sort=True):
-        last_end = 0.0
-        for _, per_rank in per_iteration.groupby("rank", sort=True):
-            ordered = per_rank.sort_values(["start_s", "end_s"], kind="stable")
-            graph = build_rank_graph(ordered)
-            scale = np.where(np.isin(graph.stream, MAIN_THREAD_STREAMS), main_thread_scale, 1.0)
-            durations = graph.duration_s * scale + (
-                _collective_shift(ordered, anchor, target, sweeps)
-                if anchor.cluster != target.cluster
-                else 0.0
-            )
-            _, end = evaluate(graph, np.maximum(durations, 0.0))
-            last_end = max(last_end, float(end.max(initial=0.0)))
-        times.append(last_end)
-    return float(np.median(times))
+    """The parameter count at `target_layers`: the anchor's with its blocks repeated like the events."""
+    layers = bundle.layers[(bundle.layers["run_id"] == anchor_id) & (bundle.layers["phase"] == "fwd")]
+    first = layers[layers["iteration"] == layers["iteration"].min()].set_index("layer")["numel"]
+    blocks = [float(first.get(layer, 0.0)) for layer in range(1, anchor_layers + 1)]
+    others = float(first.sum()) - sum(blocks)
+    return others + sum(blocks[source - 1] for source in block_map(anchor_layers, target_layers))
 
 
-def predict_iteration_s(
-    seen: traces.TraceBundle, target: pd.Series, collectives: pd.DataFrame | None = None
-) -> Prediction:
-    """The median iteration time of the configuration `target` (a runs row), from the seen runs of the same
-    model and system (the cluster whose topology is closest: same ranks per node first, then the same
-    link)."""
-    collectives = seen.collectives if collectives is None else collectives
+def choose_anchor(seen: traces.TraceBundle, target: pd.Series, system: str | None = None) -> pd.DataFrame:
+    """The seen runs of the target's model and `system` (default: the target's) on the closest cluster."""
     runs = seen.runs
+    system = system or target["system"]
     candidates = runs[
         (runs["model"] == target["model"])
-        & (runs["system"] == target["system"])
+        & (runs["system"] == system)
         & (runs["run_id"].isin(set(seen.events["run_id"])))
     ]
     if candidates.empty:
         raise SimInputError(
-            f"no seen run of model {target['model']!r} and system {target['system']!r} to predict {target['run_id']!r} from"
+            f"no traced run of model {target['model']!r} and system {system!r} to predict {target['run_id']!r} from"
         )
-    closeness = (candidates["gpus_per_node"] != target["gpus_per_node"]).astype(int) * 2 + (
-        candidates["link_rate_Bps"] != target["link_rate_Bps"]
-    ).astype(int)
+    closeness = (
+        (candidates["cluster"] != target["cluster"]).astype(int) * 8
+        + (candidates["gpus_per_node"] != target["gpus_per_node"]).astype(int) * 4
+        + (candidates["nodes"] != target["nodes"]).astype(int) * 2
+        + (candidates["link_rate_Bps"] != target["link_rate_Bps"]).astype(int)
+    )
     cluster = candidates.assign(_distance=closeness).sort_values(["_distance", "cluster"]).iloc[0]["cluster"]
-    anchors = candidates[candidates["cluster"] == cluster].sort_values("layers")
-    by_run = dict(tuple(seen.events[seen.events["run_id"].isin(anchors["run_id"])].groupby("run_id")))
-    target_sweep = SweepModel.for_cluster(collectives, target)
-    depths, times, link_basis = [], [], "sweeps"
-    target_sharing, unscaled = core_sharing(target), False
-    for anchor in anchors.itertuples():
-        anchor_row = pd.Series(anchor._asdict())
-        anchor_sweep = SweepModel.for_cluster(collectives, anchor_row)
-        if anchor_sweep is None or target_sweep is None:
-            link_basis = "link rates"
-        anchor_sharing = core_sharing(anchor_row)
-        if anchor_sharing is None or target_sharing is None:
-            scale, unscaled = 1.0, True
-        else:
-            scale = target_sharing / anchor_sharing
-        depths.append(int(anchor.layers))
-        times.append(
-            _replayed_median(by_run[anchor.run_id], anchor, target, (anchor_sweep, target_sweep), scale)
+    return candidates[candidates["cluster"] == cluster].sort_values("layers")
+
+
+def predict_run(
+    seen: traces.TraceBundle,
+    target: pd.Series,
+    target_cluster: ClusterSpec,
+    collectives: pd.DataFrame,
+    system: str | None = None,
+) -> Prediction:
+    """The median iteration time of `target` (a runs row: model, system, layers, cluster) on
+    `target_cluster`, from `seen`'s runs by the rewrites."""
+    anchors = choose_anchor(seen, target, system)
+    depths = [int(d) for d in anchors["layers"]]
+    target_layers = int(target["layers"])
+    anchor = anchors.iloc[depths.index(target_layers)] if target_layers in depths else anchors.iloc[-1]
+    anchor_id, anchor_layers = str(anchor["run_id"]), int(anchor["layers"])
+    anchor_cluster = measured_cluster(collectives, anchor)
+    ratio = 1.0
+    if anchor_layers != target_layers:
+        ratio = _target_parameters(seen, anchor_id, anchor_layers, target_layers) / parameter_count(
+            seen, anchor_id
         )
-    depths_a, times_a = np.array(depths, dtype=float), np.array(times)
-    if int(target["layers"]) in depths:
-        value = float(times_a[depths.index(int(target["layers"]))])
-        basis = f"replay of {cluster} at L={int(target['layers'])}"
-    elif len(set(depths)) >= 2:
-        slope, intercept = np.polyfit(depths_a, times_a, 1)
-        value = float(intercept + slope * int(target["layers"]))
-        basis = f"replays of {cluster} at L={','.join(map(str, depths))}, fitted a + b·L"
-    else:
-        value = float(times_a[0] / depths_a[0] * int(target["layers"]))
-        basis = f"replay of {cluster} at L={depths[0]}, scaled by depth"
-    if cluster != target["cluster"]:
-        basis += f", collectives moved to {target['cluster']} by the measured {link_basis}"
-        if unscaled:
-            basis += "; host cores not recorded, main-thread times not scaled for core sharing"
-        elif target_sharing != core_sharing(anchors.iloc[0]):
-            basis += (
-                f", main-thread times × {target_sharing / core_sharing(anchors.iloc[0]):.2g} (core sharing)"
-            )
-    return Prediction(value, basis)
+    events = seen.events[seen.events["run_id"] == anchor_id]
+    times, simulated, notes = [], 0, []
+    for _, per_iteration in events.groupby("iteration", sort=True):
+        rewritten = repeat_blocks(per_iteration, anchor_layers, target_layers, ratio)
+        graph = build_graph(rewritten)
+        costs, notes = rewrite_costs(graph, anchor_cluster, target_cluster)
+        result = evaluate(graph, costs)
+        times.append(result.iteration_s)
+        simulated += result.events
+    basis = f"{anchor_id} ({len(times)} iterations)"
+    if anchor_layers != target_layers:
+        basis += f", blocks repeated {anchor_layers} → {target_layers}"
+    if anchor_cluster.name != target_cluster.name:
+        basis += f", re-costed on {target_cluster.name}"
+    return Prediction(float(np.median(times)), basis, anchor_id, simulated, tuple(notes))

@@ -1,0 +1,171 @@
+"""What one collective costs on a cluster, alone on the network, by size: the one collective model the
+simulator re-costs graphs with.
+
+- **Measured cluster** (`SweepCurve`): the cluster's collectives sweep (nccl-tests style, whole group),
+  interpolated in log–log between the measured sizes — no line through points it does not fit: the
+  engines' gathers sit between the small sizes that set an α and the large ones that set a β, where a
+  straight α–β line misses by 70–146 %. Beyond the largest size it goes on linearly in S.
+- **Its link part**: the bytes a collective of full size S moves across each node's link, `k_op ·
+  (W − 1)/W · S` for a ring (`k_op` fitted from the sweep's slope and the link rate gloo measured on that
+  cluster: 1 for gloo's ring all_gather, more for ops gloo runs another way), over that rate. The rest of
+  the time (latency, CPU, the intra-node hops) is fixed.
+- **Projected cluster** (`LevelCurve`): a topology that was not measured, of a measured kind (the same
+  link): `(W − 1)·α_op + k_op·(W − 1)/W · S / B_link` with α_op (per ring step) and k_op from the kind's
+  measured sweeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .errors import SimInputError
+
+STREAM_OPS = {"allgather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
+LARGE_BYTES = 1 << 20  # sizes from here on set the slope (bandwidth-bound)
+SMALL_BYTES = 16 << 10  # sizes up to here set the per-step latency
+
+
+def _ring_share(world_size: int, nodes: int) -> float:
+    """Bytes per byte of S that cross one node's link in a ring over `world_size` ranks on `nodes` nodes."""
+    return (world_size - 1) / world_size if nodes > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class SweepCurve:
+    """A measured cluster's cost of one op by full size S (seconds), and the part of it on the link."""
+
+    op: str
+    sizes_bytes: np.ndarray
+    times_s: np.ndarray  # median, made non-decreasing in S
+    world_size: int
+    nodes: int
+    link_Bps: float  # what gloo measured across one node's link (0: one node)
+    link_factor: float  # k_op
+
+    def time_s(self, size_bytes: np.ndarray) -> np.ndarray:
+        size = np.maximum(np.asarray(size_bytes, dtype=float), 1.0)
+        log_size, log_time = np.log(self.sizes_bytes), np.log(self.times_s)
+        inside = np.exp(np.interp(np.log(size), log_size, log_time))
+        slope = (self.times_s[-1] - self.times_s[-2]) / (self.sizes_bytes[-1] - self.sizes_bytes[-2])
+        beyond = self.times_s[-1] + max(slope, 0.0) * (size - self.sizes_bytes[-1])
+        return np.where(size > self.sizes_bytes[-1], beyond, inside)
+
+    def link_s(self, size_bytes: np.ndarray) -> np.ndarray:
+        if self.link_Bps <= 0:
+            return np.zeros_like(np.asarray(size_bytes, dtype=float))
+        link = (
+            self.link_factor
+            * _ring_share(self.world_size, self.nodes)
+            * np.asarray(size_bytes)
+            / self.link_Bps
+        )
+        return np.minimum(link, self.time_s(size_bytes))
+
+    def describe(self) -> str:
+        return f"{self.op}: measured sweep, {len(self.sizes_bytes)} sizes, interpolated"
+
+
+@dataclass(frozen=True)
+class LevelCurve:
+    """A projected topology's cost of one op: a per-call cost, a per-ring-step α, and the link part of a
+    measured kind."""
+
+    op: str
+    call_s: float
+    alpha_s: float
+    world_size: int
+    nodes: int
+    link_Bps: float
+    link_factor: float
+
+    def link_s(self, size_bytes: np.ndarray) -> np.ndarray:
+        if self.link_Bps <= 0:
+            return np.zeros_like(np.asarray(size_bytes, dtype=float))
+        return (
+            self.link_factor
+            * _ring_share(self.world_size, self.nodes)
+            * np.asarray(size_bytes)
+            / self.link_Bps
+        )
+
+    def time_s(self, size_bytes: np.ndarray) -> np.ndarray:
+        return self.call_s + (self.world_size - 1) * self.alpha_s + self.link_s(size_bytes)
+
+    def describe(self) -> str:
+        return (
+            f"{self.op}: {self.call_s * 1e3:.2f} ms per call + {self.alpha_s * 1e3:.3f} ms per ring step, "
+            f"link factor {self.link_factor:.2f}"
+        )
+
+
+Curve = SweepCurve | LevelCurve
+
+
+def sweep_curves(
+    collectives: pd.DataFrame, cluster: str, world_size: int, nodes: int, link_Bps: float
+) -> dict[str, SweepCurve]:
+    """Per op, the measured curve of `cluster` over its whole group; {} when it has no complete sweep."""
+    rows = collectives[
+        (collectives["cluster"] == cluster)
+        & (collectives["world_size"] == world_size)
+        & (collectives["nodes"] == nodes)
+        & (collectives["source"] == "measured")
+    ]
+    curves: dict[str, SweepCurve] = {}
+    for op in STREAM_OPS.values():
+        of_op = rows[rows["op"] == op].groupby("bytes")["time_s"].median().sort_index()
+        if len(of_op) < 3:
+            return {}
+        sizes = of_op.index.to_numpy(dtype=float)
+        times = np.maximum.accumulate(of_op.to_numpy(dtype=float))
+        large = sizes >= LARGE_BYTES
+        share = _ring_share(world_size, nodes)
+        factor = 0.0
+        if large.sum() >= 2 and share > 0 and link_Bps > 0:
+            slope = float(np.polyfit(sizes[large], times[large], 1)[0])
+            factor = max(slope * link_Bps / share, 0.0)
+        curves[op] = SweepCurve(op, sizes, times, world_size, nodes, link_Bps, factor)
+    return curves
+
+
+def level_curves(
+    measured: list[dict[str, SweepCurve]], world_size: int, nodes: int, link_Bps: float
+) -> dict[str, LevelCurve]:
+    """Curves of a topology that was not measured, from measured curves of the same link kind. The
+    small-size time (median up to 16 KiB) of each measured cluster is fitted as call + (W − 1)·α over
+    their world sizes (least squares, both ≥ 0); with a single world size all of it is per ring step,
+    which is the pessimistic reading. k_op is the median link factor."""
+    if not measured:
+        raise SimInputError("no measured collectives sweep of this link kind to project a topology from")
+    curves: dict[str, LevelCurve] = {}
+    for op in STREAM_OPS.values():
+        steps, small_times, factors = [], [], []
+        for by_op in measured:
+            curve = by_op[op]
+            small = curve.sizes_bytes <= SMALL_BYTES
+            if small.any():
+                steps.append(max(curve.world_size - 1, 1))
+                small_times.append(float(np.median(curve.times_s[small])))
+            if curve.link_factor > 0:
+                factors.append(curve.link_factor)
+        call, alpha = _call_and_step(np.array(steps, dtype=float), np.array(small_times))
+        curves[op] = LevelCurve(
+            op, call, alpha, world_size, nodes, link_Bps, float(np.median(factors)) if factors else 1.0
+        )
+    return curves
+
+
+def _call_and_step(steps: np.ndarray, times: np.ndarray) -> tuple[float, float]:
+    if not len(steps):
+        return 0.0, 0.0
+    if len(set(steps.tolist())) < 2:
+        return 0.0, float(np.median(times / steps))
+    slope, intercept = np.polyfit(steps, times, 1)
+    if slope < 0:
+        return float(np.median(times)), 0.0
+    if intercept < 0:
+        return 0.0, float(np.sum(steps * times) / np.sum(steps**2))
+    return float(intercept), float(slope)

@@ -1,0 +1,252 @@
+"""The one evaluator: simpy runs an op graph (sim/opgraph.py) with its streams, its ranks' main threads,
+the hosts' cores and the nodes' network links as resources.
+
+- Each rank's **main thread** is a process that runs its ops in program order; an op waits for the
+  collective it was blocked on, then its lag, then its work.
+- Each **collective** of a rank is a process: issued after its issuing op (plus lag), started after the
+  previous op on its stream. Once every participant has issued it (coupling across ranks) the group runs
+  its fixed part and its **link transfer**; each rank ends its part `residual_s` after that, and not
+  before `own_s` after its own start (its stream path).
+- **Shared resources** (processor sharing, `SharedResource`): a node's inter-node link is shared by the
+  collectives in flight on it (a prefetched gather beside a reduce-scatter gets half the bandwidth each),
+  and a host's cores are shared by the ranks computing on it (three ranks on two cores run at 2/3 speed
+  while all three compute, at full speed while one of them waits). Work given in seconds at full speed.
+
+At the measured durations (`Costs.measured(graph)`: no resource use, every collective ending when it
+ended) the evaluation reproduces the measured iteration; `sim.rewrite` produces the costs of a rewritten
+graph. A rank class with `multiplicity` m stands for m identical ranks (world-size rewrites copy ranks):
+it is simulated once and weighs m on the shared cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import simpy
+
+from .opgraph import OpGraph
+
+RESOURCE_EPSILON = 1e-12
+
+
+class SharedResource:
+    """A capacity shared equally by the flows in it (processor sharing), each flow at most `per_flow_cap`;
+    a flow of `count` c stands for c identical flows. `use(work, count)` returns the event that fires when
+    `work` (seconds at full per-flow speed) is done."""
+
+    def __init__(self, env: simpy.Environment, capacity: float, per_flow_cap: float) -> None:
+        self.env = env
+        self.capacity = capacity
+        self.per_flow_cap = per_flow_cap
+        self._flows: dict[int, list] = {}  # id -> [remaining work, count, event]
+        self._next_id = 0
+        self._last_s = 0.0
+        self._version = 0
+        self.busy_s = 0.0  # time with at least one flow in it
+
+    def _rate(self) -> float:
+        total = sum(flow[1] for flow in self._flows.values())
+        return min(self.per_flow_cap, self.capacity / total) / self.per_flow_cap if total else 0.0
+
+    def _advance(self) -> None:
+        elapsed = self.env.now - self._last_s
+        if elapsed > 0 and self._flows:
+            rate = self._rate()
+            for flow in self._flows.values():
+                flow[0] -= elapsed * rate
+            self.busy_s += elapsed
+        self._last_s = self.env.now
+
+    def use(self, work_s: float, count: float = 1.0) -> simpy.Event:
+        done = self.env.event()
+        if work_s <= 0:
+            done.succeed()
+            return done
+        self._advance()
+        self._flows[self._next_id] = [work_s, count, done]
+        self._next_id += 1
+        self._reschedule()
+        return done
+
+    def _reschedule(self) -> None:
+        for key in [k for k, flow in self._flows.items() if flow[0] <= RESOURCE_EPSILON]:
+            self._flows.pop(key)[2].succeed()
+        self._version += 1
+        if not self._flows:
+            return
+        rate = self._rate()
+        wait_s = min(flow[0] for flow in self._flows.values()) / rate
+        timer = self.env.timeout(max(wait_s, 0.0))
+        version = self._version
+        timer.callbacks.append(lambda _event, version=version: self._on_timer(version))
+
+    def _on_timer(self, version: int) -> None:
+        if version != self._version:
+            return
+        self._advance()
+        # The flow that was due may be left a rounding error short: finish it now.
+        smallest = min(flow[0] for flow in self._flows.values())
+        for flow in self._flows.values():
+            if flow[0] <= smallest + RESOURCE_EPSILON:
+                flow[0] = 0.0
+        self._reschedule()
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What each op of a graph costs in one evaluation.
+
+    Main ops: `work_s` seconds at a full core (on the host's shared cores when `host_cores` > 0, else a
+    plain delay). Collectives, two paths, the later one ends it: its **own path** from its start on its
+    stream, `own_s` then `own_link_work_s` (seconds of the whole link) over the shared link; its **group
+    path** from the group's last issue, `fixed_s` and `link_work_s` (per group, its first member's
+    values), then `residual_s` of its own."""
+
+    work_s: np.ndarray
+    own_s: np.ndarray
+    own_link_work_s: np.ndarray  # collective: link work of this rank's part, after own_s
+    fixed_s: np.ndarray
+    link_work_s: np.ndarray
+    residual_s: np.ndarray
+    lag_s: np.ndarray
+    host: np.ndarray  # main ops: host index of the op's rank
+    multiplicity: np.ndarray  # per rank: identical ranks this rank stands for
+    host_cores: float = 0.0  # 0: cores are not a shared resource (durations as given)
+    # Collectives wait for the previous op on their stream (the capture's recorded order). Rewrites let a
+    # rank's collectives overlap instead and share the link: gloo's worker threads run them concurrently.
+    stream_order: bool = True
+
+    @classmethod
+    def measured(cls, graph: OpGraph) -> Costs:
+        """The measured durations, no shared resource: the replay of a traced configuration."""
+        zeros = np.zeros(graph.size)
+        is_main = graph.is_main
+        return cls(
+            work_s=np.where(is_main, graph.duration_s, 0.0),
+            own_s=np.where(is_main, 0.0, graph.duration_s),
+            own_link_work_s=zeros,
+            fixed_s=zeros,
+            link_work_s=zeros,
+            residual_s=np.where(is_main, 0.0, graph.tail_s),
+            lag_s=graph.lag_s,
+            host=np.zeros(graph.size, dtype=int),
+            multiplicity=np.ones(graph.world_size),
+        )
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    start_s: np.ndarray
+    end_s: np.ndarray
+    iteration_s: float  # last end over all ranks on the aligned clock (origin: the earliest barrier exit)
+    events: int  # simpy events processed
+    link_busy_s: float
+
+
+class _CountingEnvironment(simpy.Environment):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduled_events = 0
+
+    def schedule(self, event, priority=simpy.core.NORMAL, delay=0):  # type: ignore[no-untyped-def]
+        self.scheduled_events += 1
+        super().schedule(event, priority, delay)
+
+
+def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
+    """Run `graph` at `costs` (default: the measured durations) in simpy."""
+    costs = Costs.measured(graph) if costs is None else costs
+    env = _CountingEnvironment()
+    count = graph.size
+    done = [env.event() for _ in range(count)]
+    start = np.zeros(count)
+    end = np.zeros(count)
+    is_main = graph.is_main
+    cores = (
+        {h: SharedResource(env, costs.host_cores, 1.0) for h in set(costs.host[is_main].tolist())}
+        if costs.host_cores > 0
+        else {}
+    )
+    link = SharedResource(env, 1.0, 1.0)
+    # Per group: members, how many have started, the event when the last has, and its transfer done.
+    members: dict[int, list[int]] = {}
+    for index in np.flatnonzero(graph.group >= 0):
+        members.setdefault(int(graph.group[index]), []).append(int(index))
+    issued = dict.fromkeys(members, 0)
+    transferred = {g: env.event() for g in members}
+    transfer_end = dict.fromkeys(members, 0.0)
+
+    def group_transfer(group: int):  # noqa: ANN202 — a simpy process
+        first = members[group][0]
+        if costs.fixed_s[first] > 0:
+            yield env.timeout(costs.fixed_s[first])
+        if costs.link_work_s[first] > 0:
+            yield link.use(costs.link_work_s[first])
+        transfer_end[group] = env.now
+        transferred[group].succeed()
+
+    def main_thread(indices: list[int]):  # noqa: ANN202
+        for index in indices:
+            blocker = graph.blocker[index]
+            if blocker >= 0:
+                yield done[blocker]
+            if graph.main_prev[index] < 0 and blocker < 0:
+                # The rank's first op: its barrier exit on the aligned clock (its lag is that offset).
+                if graph.offset_s[index] > env.now:
+                    yield env.timeout(graph.offset_s[index] - env.now)
+            elif costs.lag_s[index] > 0:
+                yield env.timeout(costs.lag_s[index])
+            start[index] = env.now
+            work = costs.work_s[index]
+            if work > 0:
+                resource = cores.get(int(costs.host[index]))
+                if resource is None:
+                    yield env.timeout(work)
+                else:
+                    yield resource.use(work, float(costs.multiplicity[graph.rank[index]]))
+            end[index] = env.now
+            done[index].succeed()
+
+    def collective(index: int):  # noqa: ANN202
+        issuer = graph.main_prev[index]
+        if issuer >= 0:
+            yield done[issuer]
+        if costs.lag_s[index] > 0:
+            yield env.timeout(costs.lag_s[index])
+        group = int(graph.group[index])
+        issued[group] += 1
+        if issued[group] == len(members[group]):
+            env.process(group_transfer(group))
+        previous = graph.stream_prev[index]
+        if previous >= 0 and costs.stream_order:
+            yield done[previous]
+        start[index] = env.now
+        if costs.own_s[index] > 0:
+            yield env.timeout(costs.own_s[index])
+        if costs.own_link_work_s[index] > 0:
+            yield link.use(costs.own_link_work_s[index])
+        own_end = env.now
+        yield transferred[group]
+        finish = max(own_end, transfer_end[group] + costs.residual_s[index])
+        if finish > env.now:
+            yield env.timeout(finish - env.now)
+        end[index] = env.now
+        done[index].succeed()
+
+    for rank in sorted(set(graph.rank.tolist())):
+        indices = np.flatnonzero((graph.rank == rank) & is_main).tolist()
+        env.process(main_thread(indices))
+    for index in np.flatnonzero(~is_main):
+        env.process(collective(int(index)))
+    env.run()
+    unfinished = [i for i in range(count) if not done[i].processed]
+    if unfinished:
+        raise RuntimeError(f"op graph deadlocked at {len(unfinished)} ops (a graph bug, not an input error)")
+    return Evaluation(
+        start_s=start,
+        end_s=end,
+        iteration_s=float(end.max(initial=0.0)),
+        events=env.scheduled_events,
+        link_busy_s=link.busy_s,
+    )

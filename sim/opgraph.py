@@ -1,0 +1,212 @@
+"""The simulator's one intermediate form: an iteration of every rank as an op graph, built from a bundle's
+events (trace schema v2).
+
+Ops are the events: compute and optimizer segments and codec work on each rank's main thread, and
+collectives on their own streams. Edges:
+
+- **program order**: the main thread runs one op at a time, in its measured order;
+- **waits**: where the main thread sat idle between two ops it was blocked on a collective — the one that
+  ended last inside the idle interval is its dependency (`blocker`); what remains of the idle time after
+  that end (Python between hooks, a wakeup) is a fixed `lag_s`;
+- **issue points**: a collective is issued by the main-thread op that had ended last before `issued_s`
+  (plus the same kind of lag);
+- **stream order**: a collective starts after the previous op on its stream;
+- **coupling across ranks**: the k-th collective issued on a stream is the same collective on every rank
+  (gloo and NCCL run a group's collectives in issue order). It cannot finish before its last participant
+  has issued it (no byte leaves a rank before that): each rank's `tail_s` is its measured end minus the
+  group's last issue. The recorded start on a stream (issue, or the previous op's end) is not a safe
+  coupling point — gloo's worker threads can start a rank's next transfer before its previous one is
+  reported done — so a collective ends at the later of its own stream path (start + `duration_s`) and its
+  group path (last issue + `tail_s`); at the measured values both give its measured end.
+
+Evaluated at the measured durations (`sim.evaluate.evaluate(graph)`) the graph gives back the measured
+iteration: the check that it holds every dependency that shaped it. Projections (`sim.rewrite`) are
+stated rewrites of this graph; they never build a second model beside it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pandas as pd
+
+from .errors import SimInputError
+
+MAIN_THREAD_STREAMS = ("compute", "optim", "codec_send", "codec_recv")
+COLLECTIVE_STREAMS = ("allgather", "reduce_scatter", "all_reduce")
+TOLERANCE_S = 1e-6
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """One iteration of every rank. Arrays are indexed by op; a reference to another op is its index, -1
+    for none. Ops of one rank are contiguous and in measured start order."""
+
+    rank: np.ndarray  # int
+    stream: np.ndarray  # object: stream name
+    layer: np.ndarray  # int: 0 embedding, 1..L blocks, L+1 head, -1 none
+    phase: np.ndarray  # object: fwd | recompute | bwd | optim
+    duration_s: np.ndarray  # measured end − start (its stream path, for a collective)
+    tail_s: np.ndarray  # collective: measured end − its group's last issue (its group path); main op: 0
+    lag_s: np.ndarray  # fixed delay after the op's dependencies are met
+    main_prev: np.ndarray  # main op: previous main op of its rank; collective: its issuing main op
+    stream_prev: np.ndarray  # collective: previous op on the same stream of its rank
+    blocker: np.ndarray  # main op: the collective its rank waited for before it
+    offset_s: np.ndarray  # start of a rank's first op on the aligned clock (its barrier exit)
+    raw_bytes: np.ndarray  # float: full uncompressed size S of a collective
+    wire_bytes: np.ndarray  # float: what the collective moved
+    group: np.ndarray  # collective: id shared by the same collective on every rank; main op: -1
+    world_size: int
+    measured_start_s: np.ndarray  # what the capture recorded (rewrites read overlaps from it)
+    measured_end_s: np.ndarray
+    issued_s: np.ndarray
+
+    @property
+    def is_main(self) -> np.ndarray:
+        return np.isin(self.stream, MAIN_THREAD_STREAMS)
+
+    @property
+    def size(self) -> int:
+        return len(self.duration_s)
+
+    def with_durations(self, duration_s: np.ndarray) -> OpGraph:
+        return replace(self, duration_s=np.asarray(duration_s, dtype=float))
+
+
+def _rank_arrays(events: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The edges of one rank's iteration (events of one run, rank and iteration, in start order)."""
+    streams = events["stream"].to_numpy(dtype=object)
+    start = events["start_s"].to_numpy(dtype=float)
+    end = events["end_s"].to_numpy(dtype=float)
+    issued = events["issued_s"].to_numpy(dtype=float)
+    count = len(events)
+    is_main = np.isin(streams, MAIN_THREAD_STREAMS)
+    main_prev = np.full(count, -1)
+    stream_prev = np.full(count, -1)
+    blocker = np.full(count, -1)
+    lag = np.zeros(count)
+    collective_ends = sorted((end[i], i) for i in range(count) if not is_main[i])
+    ends_only = np.array([e for e, _ in collective_ends]) if collective_ends else np.zeros(0)
+    last_main = -1
+    # The main thread runs one op at a time, so its ends only grow: a collective's issuer is found by
+    # bisection over them.
+    main_ends: list[float] = []
+    main_indices: list[int] = []
+    last_on_stream: dict[str, int] = {}
+    for index in range(count):
+        if is_main[index]:
+            previous_end = end[last_main] if last_main >= 0 else 0.0
+            ready = previous_end
+            if start[index] - previous_end > TOLERANCE_S and len(ends_only):
+                position = int(np.searchsorted(ends_only, start[index] + TOLERANCE_S, side="right")) - 1
+                if position >= 0 and ends_only[position] >= previous_end - TOLERANCE_S:
+                    blocker[index] = collective_ends[position][1]
+                    ready = max(ready, ends_only[position])
+            main_prev[index] = last_main
+            lag[index] = max(0.0, start[index] - ready)
+            last_main = index
+            main_ends.append(end[index])
+            main_indices.append(index)
+        else:
+            position = bisect.bisect_right(main_ends, issued[index] + TOLERANCE_S) - 1
+            issuer = main_indices[position] if position >= 0 else -1
+            main_prev[index] = issuer
+            issue_ready = end[issuer] if issuer >= 0 else 0.0
+            lag[index] = max(0.0, issued[index] - issue_ready)
+            stream_prev[index] = last_on_stream.get(streams[index], -1)
+            last_on_stream[streams[index]] = index
+    return {"main_prev": main_prev, "stream_prev": stream_prev, "blocker": blocker, "lag_s": lag}
+
+
+def build_graph(events: pd.DataFrame) -> OpGraph:
+    """The op graph of one iteration from its events (one run, one iteration, every rank)."""
+    if events.empty:
+        raise SimInputError("events: an iteration without events has no graph")
+    pieces: list[pd.DataFrame] = []
+    arrays: dict[str, list[np.ndarray]] = {"main_prev": [], "stream_prev": [], "blocker": [], "lag_s": []}
+    offset = 0
+    ranks = sorted(int(r) for r in set(events["rank"]))
+    for rank in ranks:
+        ordered = (
+            events[events["rank"] == rank]
+            .sort_values(["start_s", "end_s"], kind="stable")
+            .reset_index(drop=True)
+        )
+        per_rank = _rank_arrays(ordered)
+        for name in ("main_prev", "stream_prev", "blocker"):
+            values = per_rank[name]
+            arrays[name].append(np.where(values >= 0, values + offset, -1))
+        arrays["lag_s"].append(per_rank["lag_s"])
+        pieces.append(ordered)
+        offset += len(ordered)
+    frame = pd.concat(pieces, ignore_index=True)
+    stream = frame["stream"].to_numpy(dtype=object)
+    start = frame["start_s"].to_numpy(dtype=float)
+    end = frame["end_s"].to_numpy(dtype=float)
+    rank = frame["rank"].to_numpy(dtype=int)
+    group = _couple(frame, stream, len(ranks))
+    tail = np.zeros(len(frame))
+    collective = group >= 0
+    if collective.any():
+        issued = frame["issued_s"].to_numpy(dtype=float)
+        last_issue = pd.Series(issued[collective]).groupby(group[collective]).transform("max").to_numpy()
+        tail[collective] = end[collective] - last_issue
+    offsets = np.zeros(len(frame))
+    for r in ranks:
+        first = np.flatnonzero(rank == r)[0]
+        offsets[first] = start[first]
+    return OpGraph(
+        rank=rank,
+        stream=stream,
+        layer=frame["layer"].to_numpy(dtype=int),
+        phase=frame["phase"].to_numpy(dtype=object),
+        duration_s=end - start,
+        tail_s=tail,
+        lag_s=np.concatenate(arrays["lag_s"]),
+        main_prev=np.concatenate(arrays["main_prev"]),
+        stream_prev=np.concatenate(arrays["stream_prev"]),
+        blocker=np.concatenate(arrays["blocker"]),
+        offset_s=offsets,
+        raw_bytes=frame["raw_bytes"].to_numpy(dtype=float),
+        wire_bytes=frame["wire_bytes"].to_numpy(dtype=float),
+        group=group,
+        world_size=len(ranks),
+        measured_start_s=start,
+        measured_end_s=end,
+        issued_s=frame["issued_s"].to_numpy(dtype=float),
+    )
+
+
+def _couple(frame: pd.DataFrame, stream: np.ndarray, ranks: int) -> np.ndarray:
+    """Group id per collective: the k-th collective issued on a stream is one collective on every rank.
+    Ranks that disagree on how many collectives a stream ran (or on their sizes) are not one group."""
+    group = np.full(len(frame), -1)
+    next_id = 0
+    for name in COLLECTIVE_STREAMS:
+        chosen = np.flatnonzero(stream == name)
+        if not len(chosen):
+            continue
+        per_rank = []
+        for _, rows in frame.iloc[chosen].groupby("rank", sort=True):
+            per_rank.append(rows.sort_values(["issued_s", "start_s"], kind="stable").index.to_numpy())
+        counts = {len(indices) for indices in per_rank}
+        if len(per_rank) != ranks or len(counts) != 1:
+            raise SimInputError(
+                f"events: the ranks ran different numbers of {name} collectives ({sorted(counts)}); "
+                "they cannot be coupled into one iteration"
+            )
+        sizes = np.vstack([frame["raw_bytes"].to_numpy()[indices] for indices in per_rank])
+        if (sizes != sizes[0]).any():
+            raise SimInputError(f"events: the k-th {name} collective has different sizes on different ranks")
+        for k in range(counts.pop()):
+            for indices in per_rank:
+                group[indices[k]] = next_id
+            next_id += 1
+    return group
+
+
+def iteration_graphs(events: pd.DataFrame) -> dict[int, OpGraph]:
+    """Every iteration of one run's events as its graph."""
+    return {int(iteration): build_graph(rows) for iteration, rows in events.groupby("iteration", sort=True)}

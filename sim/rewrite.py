@@ -1,0 +1,213 @@
+"""Projection = stated rewrites of a traced op graph (sim/opgraph.py); `sim.evaluate` runs the result.
+
+A graph traced on one cluster (the anchor) is moved to a target cluster:
+
+- **Collectives** are re-costed from the two clusters' size-resolved curves (sim/curves.py). Of each
+  collective group the anchor's measured time from its last issue is split into what the anchor's curve
+  explains — its fixed part, and its link part stretched by how many link-bearing collectives were in
+  flight beside it (the contention the anchor saw) — and the rest (in-run overhead beyond the sweep). The
+  target keeps that rest, takes its own fixed part, and moves its own link bytes through the shared link,
+  where overlapping collectives share the bandwidth. A rank's collectives are not serialised on their
+  stream: gloo's worker threads run them side by side, and the link decides.
+- **Compute** (main-thread ops) keeps the traced device's times: per-rank work at a fixed per-rank batch
+  does not depend on W. Its work is the measured duration times the core share the anchor's rank had
+  (ranks sharing a host's cores); on the target it runs on the target's shared cores.
+- **World size**: the target's ranks are copies of the traced ones (rank classes weighing W_t / W_a each
+  on shared cores); gathered and scattered sizes are full sizes, so they do not change with W; the
+  optimizer step updates the rank's 1/W shard, so its work scales by W_a / W_t.
+- **Depth**: `repeat_blocks` (see there).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pandas as pd
+
+from .curves import STREAM_OPS, Curve, level_curves, sweep_curves
+from .errors import SimInputError
+from .evaluate import Costs
+from .opgraph import OpGraph
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A cluster as the rewrites see it: its shape, its link, its hosts' cores and its collective curves."""
+
+    name: str
+    nodes: int
+    ranks_per_node: int
+    link_Bps: float  # what gloo measured across one node's link (0: one node)
+    host_cores: int  # cores of one host (0: not recorded, compute not shared)
+    ranks_per_host: int  # ranks sharing one host's cores
+    curves: dict[str, Curve]
+    measured: bool  # its curves are its own measured sweep
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def describe(self) -> str:
+        curves = "its measured sweep" if self.measured else "α–β per level from measured sweeps of its kind"
+        cores = (
+            f"{self.ranks_per_host} ranks on {self.host_cores} cores per host"
+            if self.host_cores
+            else "host cores not recorded (compute not shared)"
+        )
+        return f"{self.name}: {self.nodes}×{self.ranks_per_node}, collectives from {curves}, {cores}"
+
+
+def _versions(run: pd.Series) -> dict:
+    try:
+        return json.loads(run["versions"]) if isinstance(run["versions"], str) else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def measured_cluster(collectives: pd.DataFrame, run: pd.Series) -> ClusterSpec:
+    """The cluster a measured run ran on, with its own sweep."""
+    versions = _versions(run)
+    cores = versions.get("host_cpus") if isinstance(versions.get("host_cpus"), int) else 0
+    shared = versions.get("clock") == "shared"
+    world_size, nodes = int(run["world_size"]), int(run["nodes"])
+    curves = sweep_curves(
+        collectives, str(run["cluster"]), world_size, nodes, float(run["measured_link_Bps"])
+    )
+    if not curves:
+        raise SimInputError(
+            f"bundle: cluster {run['cluster']!r} has no complete collectives sweep to re-cost collectives with"
+        )
+    return ClusterSpec(
+        name=str(run["cluster"]),
+        nodes=nodes,
+        ranks_per_node=int(run["gpus_per_node"]),
+        link_Bps=float(run["measured_link_Bps"]),
+        host_cores=int(cores or 0),
+        ranks_per_host=world_size if shared else int(run["gpus_per_node"]),
+        curves=curves,
+        measured=True,
+    )
+
+
+def projected_cluster(kind: list[ClusterSpec], nodes: int, ranks_per_node: int, name: str) -> ClusterSpec:
+    """A topology of a measured kind (the same link and hosts) that was not measured: every node its own
+    host with the kind's cores, collectives by α–β per level from the kind's sweeps."""
+    if not kind:
+        raise SimInputError("no measured cluster of this kind to project from")
+    link_Bps = float(np.median([c.link_Bps for c in kind]))
+    curves = level_curves(
+        [c.curves for c in kind], nodes * ranks_per_node, nodes, link_Bps if nodes > 1 else 0.0
+    )
+    return ClusterSpec(
+        name=name,
+        nodes=nodes,
+        ranks_per_node=ranks_per_node,
+        link_Bps=link_Bps if nodes > 1 else 0.0,
+        host_cores=kind[0].host_cores,
+        ranks_per_host=ranks_per_node,
+        curves=curves,
+        measured=False,
+    )
+
+
+def mean_concurrency(start_s: np.ndarray, end_s: np.ndarray) -> np.ndarray:
+    """For each interval, the mean number of the intervals (itself included) open during it."""
+    if not len(start_s):
+        return np.zeros(0)
+    times = np.concatenate([start_s, end_s])
+    steps = np.concatenate([np.ones(len(start_s)), -np.ones(len(end_s))])
+    order = np.lexsort((steps, times))  # at a tie, an end before a start
+    times, steps = times[order], steps[order]
+    open_count = np.cumsum(steps)
+    # ∫ count dt up to each boundary, then per interval the difference over its length.
+    area = np.concatenate([[0.0], np.cumsum(open_count[:-1] * np.diff(times))])
+
+    def integral(at: np.ndarray) -> np.ndarray:
+        position = np.searchsorted(times, at, side="right") - 1
+        position = np.clip(position, 0, len(times) - 1)
+        return area[position] + open_count[position] * (at - times[position])
+
+    length = end_s - start_s
+    total = integral(end_s) - integral(start_s)
+    return np.where(length > 0, total / np.where(length > 0, length, 1.0), 1.0)
+
+
+def _core_share(graph: OpGraph, cluster: ClusterSpec) -> np.ndarray:
+    """Per main op, the share of a core its rank had: min(1, cores / ranks computing beside it)."""
+    share = np.ones(graph.size)
+    if not cluster.host_cores:
+        return share
+    is_main = graph.is_main
+    host = graph.rank // max(cluster.ranks_per_host, 1)
+    for h in set(host[is_main].tolist()):
+        chosen = np.flatnonzero(is_main & (host == h))
+        computing = mean_concurrency(graph.measured_start_s[chosen], graph.measured_end_s[chosen])
+        share[chosen] = np.minimum(1.0, cluster.host_cores / np.maximum(computing, 1.0))
+    return share
+
+
+def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> tuple[Costs, list[str]]:
+    """The costs of `graph` (traced on `anchor`) on `target`; notes say what was assumed."""
+    notes: list[str] = []
+    is_main = graph.is_main
+    world_scale = anchor.world_size / target.world_size
+    work = np.where(is_main, graph.duration_s * _core_share(graph, anchor), 0.0)
+    optimizer = graph.stream == "optim"
+    work[optimizer] *= world_scale
+    own = np.zeros(graph.size)
+    own_link = np.zeros(graph.size)
+    floor = np.zeros(graph.size)
+    collective = np.flatnonzero(graph.group >= 0)
+    op = np.array([STREAM_OPS[name] for name in graph.stream[collective]], dtype=object)
+    size = graph.wire_bytes[collective]
+    anchor_time, target_time, target_link = (
+        np.zeros(len(collective)),
+        np.zeros(len(collective)),
+        np.zeros(len(collective)),
+    )
+    for name in set(op.tolist()):
+        chosen = op == name
+        anchor_time[chosen] = anchor.curves[name].time_s(size[chosen])
+        target_time[chosen] = target.curves[name].time_s(size[chosen])
+        target_link[chosen] = target.curves[name].link_s(size[chosen])
+    # The rank's own time on its stream beyond what the anchor's sweep explains is in-run overhead
+    # (the CPU it shared with compute, Python in hooks): kept. The target's fixed part and link part
+    # replace the anchor's; the link part goes through the shared link, a 1/W_a share per traced rank.
+    in_run_rest = graph.duration_s[collective] - anchor_time
+    own[collective] = np.maximum(0.0, target_time - target_link + in_run_rest)
+    own_link[collective] = target_link / graph.world_size
+    # No rank finishes a collective before every rank has issued it and it has moved its bytes.
+    floor[collective] = target_time
+    hosts = graph.rank * 0
+    multiplicity = np.full(graph.world_size, target.world_size / graph.world_size)
+    if target.host_cores:
+        # Rank classes stand for W_t / W_a ranks each; on a host of `ranks_per_host` ranks they weigh that.
+        per_host = min(target.ranks_per_host, target.world_size)
+        multiplicity = np.full(graph.world_size, per_host / graph.world_size)
+        if per_host < graph.world_size:
+            notes.append(
+                f"{graph.world_size} traced ranks stand for {per_host} ranks per host: each weighs "
+                f"{per_host / graph.world_size:.2g} on the host's {target.host_cores} cores"
+            )
+    costs = Costs(
+        work_s=work,
+        own_s=own,
+        own_link_work_s=own_link,
+        fixed_s=np.zeros(graph.size),
+        link_work_s=np.zeros(graph.size),
+        residual_s=floor,
+        lag_s=graph.lag_s,
+        host=hosts,
+        multiplicity=multiplicity,
+        host_cores=float(target.host_cores),
+    )
+    return costs, notes
+
+
+def scale_optimizer(graph: OpGraph, factor: float) -> OpGraph:
+    """The optimizer step's work scaled (it updates the parameters the rank holds)."""
+    duration = graph.duration_s.copy()
+    duration[graph.stream == "optim"] *= factor
+    return replace(graph, duration_s=duration)

@@ -17,6 +17,7 @@ import pandas as pd
 
 import traces
 
+from .ciera_rewrite import CodecFigures, ciera_graph, parameter_sizes
 from .depth import block_map, repeat_blocks
 from .errors import SimInputError
 from .evaluate import evaluate
@@ -76,15 +77,26 @@ def choose_anchor(seen: traces.TraceBundle, target: pd.Series, system: str | Non
     return candidates[candidates["cluster"] == cluster].sort_values("layers")
 
 
+@dataclass(frozen=True)
+class CieraOn:
+    """What the "turn CIERA on" rewrite needs: the codec figures and the parameters' sizes."""
+
+    figures: CodecFigures
+    engine: str  # zero3 | fsdp: the plain engine whose graph is rewritten
+    plain_system: str  # its system name in the bundle
+
+
 def predict_run(
     seen: traces.TraceBundle,
     target: pd.Series,
     target_cluster: ClusterSpec,
     collectives: pd.DataFrame,
-    system: str | None = None,
+    ciera_on: CieraOn | None = None,
 ) -> Prediction:
     """The median iteration time of `target` (a runs row: model, system, layers, cluster) on
-    `target_cluster`, from `seen`'s runs by the rewrites."""
+    `target_cluster`, from `seen`'s runs by the rewrites; with `ciera_on`, from the plain engine's runs
+    with CIERA's gathers written in."""
+    system = ciera_on.plain_system if ciera_on is not None else None
     anchors = choose_anchor(seen, target, system)
     depths = [int(d) for d in anchors["layers"]]
     target_layers = int(target["layers"])
@@ -98,9 +110,21 @@ def predict_run(
         )
     events = seen.events[seen.events["run_id"] == anchor_id]
     times, simulated, notes = [], 0, []
+    counts: dict[str, int] = {}
+    sizes = parameter_sizes(seen, target_layers) if ciera_on is not None else {}
     for _, per_iteration in events.groupby("iteration", sort=True):
         rewritten = repeat_blocks(per_iteration, anchor_layers, target_layers, ratio)
         graph = build_graph(rewritten)
+        if ciera_on is not None:
+            graph = ciera_graph(
+                graph,
+                ciera_on.engine,
+                str(anchor["dtype"]),
+                ciera_on.figures,
+                sizes,
+                lambda op, wire: anchor_cluster.curves[op].time_s(wire),
+                counts,
+            )
         costs, notes = rewrite_costs(graph, anchor_cluster, target_cluster)
         result = evaluate(graph, costs)
         times.append(result.iteration_s)
@@ -110,4 +134,9 @@ def predict_run(
         basis += f", blocks repeated {anchor_layers} → {target_layers}"
     if anchor_cluster.name != target_cluster.name:
         basis += f", re-costed on {target_cluster.name}"
+    if ciera_on is not None:
+        basis += f", CIERA written in ({counts.get('ciera_gathers', 0) // max(len(times), 1)} gathers per iteration)"
+        if counts.get("buckets_not_split"):
+            notes = [*notes, f"{counts['buckets_not_split'] // max(len(times), 1)} gathered buckets per iteration "
+                     "matched no run of parameters and stay one CIERA gather each"]  # fmt: skip
     return Prediction(float(np.median(times)), basis, anchor_id, simulated, tuple(notes))

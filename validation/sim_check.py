@@ -20,7 +20,8 @@ import numpy as np
 import pandas as pd
 
 import traces
-from sim.predict import predict_run
+from sim.ciera_rewrite import CodecFigures, fit_codec_figures, mean_block_change_rate
+from sim.predict import CieraOn, predict_run
 from sim.replay import replay_run
 from sim.rewrite import measured_cluster
 
@@ -87,6 +88,9 @@ def load_held_out(path: Path) -> HeldOut:
 
 
 def _subset(bundle: traces.TraceBundle, run_ids: set[str]) -> traces.TraceBundle:
+    """The seen runs, and every run without events (exponent statistics: inputs, never held out)."""
+    statistics = set(bundle.runs["run_id"]) - set(bundle.events["run_id"])
+    run_ids = run_ids | statistics
     keep = {name: bundle.table(name)[bundle.table(name)["run_id"].isin(run_ids)] for name in
             ("runs", "layers", "iterations", "exponents", "events", "shard_changes")}  # fmt: skip
     return dataclasses.replace(bundle, **keep)
@@ -131,6 +135,30 @@ def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -
 PLAIN_ENGINE = {"ciera": "zero3", "ciera-fsdp": "fsdp"}
 
 
+def _codec_figures(
+    bundle: traces.TraceBundle, seen: traces.TraceBundle, held_out: HeldOut, seen_runs: pd.DataFrame
+) -> dict[str, CodecFigures | None]:
+    """Per CIERA system: its codec figures, fitted to the held-out file's codec runs of that system."""
+    runs = bundle.runs.set_index("run_id")
+    figures: dict[str, CodecFigures | None] = {}
+    for system, plain in PLAIN_ENGINE.items():
+        chosen = [r for r in held_out.codec_runs if runs.loc[r, "system"] == system]
+        if not chosen:
+            figures[system] = None
+            continue
+        pairs = {}
+        for run_id in chosen:
+            run = runs.loc[run_id]
+            twin = seen_runs[
+                (seen_runs["system"] == plain) & (seen_runs["cluster"] == run["cluster"])
+                & (seen_runs["layers"] == run["layers"])
+            ]  # fmt: skip
+            if len(twin):
+                pairs[run_id] = str(twin.iloc[0]["run_id"])
+        figures[system] = fit_codec_figures(bundle, chosen, pairs, mean_block_change_rate(seen))
+    return figures
+
+
 def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float) -> dict[str, Any]:
     measured_runs = bundle.runs[
         (bundle.runs["source"] == "measured") & bundle.runs["run_id"].isin(set(bundle.events["run_id"]))
@@ -169,18 +197,22 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
             "max_iteration_error": float(per_iteration["error"].abs().max()),
         })  # fmt: skip
 
+    figures = _codec_figures(bundle, seen, held_out, seen_runs)
     predicted: dict[str, tuple[float | None, str]] = {}
     simulated_events = 0
     for run in target_runs.itertuples():
         row = pd.Series(run._asdict())
         target_cluster = measured_cluster(bundle.collectives, row)
+        ciera_on = None
         if run.system in PLAIN_ENGINE and not seen_runs["system"].eq(run.system).any():
-            predicted[run.run_id] = (
-                None,
-                "not predicted: the CIERA rewrite of the plain engine's graph is not built yet",
-            )
-            continue
-        prediction = predict_run(seen, row, target_cluster, bundle.collectives)
+            if figures.get(run.system) is None:
+                predicted[run.run_id] = (
+                    None,
+                    f"not predicted: no codec run of {run.system} to fit codec figures to",
+                )
+                continue
+            ciera_on = CieraOn(figures[run.system], PLAIN_ENGINE[run.system], PLAIN_ENGINE[run.system])
+        prediction = predict_run(seen, row, target_cluster, bundle.collectives, ciera_on)
         predicted[run.run_id] = (prediction.iteration_s, prediction.basis)
         simulated_events += prediction.events
     baseline = {(r.cluster, int(r.layers)): r.run_id for r in target_runs.itertuples() if r.system == "zero3"}
@@ -250,6 +282,10 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
         "held_out_max_abs_error_by_category": max_by_category,
         "held_out_not_predicted_by_category": unpredicted,
         "simulated_events": simulated_events,
+        "codec_figures": {
+            system: None if f is None else {**dataclasses.asdict(f), "runs": list(f.runs)}
+            for system, f in figures.items()
+        },
         "measurement_noise": measurement_noise(bundle, measured_runs),
     }
     document["passed"] = bool(

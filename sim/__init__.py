@@ -1,5 +1,12 @@
 """CIERA's trace-driven scale-out simulator (imports without torch).
 
+The op graph (the one intermediate form) and its evaluator:
+- `build_graph(events)` / `iteration_graphs(events)`: each iteration of every rank as an `OpGraph`.
+- `evaluate(graph, costs=None)`: simpy with the link and the hosts' cores shared; measured costs replay.
+- `replay_run(bundle, run_id)`: a traced run's iterations replayed.
+- `predict_run(...)`, `simulate_measured_cluster(...)`: projections as rewrites of traced graphs.
+
+The per-layer path still used by presets and the analytic bundle:
 - `load_cluster` / `list_clusters`: cluster presets (TOML data) with dotted-key overrides.
 - `CollectiveModel`: hierarchical ring α–β costs calibrated to nccl-tests bus bandwidth.
 - `simulate(bundle, cluster, models, gpus, systems, dtypes)`: one `SimRecord` per (model, dtype, gpus, system).
@@ -11,6 +18,11 @@
 from .cluster import ClusterPreset, list_clusters, load_cluster, parse_overrides
 from .collectives import CollectiveModel, algbw_Bps, busbw_Bps, busbw_factor
 from .errors import SimInputError
+from .evaluate import Costs, evaluate
+from .measured_cluster import simulate_measured_cluster
+from .opgraph import OpGraph, build_graph, iteration_graphs
+from .predict import predict_run
+from .replay import replay_run
 from .selection import select_shards
 from .simulate import (
     DEFAULT_GPUS,
@@ -26,6 +38,14 @@ from .simulate import (
 from .systems import SYSTEMS
 
 __all__ = [
+    "Costs",
+    "OpGraph",
+    "build_graph",
+    "evaluate",
+    "iteration_graphs",
+    "predict_run",
+    "replay_run",
+    "simulate_measured_cluster",
     "DEFAULT_GPUS",
     "DTYPES",
     "SCHEMA",

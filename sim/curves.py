@@ -135,7 +135,7 @@ def level_curves(
     measured: list[dict[str, SweepCurve]], world_size: int, nodes: int, link_Bps: float
 ) -> dict[str, LevelCurve]:
     """Curves of a topology that was not measured, from measured curves of the same link kind. The
-    small-size time (median up to 16 KiB) of each measured cluster is fitted as call + (W − 1)·α over
+    small-size time (median up to 16 KiB, less its link part) of each measured cluster is fitted as call + (W − 1)·α over
     their world sizes (least squares, both ≥ 0); with a single world size all of it is per ring step,
     which is the pessimistic reading. k_op is the median link factor."""
     if not measured:
@@ -148,7 +148,9 @@ def level_curves(
             small = curve.sizes_bytes <= SMALL_BYTES
             if small.any():
                 steps.append(max(curve.world_size - 1, 1))
-                small_times.append(float(np.median(curve.times_s[small])))
+                # What the small sizes cost beyond their bytes on the link.
+                beyond = curve.times_s[small] - curve.link_s(curve.sizes_bytes[small])
+                small_times.append(float(np.median(np.maximum(beyond, 0.0))))
             if curve.link_factor > 0:
                 factors.append(curve.link_factor)
         call, alpha = _call_and_step(np.array(steps, dtype=float), np.array(small_times))

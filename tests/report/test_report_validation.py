@@ -365,7 +365,12 @@ def _edit(document: dict[str, Any], path: list[Any], value: Any) -> dict[str, An
             "field 'arms[0].points[*].step': [0, 2, 4], expected the checkpoints [0, 2, 6]",
         ),
         ("divergence", ["arms"], [], "field 'arms': [], expected a non-empty list"),
-        ("sim", ["held_out", 4, "error"], None, "field 'held_out[4].error': None, expected a finite number"),
+        (
+            "sim",
+            ["held_out", 4, "error"],
+            "x",
+            "field 'held_out[4].error': 'x', expected a finite number or null",
+        ),
         (
             "sim",
             ["measurement_noise"],

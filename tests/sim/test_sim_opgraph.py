@@ -1,0 +1,168 @@
+"""The one intermediate form and its evaluator (sim/opgraph.py, sim/evaluate.py): hand-built iterations
+whose dependencies are known, coupling across ranks, the shared resources, exact replay of the shipped
+measured bundle, and monotonicity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import simpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import traces
+from sim.errors import SimInputError
+from sim.evaluate import Costs, SharedResource, evaluate
+from sim.opgraph import build_graph, iteration_graphs
+
+
+def _events(rows: list[tuple], rank: int = 0) -> pd.DataFrame:
+    """(stream, issued, start, end[, raw bytes]) rows of one rank and iteration."""
+    frame = pd.DataFrame(
+        [(*row, 0)[:5] for row in rows], columns=["stream", "issued_s", "start_s", "end_s", "raw_bytes"]
+    )
+    return frame.assign(
+        run_id="r", rank=rank, iteration=0, layer=1, phase="fwd", wire_bytes=frame["raw_bytes"]
+    )
+
+
+def _with(graph, durations: list[float]) -> Costs:
+    base = Costs.measured(graph)
+    durations = np.asarray(durations, dtype=float)
+    is_main = graph.is_main
+    return Costs(
+        **{
+            **base.__dict__,
+            "work_s": np.where(is_main, durations, 0.0),
+            "own_s": np.where(is_main, 0.0, durations),
+            "residual_s": np.zeros(graph.size),
+        }
+    )
+
+
+def test_the_main_thread_waits_for_the_gather_it_blocked_on() -> None:
+    # compute 0–1 issues a gather (1–3); the main thread is blocked until 3, then computes 3–4.
+    graph = build_graph(_events([("compute", 0, 0, 1), ("allgather", 1, 1, 3), ("compute", 3, 3, 4)]))
+    assert graph.blocker[2] == 1 and graph.main_prev[1] == 0
+    np.testing.assert_allclose(evaluate(graph).end_s, [1, 3, 4])
+    # A gather twice as fast: the second compute starts when it ends.
+    np.testing.assert_allclose(evaluate(graph, _with(graph, [1, 1, 1])).end_s, [1, 2, 3])
+
+
+def test_an_overlapped_gather_does_not_hold_the_main_thread() -> None:
+    graph = build_graph(_events([("compute", 0, 0, 2), ("allgather", 0.5, 0.5, 1.5), ("compute", 2, 2, 3)]))
+    assert graph.blocker[2] == -1
+    assert evaluate(graph, _with(graph, [2, 1, 1])).iteration_s == pytest.approx(3.0)
+
+
+def test_idle_time_not_explained_by_a_collective_stays_a_fixed_lag() -> None:
+    graph = build_graph(_events([("compute", 0, 0, 1), ("compute", 1.2, 1.2, 2)]))
+    assert graph.lag_s[1] == pytest.approx(0.2)
+    assert evaluate(graph, _with(graph, [0.5, 0.8])).iteration_s == pytest.approx(1.5)
+
+
+def test_collectives_on_one_stream_run_in_order() -> None:
+    events = _events(
+        [("compute", 0, 0, 0.1), ("allgather", 0.1, 0.1, 1), ("allgather", 0.1, 1, 2), ("compute", 2, 2, 2.5)]
+    )
+    graph = build_graph(events)
+    assert graph.stream_prev[2] == 1 and graph.blocker[3] == 2
+    np.testing.assert_allclose(evaluate(graph, _with(graph, [0.1, 2, 1, 0.5])).end_s, [0.1, 2.1, 3.1, 3.6])
+
+
+def test_a_collective_ends_no_earlier_than_its_last_participant_issued_it() -> None:
+    # Rank 1 issues the gather at 2 (its compute is long); rank 0 issued it at 1 and measured its end at
+    # 2.5. Make rank 1's compute one second longer: rank 0's gather, and its next compute, move with it.
+    rank0 = _events([("compute", 0, 0, 1), ("allgather", 1, 1, 2.5, 100), ("compute", 2.5, 2.5, 3)], rank=0)
+    rank1 = _events([("compute", 0, 0, 2), ("allgather", 2, 2, 2.5, 100), ("compute", 2.5, 2.5, 3)], rank=1)
+    graph = build_graph(pd.concat([rank0, rank1]))
+    assert graph.group[1] == graph.group[4] >= 0
+    assert graph.tail_s[1] == pytest.approx(0.5)  # from rank 1's issue at 2
+    assert evaluate(graph).iteration_s == pytest.approx(3.0)
+    base = Costs.measured(graph)
+    longer = base.work_s.copy()
+    longer[3] += 1.0
+    moved = evaluate(graph, Costs(**{**base.__dict__, "work_s": longer}))
+    np.testing.assert_allclose(moved.end_s[[1, 2]], [3.5, 4.0])
+
+
+def test_ranks_that_ran_different_collectives_are_refused() -> None:
+    rank0 = _events([("compute", 0, 0, 1), ("allgather", 1, 1, 2, 100)], rank=0)
+    rank1 = _events([("compute", 0, 0, 1)], rank=1)
+    with pytest.raises(SimInputError, match="different numbers of allgather"):
+        build_graph(pd.concat([rank0, rank1]))
+
+
+def test_a_shared_link_serves_concurrent_flows_at_a_share_each() -> None:
+    env = simpy.Environment()
+    link = SharedResource(env, 1.0, 1.0)
+    ends = {}
+
+    def flow(name: str, start: float, work: float):  # noqa: ANN202
+        yield env.timeout(start)
+        yield link.use(work)
+        ends[name] = env.now
+
+    env.process(flow("a", 0.0, 2.0))
+    env.process(flow("b", 1.0, 1.0))
+    env.run()
+    # a alone for 1 s (1 done), then both at 1/2: b needs 2 s, a's last 1 needs 2 s → both end at 3.
+    assert ends == pytest.approx({"a": 3.0, "b": 3.0})
+
+
+def test_shared_cores_cap_each_flow_at_one_core() -> None:
+    env = simpy.Environment()
+    cores = SharedResource(env, 2.0, 1.0)  # two cores, a thread uses at most one
+    ends = []
+
+    def thread():  # noqa: ANN202
+        yield cores.use(1.0)
+        ends.append(env.now)
+
+    for _ in range(3):
+        env.process(thread())
+    env.run()
+    assert ends == pytest.approx([1.5, 1.5, 1.5])  # three threads on two cores
+    env = simpy.Environment()
+    cores = SharedResource(env, 2.0, 1.0)
+    done = cores.use(1.0, count=1.0)
+    env.run()
+    assert done.processed and env.now == pytest.approx(1.0)  # one thread does not go faster than a core
+
+
+@pytest.fixture(scope="module")
+def measured() -> traces.TraceBundle:
+    return traces.read_bundle(traces.measured_bundle_path())
+
+
+def test_every_shipped_measured_run_replays_within_a_microsecond(measured: traces.TraceBundle) -> None:
+    iterations = measured.iterations.set_index(["run_id", "iteration"])["iteration_s"]
+    run_ids = sorted(set(measured.events["run_id"]))
+    # One iteration of every third run keeps this quick; `ciera replay` replays every iteration.
+    for run_id in run_ids[::3]:
+        events = measured.events[(measured.events["run_id"] == run_id) & (measured.events["iteration"] == 0)]
+        (graph,) = iteration_graphs(events).values()
+        assert evaluate(graph).iteration_s == pytest.approx(iterations[(run_id, 0)], abs=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=200), st.integers(0, 2**31))
+def test_longer_work_never_shortens_the_iteration(extra: list[float], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows, now = [], 0.0
+    for _ in range(20):
+        compute = rng.uniform(0.01, 0.1)
+        rows.append(("compute", now, now, now + compute))
+        issue = now + compute
+        gather = rng.uniform(0.01, 0.2)
+        rows.append(("allgather", issue, issue, issue + gather, 100))
+        now = issue + (gather if rng.random() < 0.5 else 0.0)
+    graph = build_graph(pd.concat([_events(rows, 0), _events(rows, 1)]))
+    base = evaluate(graph).iteration_s
+    costs = Costs.measured(graph)
+    grow = np.resize(np.asarray(extra), graph.size)
+    longer = Costs(
+        **{**costs.__dict__, "work_s": costs.work_s * (1 + grow), "own_s": costs.own_s * (1 + grow)}
+    )
+    assert evaluate(graph, longer).iteration_s >= base - 1e-9

@@ -1,0 +1,140 @@
+"""The stated rewrites (sim/curves.py, sim/rewrite.py, sim/depth.py, sim/ciera_rewrite.py): the size-resolved
+collective curve, contention read from overlaps, the depth and world-size rewrites and "turn CIERA on" —
+each on cases whose answer is known."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import traces
+from sim.ciera_rewrite import split_bucket
+from sim.curves import SweepCurve, level_curves, sweep_curves
+from sim.depth import block_map, repeat_blocks
+from sim.evaluate import evaluate
+from sim.opgraph import build_graph
+from sim.rewrite import ClusterSpec, mean_concurrency, measured_cluster, projected_cluster, rewrite_costs
+
+
+def _sweep(cluster: str, world: int, nodes: int, link_Bps: float, alpha_s: float) -> pd.DataFrame:
+    sizes = 2.0 ** np.arange(10, 27)
+    rows = []
+    for op, factor in (("all_gather", 1.0), ("reduce_scatter", 1.5), ("all_reduce", 2.0)):
+        times = (world - 1) * alpha_s + factor * (world - 1) / world * sizes / link_Bps
+        rows += [
+            {"cluster": cluster, "op": op, "world_size": world, "nodes": nodes, "bytes": int(s), "time_s": t,
+             "source": "measured"}
+            for s, t in zip(sizes, times, strict=True)
+        ]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_the_curve_goes_through_every_measured_size_and_between_them() -> None:
+    sweep = _sweep("c", 2, 2, 1e7, 1e-4)
+    curve = sweep_curves(sweep, "c", 2, 2, 1e7)["all_gather"]
+    measured = sweep[sweep["op"] == "all_gather"]
+    np.testing.assert_allclose(curve.time_s(measured["bytes"].to_numpy()), measured["time_s"], rtol=1e-9)
+    middle = curve.time_s(np.array([112 << 10]))[0]
+    low, high = curve.time_s(np.array([64 << 10, 128 << 10]))
+    assert low < middle < high
+    assert curve.link_factor == pytest.approx(1.0, rel=1e-3)
+    assert sweep_curves(sweep, "c", 2, 2, 1e7)["reduce_scatter"].link_factor == pytest.approx(1.5, rel=1e-3)
+    # Beyond the largest size it goes on linearly.
+    largest = float(measured["bytes"].max())
+    assert curve.time_s(np.array([2 * largest]))[0] == pytest.approx(
+        curve.time_s(np.array([largest]))[0] + 0.5 * largest / 1e7, rel=1e-3
+    )
+
+
+def test_a_noisy_sweep_never_makes_a_larger_collective_cheaper() -> None:
+    curve = SweepCurve(
+        "all_gather", np.array([1e3, 2e3, 4e3]), np.maximum.accumulate([3e-4, 2e-4, 5e-4]), 2, 2, 1e7, 1.0
+    )
+    assert np.all(np.diff(curve.time_s(np.linspace(1e3, 4e3, 50))) >= 0)
+
+
+def test_projected_topologies_fit_a_per_call_and_a_per_step_cost() -> None:
+    measured = [sweep_curves(_sweep(f"c{w}", w, w, 1e7, 2e-4), f"c{w}", w, w, 1e7) for w in (2, 3, 4)]
+    curve = level_curves(measured, 64, 64, 1e7)["all_gather"]
+    assert curve.alpha_s == pytest.approx(2e-4, rel=0.05) and curve.call_s == pytest.approx(0.0, abs=2e-5)
+    assert curve.time_s(np.array([0.0]))[0] == pytest.approx(63 * 2e-4, rel=0.05)
+
+
+def test_mean_concurrency_counts_what_was_open_beside_each_interval() -> None:
+    np.testing.assert_allclose(mean_concurrency(np.array([0.0, 1.0]), np.array([2.0, 2.0])), [1.5, 2.0])
+    np.testing.assert_allclose(mean_concurrency(np.array([0.0, 2.0]), np.array([1.0, 3.0])), [1.0, 1.0])
+
+
+def test_block_map_keeps_the_first_and_last_block_and_cycles_the_interior() -> None:
+    assert block_map(6, 8) == [1, 2, 3, 4, 5, 2, 3, 6]
+    assert block_map(2, 4) == [1, 1, 1, 2] or block_map(2, 4) == [1, 2, 2, 2]
+    assert block_map(6, 2) == [1, 6]
+    assert block_map(4, 4) == [1, 2, 3, 4]
+
+
+def test_buckets_split_into_runs_of_consecutive_parameters() -> None:
+    parameters = {0: [10.0], 1: [2.0, 3.0, 5.0], 2: [2.0, 3.0, 5.0], 3: [10.0]}
+    assert split_bucket(8.0, 1, parameters) == [3.0, 5.0]
+    assert split_bucket(7.0, 2, parameters) in ([5.0, 2.0], [2.0, 5.0])  # across a layer boundary
+    assert split_bucket(11.0, 1, parameters) == [11.0]  # no run adds up: one gather
+
+
+@pytest.fixture(scope="module")
+def measured() -> traces.TraceBundle:
+    return traces.read_bundle(traces.measured_bundle_path())
+
+
+def _run(bundle: traces.TraceBundle, system: str, layers: int, cluster: str) -> pd.Series:
+    runs = bundle.runs
+    chosen = runs[(runs["system"] == system) & (runs["layers"] == layers) & (runs["cluster"] == cluster)]
+    return chosen.iloc[0]
+
+
+def _iteration(bundle: traces.TraceBundle, run_id: str) -> pd.DataFrame:
+    return bundle.events[(bundle.events["run_id"] == run_id) & (bundle.events["iteration"] == 0)]
+
+
+CLUSTER = "emulated-2x1-200mbit"
+
+
+def test_repeating_blocks_to_the_traced_depth_changes_nothing(measured: traces.TraceBundle) -> None:
+    run = _run(measured, "zero3", 4, CLUSTER)
+    events = _iteration(measured, run.run_id)
+    assert repeat_blocks(events, 4, 4, 1.0) is events
+
+
+def test_deeper_rewrites_add_the_block_windows_and_their_collectives(measured: traces.TraceBundle) -> None:
+    for system in ("zero3", "fsdp"):
+        run = _run(measured, system, 4, CLUSTER)
+        events = _iteration(measured, run.run_id)
+        deeper = repeat_blocks(events, 4, 6, 1.2)
+        counts = {s: int((events["stream"] == s).sum()) for s in ("allgather", "compute")}
+        grown = {s: int((deeper["stream"] == s).sum()) for s in ("allgather", "compute")}
+        assert grown["allgather"] > counts["allgather"] and grown["compute"] > counts["compute"]
+        assert evaluate(build_graph(deeper)).iteration_s > evaluate(build_graph(events)).iteration_s
+
+
+def test_the_rewrite_onto_its_own_cluster_stays_near_the_replay(measured: traces.TraceBundle) -> None:
+    run = _run(measured, "fsdp", 4, CLUSTER)
+    graph = build_graph(_iteration(measured, run.run_id))
+    spec = measured_cluster(measured.collectives, run)
+    costs, _ = rewrite_costs(graph, spec, spec)
+    assert evaluate(graph, costs).iteration_s == pytest.approx(evaluate(graph).iteration_s, rel=0.10)
+
+
+def test_a_faster_link_and_a_larger_world_move_the_iteration_the_right_way(
+    measured: traces.TraceBundle,
+) -> None:
+    run = _run(measured, "zero3", 2, CLUSTER)
+    graph = build_graph(_iteration(measured, run.run_id))
+    spec = measured_cluster(measured.collectives, run)
+    same_kind = projected_cluster([spec], 2, 1, "2x1")
+    faster = projected_cluster([dataclasses.replace(spec, link_Bps=spec.link_Bps * 10)], 2, 1, "2x1-fast")
+    base = evaluate(graph, rewrite_costs(graph, spec, same_kind)[0]).iteration_s
+    quick = evaluate(graph, rewrite_costs(graph, spec, faster)[0]).iteration_s
+    assert quick < base
+    wide: ClusterSpec = projected_cluster([spec], 16, 1, "16x1")
+    assert evaluate(graph, rewrite_costs(graph, spec, wide)[0]).iteration_s > base

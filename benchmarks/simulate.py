@@ -8,6 +8,11 @@ at nominal durations; the Monte Carlo band comes from the vectorised max-plus re
 events per second = simpy events processed / seconds spent inside the simpy replays (and over the whole
 sweep, for the end-to-end rate). The report (if the `report` package is present) is built from the same
 records plus one timeline, without writing files.
+
+On the op-graph path it also times one 128-rank projection of a measured run (`--measured-bundle`,
+default the shipped one; `--measured-run`, default its deepest zero3 run on its first cluster): the run's
+iterations rewritten onto 128 ranks of its cluster's kind and evaluated, against replaying the same run
+(its graphs at the measured durations) in the same process.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--bundle", type=Path, default=traces.default_bundle_path())
     parser.add_argument("--cluster", default="a100-hdr-testbed")
+    parser.add_argument("--measured-bundle", type=Path, default=traces.measured_bundle_path())
+    parser.add_argument("--measured-run", default=None)
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -74,8 +81,11 @@ def main() -> None:
     except ImportError as error:
         report_note = f"report package not importable: {error}"
 
+    measured = _measured_projection(args.measured_bundle, args.measured_run)
+
     result = {
         "benchmark": "simulate",
+        "measured_projection": measured,
         "bundle": str(args.bundle),
         "cluster": preset.name,
         "cpu_count": os.cpu_count(),
@@ -102,6 +112,40 @@ def main() -> None:
         },
     }
     emit_json(result, args.json)
+
+
+def _measured_projection(path: Path, run_id: str | None) -> dict:
+    from sim.measured_cluster import simulate_measured_cluster
+    from sim.replay import replay_run
+
+    bundle = traces.read_bundle(path)
+    runs = bundle.runs[bundle.runs["run_id"].isin(set(bundle.events["run_id"]))]
+    if run_id is None:
+        zero3 = runs[runs["system"] == "zero3"]
+        first = sorted(set(zero3["cluster"]))[0]
+        run_id = str(zero3[zero3["cluster"] == first].sort_values("layers").iloc[-1]["run_id"])
+    run = runs[runs["run_id"] == run_id].iloc[0]
+    started = time.perf_counter()
+    replayed = replay_run(bundle, run_id)
+    replay_s = time.perf_counter() - started
+    started = time.perf_counter()
+    (record,) = simulate_measured_cluster(
+        bundle, str(run["cluster"]), systems=[str(run["system"])], layers=int(run["layers"]), gpus=[128]
+    )
+    projection_s = time.perf_counter() - started
+    return {
+        "run": run_id,
+        "iterations": len(replayed),
+        "baseline_replay_s": replay_s,
+        "baseline_replay_events": int(replayed["events"].sum()),
+        "projection_128_ranks_s": projection_s,
+        "projection_events": record.simulated_events,
+        "events_per_s": record.simulated_events / projection_s,
+        "target_s": 2.0,
+        "meets_target": projection_s <= 2.0,
+        "projected_iteration_s": record.iteration_s,
+        "cluster": record.cluster,
+    }
 
 
 if __name__ == "__main__":

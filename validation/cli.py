@@ -62,7 +62,7 @@ def sim_command(
     with Console(stderr=True).status("replaying and predicting"):
         document = validate_sim(loaded, held, tolerance)
     document["bundle"] = bundle
-    console = Console()
+    console = _out()
     replay = Table(title="replay of the seen runs", box=box.SIMPLE_HEAD)
     for column in ("cluster", "L", "system", "measured", "replayed", "error"):
         replay.add_column(column, justify="left" if column in ("cluster", "system") else "right")

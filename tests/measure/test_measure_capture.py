@@ -190,6 +190,11 @@ def test_ctrl_c_stops_the_ranks_and_the_next_run_redoes_it(tmp_path: Path) -> No
         (["--nodes", "2"], "--nodes 2 needs --link-rate"),
         (["--ranks-per-node", "4000"], "more than this machine"),
         (["--warmup", "0"], "--warmup"),
+        (["--topologies", "2by1"], "--topologies '2by1': expected NODESxRANKS[-RATE]"),
+        (["--topologies", "0x1"], "nodes and ranks per node must be >= 1"),
+        (["--topologies", "1x2,1x2"], "names a topology twice"),
+        (["--topologies", "1x2", "--nodes", "2"], "--topologies names nodes, ranks per node and link rates"),
+        (["--topologies", "2x1"], "--nodes 2 needs --link-rate"),
     ],
 )
 def test_misuse_is_one_line_before_any_rank_starts(tmp_path: Path, args: list[str], expected: str) -> None:

@@ -160,11 +160,12 @@ def test_section_from_the_sample_files(monkeypatch, capsys, files):
     # Validate sim: per category mean/max and pass/fail, and the measurement noise.
     for expected in (
         "Simulator against measured runs it was not given — FAILED",
-        "depth 3 13.9 % 21.6 % -21.6 … +7.0 % ≤ 4 % mean, ≤ 8 % max FAILED",
-        "replay of the seen runs 9 0.0 % 0.0 %",
-        "all held-out runs 39 8.2 % 37.5 %",
-        "differ by 7.9 % on average and up to 31.5 %",
-        "misses its own points by 3.9 % on average, 16.4 % at most",
+        "depth 2 6.7 % 11.0 % -11.0 … +2.3 % ≤ 4 % mean, ≤ 8 % max FAILED",
+        "system 30 7.4 % 29.6 % -10.5 … +29.6 % ≤ 4 % mean, ≤ 8 % max FAILED",
+        "replay of the seen runs 6 0.0 % 0.0 %",
+        "all held-out runs 56 7.6 % 29.6 %",
+        "differ by 14.6 % on average and up to 42.1 %",
+        "misses its own points by 1.9 % on average, 7.2 % at most",
         "ciera validate sim --held-out",
     ):
         assert expected in text, expected

@@ -204,7 +204,7 @@ def split_bucket(size_bytes: float, layer: int, parameters: dict[int, list[float
     return best or [size_bytes]
 
 
-@dataclass
+@dataclass(eq=False)  # ops are compared by identity
 class _Op:
     rank: int
     stream: str
@@ -339,22 +339,19 @@ def _rewrite_rank(plain, rank, engine, dtype, figures, parameters, anchor_time_s
 
     controls: dict[tuple[int, int], _Op] = {}
     last_status: dict[int, _Op] = {}
+    replaced_by_op = {id(old[g]): g for g in replaced}
+
+    def encode_and_control(layer: int, phase: str, raw: float, anchor: _Op) -> _Op:
+        seconds = figures.encode_call_s + figures.encode_s_per_byte * raw / world
+        encode = emit_main(codec("codec_send", layer, phase, seconds, anchor))
+        return collective(layer, phase, 0.0, figures.control_bytes_per_rank * world, encode)
 
     def wait_protocol(g: int, synchronous: bool) -> None:
         layer, phase = int(plain.layer[g]), str(plain.phase[g])
         for j, part in enumerate(replaced[g]):
             anchor = previous_main[0] or old[g]
             if synchronous:
-                encode = emit_main(
-                    codec(
-                        "codec_send",
-                        layer,
-                        phase,
-                        figures.encode_call_s + figures.encode_s_per_byte * part["raw"] / world,
-                        anchor,
-                    )
-                )
-                control = collective(layer, phase, 0.0, figures.control_bytes_per_rank * world, encode)
+                control = encode_and_control(layer, phase, part["raw"], anchor)
             else:
                 control = controls[(g, j)]
             glue = emit_main(codec("compute", -1, phase, figures.glue_s_per_gather / 2, anchor))
@@ -385,31 +382,20 @@ def _rewrite_rank(plain, rank, engine, dtype, figures, parameters, anchor_time_s
             continue
         for g in waits_at.get(i, []) if engine == "zero3" else []:
             wait_protocol(g, synchronous=False)
-        if op.blocker is not None and op.blocker in [old[g] for g in replaced]:
-            blocked = next(g for g in replaced if old[g] is op.blocker)
-            op.blocker = last_status.get(blocked)
+        if op.blocker is not None and id(op.blocker) in replaced_by_op:
+            op.blocker = last_status.get(replaced_by_op[id(op.blocker)])
         emit_main(op)
         for g in issued_by.get(i, []):
             if engine == "zero3":
                 layer, phase = int(plain.layer[g]), str(plain.phase[g])
                 for j, part in enumerate(replaced[g]):
-                    encode = emit_main(
-                        codec(
-                            "codec_send",
-                            layer,
-                            phase,
-                            figures.encode_call_s + figures.encode_s_per_byte * part["raw"] / world,
-                            op,
-                        )
-                    )
-                    controls[(g, j)] = collective(
-                        layer, phase, 0.0, figures.control_bytes_per_rank * world, encode
-                    )
+                    controls[(g, j)] = encode_and_control(layer, phase, part["raw"], op)
             else:
                 wait_protocol(g, synchronous=True)
-    # Collectives the plain graph issued before any main op, or issuers that were replaced: none here.
+    # A collective whose issuer is not in the rewritten graph has no issue edge.
+    emitted = {id(op) for op in out}
     for op in out:
-        if op.stream not in MAIN_THREAD_STREAMS and op.issuer is not None and op.issuer not in out:
+        if op.stream not in MAIN_THREAD_STREAMS and op.issuer is not None and id(op.issuer) not in emitted:
             op.issuer = None
     return out
 

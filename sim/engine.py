@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from .evaluate import CountingEnvironment as _CountingEnvironment
+
 # The per-rank streams, in the order timelines list them.
 STREAMS = ("compute", "allgather", "reduce_scatter", "codec_send", "codec_recv")
 # What an operation's time is when it holds up the compute stream (see `attribute`).
@@ -108,16 +110,6 @@ class Replay:
     end_s: np.ndarray
     iteration_s: float
     events: int  # simpy events processed
-
-
-class _CountingEnvironment(simpy.Environment):
-    def __init__(self) -> None:
-        super().__init__()
-        self.scheduled_events = 0
-
-    def schedule(self, event, priority=simpy.core.NORMAL, delay=0):  # type: ignore[no-untyped-def]
-        self.scheduled_events += 1
-        super().schedule(event, priority, delay)
 
 
 class _LazyList:

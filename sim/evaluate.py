@@ -144,7 +144,9 @@ class Evaluation:
     link_busy_s: float
 
 
-class _CountingEnvironment(simpy.Environment):
+class CountingEnvironment(simpy.Environment):
+    """A simpy environment that counts the events it schedules (for events/s)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.scheduled_events = 0
@@ -157,7 +159,7 @@ class _CountingEnvironment(simpy.Environment):
 def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
     """Run `graph` at `costs` (default: the measured durations) in simpy."""
     costs = Costs.measured(graph) if costs is None else costs
-    env = _CountingEnvironment()
+    env = CountingEnvironment()
     count = graph.size
     done = [env.event() for _ in range(count)]
     start = np.zeros(count)

@@ -23,7 +23,7 @@ def measured_timeline(bundle: traces.TraceBundle, run_id: str, iteration: int) -
     """The events of `run_id`'s `iteration` in Chrome-trace JSON."""
     runs = bundle.runs[bundle.runs["run_id"] == run_id]
     if runs.empty:
-        known = ", ".join(sorted(set(bundle.events["run_id"])))[:400] or "none"
+        known = ", ".join(sorted(set(bundle.events["run_id"].unique())))[:400] or "none"
         raise CaptureError(f"--run {run_id!r}: not in the bundle (runs with events: {known})")
     events = bundle.events[(bundle.events["run_id"] == run_id)]
     if events.empty:

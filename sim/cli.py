@@ -482,7 +482,7 @@ def replay_command(
         )
     started_s = time.perf_counter()
     if run is not None:
-        if run not in set(loaded.events["run_id"]):
+        if run not in set(loaded.events["run_id"].unique()):
             raise SimInputError(f"--run {run!r}: no run with events of that id in --bundle {bundle}")
         per_iteration = replay_run(loaded, run)
         rows = [

@@ -57,7 +57,9 @@ class MeasuredClusterRecord:
 def measured_clusters(bundle: traces.TraceBundle) -> list[str]:
     """Clusters the bundle holds measured runs with events of (the clusters it can replay)."""
     runs = bundle.runs
-    with_events = runs[(runs["source"] == "measured") & runs["run_id"].isin(set(bundle.events["run_id"]))]
+    with_events = runs[
+        (runs["source"] == "measured") & runs["run_id"].isin(set(bundle.events["run_id"].unique()))
+    ]
     return sorted(set(with_events["cluster"]))
 
 
@@ -101,7 +103,7 @@ def simulate_measured_cluster(
     on_cluster = runs[
         (runs["cluster"] == cluster)
         & (runs["source"] == "measured")
-        & runs["run_id"].isin(set(bundle.events["run_id"]))
+        & runs["run_id"].isin(set(bundle.events["run_id"].unique()))
     ]
     if on_cluster.empty:
         raise SimInputError(

@@ -61,7 +61,7 @@ def choose_anchor(seen: traces.TraceBundle, target: pd.Series, system: str | Non
     candidates = runs[
         (runs["model"] == target["model"])
         & (runs["system"] == system)
-        & (runs["run_id"].isin(set(seen.events["run_id"])))
+        & (runs["run_id"].isin(set(seen.events["run_id"].unique())))
     ]
     if candidates.empty:
         raise SimInputError(

@@ -42,7 +42,7 @@ def replay_bundle(bundle: traces.TraceBundle) -> pd.DataFrame:
     """`replay_run` for every run with events; one row per run: median measured and replayed iteration
     times, the largest relative error over its iterations, and the simpy events."""
     rows = []
-    for run_id in sorted(set(bundle.events["run_id"])):
+    for run_id in sorted(set(bundle.events["run_id"].unique())):
         per_iteration = replay_run(bundle, run_id)
         run = bundle.runs[bundle.runs["run_id"] == run_id].iloc[0]
         rows.append(

@@ -89,7 +89,7 @@ def load_held_out(path: Path) -> HeldOut:
 
 def _subset(bundle: traces.TraceBundle, run_ids: set[str]) -> traces.TraceBundle:
     """The seen runs, and every run without events (exponent statistics: inputs, never held out)."""
-    statistics = set(bundle.runs["run_id"]) - set(bundle.events["run_id"])
+    statistics = set(bundle.runs["run_id"]) - set(bundle.events["run_id"].unique())
     run_ids = run_ids | statistics
     keep = {name: bundle.table(name)[bundle.table(name)["run_id"].isin(run_ids)] for name in
             ("runs", "layers", "iterations", "exponents", "events", "shard_changes")}  # fmt: skip
@@ -161,7 +161,8 @@ def _codec_figures(
 
 def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float) -> dict[str, Any]:
     measured_runs = bundle.runs[
-        (bundle.runs["source"] == "measured") & bundle.runs["run_id"].isin(set(bundle.events["run_id"]))
+        (bundle.runs["source"] == "measured")
+        & bundle.runs["run_id"].isin(set(bundle.events["run_id"].unique()))
     ]
     if measured_runs.empty:
         raise ValidationInputError("bundle: no measured run with events (capture one with `ciera measure`)")

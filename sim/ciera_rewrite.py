@@ -29,7 +29,7 @@ import pandas as pd
 import traces
 
 from .errors import SimInputError
-from .opgraph import MAIN_THREAD_STREAMS, OpGraph, iteration_graphs
+from .opgraph import MAIN_THREAD_STREAMS, OpGraph
 
 SIGN_MANTISSA_FRACTION = {"bf16": 0.5, "fp16": 11 / 16}
 
@@ -414,7 +414,6 @@ def _to_graph(ops_by_rank: dict[int, list[_Op]], world: int) -> OpGraph:
     blocker = np.array([ref(op.blocker) if is_main[k] else -1 for k, op in enumerate(ops)])
     stream_prev = np.full(count, -1)
     group = np.full(count, -1)
-    next_group: dict[str, int] = {}
     base = 0
     for rank in sorted(ops_by_rank):
         last: dict[str, int] = {}
@@ -435,7 +434,6 @@ def _to_graph(ops_by_rank: dict[int, list[_Op]], world: int) -> OpGraph:
             int(((stream == name) & (np.array([op.rank for op in ops]) == r)).sum()) for r in ops_by_rank
         )
         offsets[name], total = total, total + per_rank
-        next_group[name] = per_rank
     group = np.array([offsets[stream[k]] + group[k] if group[k] >= 0 else -1 for k in range(count)])
     return OpGraph(
         rank=np.array([op.rank for op in ops]),
@@ -457,7 +455,3 @@ def _to_graph(ops_by_rank: dict[int, list[_Op]], world: int) -> OpGraph:
         measured_end_s=np.array([op.measured_end_s for op in ops]),
         issued_s=np.array([op.issued_s for op in ops]),
     )
-
-
-def plain_iterations(bundle: traces.TraceBundle, run_id: str) -> dict[int, OpGraph]:
-    return iteration_graphs(bundle.events[bundle.events["run_id"] == run_id])

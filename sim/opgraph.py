@@ -27,7 +27,7 @@ stated rewrites of this graph; they never build a second model beside it.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -70,9 +70,6 @@ class OpGraph:
     @property
     def size(self) -> int:
         return len(self.duration_s)
-
-    def with_durations(self, duration_s: np.ndarray) -> OpGraph:
-        return replace(self, duration_s=np.asarray(duration_s, dtype=float))
 
 
 def _rank_arrays(events: pd.DataFrame) -> dict[str, np.ndarray]:

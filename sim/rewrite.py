@@ -21,7 +21,7 @@ A graph traced on one cluster (the anchor) is moved to a target cluster:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -180,7 +180,7 @@ def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> t
     own_link[collective] = target_link / graph.world_size
     # No rank finishes a collective before every rank has issued it and it has moved its bytes.
     floor[collective] = target_time
-    hosts = graph.rank * 0
+    hosts = np.zeros(graph.size, dtype=int)  # the emulated cluster's ranks share one host
     multiplicity = np.full(graph.world_size, target.world_size / graph.world_size)
     if target.host_cores:
         # Rank classes stand for W_t / W_a ranks each; on a host of `ranks_per_host` ranks they weigh that.
@@ -204,10 +204,3 @@ def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> t
         host_cores=float(target.host_cores),
     )
     return costs, notes
-
-
-def scale_optimizer(graph: OpGraph, factor: float) -> OpGraph:
-    """The optimizer step's work scaled (it updates the parameters the rank holds)."""
-    duration = graph.duration_s.copy()
-    duration[graph.stream == "optim"] *= factor
-    return replace(graph, duration_s=duration)

@@ -28,7 +28,9 @@ def analytic_bundle_command(
     with Console(stderr=True).status("generating analytic traces"):
         bundle = generate_bundle(loaded)
     path = traces.write_bundle(bundle, out, overwrite=overwrite)
-    Console().print(f"wrote {path}: {len(bundle.runs)} analytic runs, {len(bundle.layers)} layer rows")
+    Console().print(
+        f"wrote {path}: {len(bundle.runs)} analytic runs, {len(bundle.events)} events, {len(bundle.layers)} layer rows"
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -177,6 +177,18 @@ class CollectiveModel:
             return self.all_reduce_s(bytes_total, world_size)
         raise SimInputError(f"collective op {op!r}, expected one of {list(COLLECTIVE_OPS)}")
 
+    def link_s(self, op: str, bytes_total: float, world_size: int) -> float:
+        """The bandwidth term of `time_s` at the level that bounds it: the inter-node ring's
+        (M−1)/M · S/β_inter across nodes, else the NVLink ring's (G−1)/G · S/β_intra — the part a
+        collective spends moving bytes through a link that collectives in flight beside it share."""
+        per_op = 2.0 if op == "all_reduce" else 1.0
+        nodes, ranks_in_node = self._levels(world_size)
+        if nodes > 1:
+            return per_op * (nodes - 1) / nodes * bytes_total / self.inter_beta_Bps
+        if ranks_in_node > 1:
+            return per_op * (ranks_in_node - 1) / ranks_in_node * bytes_total / self.intra_beta_Bps
+        return 0.0
+
     def allgather_marginal_s_per_byte(self, world_size: int) -> float:
         """d AllGather time / d S: what one more gathered byte costs (α terms drop out of differences)."""
         nodes, ranks_in_node = self._levels(world_size)

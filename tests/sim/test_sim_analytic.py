@@ -4,6 +4,7 @@ about being analytic."""
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 import traces
 from sim.analytic import generate_bundle, load_settings
@@ -50,3 +51,75 @@ def test_parameter_counts_match_published_totals():
             assert abs(total / 1e9 - published_total_b[model.name]) / published_total_b[model.name] < 0.02, (
                 model.name
             )
+
+
+def _shipped_run(run_id: str) -> tuple[traces.TraceBundle, pd.DataFrame]:
+    bundle = traces.read_bundle(traces.default_bundle_path())
+    return bundle, bundle.events[bundle.events["run_id"] == run_id]
+
+
+def test_analytic_runs_replay_exactly_through_the_op_graph():
+    """The generator's schedule graph and the graph rebuilt from the events it wrote are one graph: the
+    evaluator gives back every iteration (the same path a measured run replays on)."""
+    from sim.replay import replay_run
+
+    bundle = traces.read_bundle(traces.default_bundle_path())
+    for run_id in ("analytic-mixtral-8x7b-bf16-L8-W8", "analytic-olmoe-1b-7b-fp16-L2-W4"):
+        replayed = replay_run(bundle, run_id)
+        assert len(replayed) == 4
+        assert replayed["error"].abs().max() < 1e-9, run_id
+
+
+def test_analytic_events_follow_the_zero3_schedule():
+    """Gathers are issued one step ahead (prefetch 1) and a step never starts before its gather ends; a
+    reduce-scatter follows its backward; the optimizer starts after the last reduce-scatter; every rank
+    has the same events; the iteration is at least the main thread's work and at least the link's."""
+    bundle, events = _shipped_run("analytic-mixtral-8x7b-bf16-L4-W8")
+    assert events["rank"].nunique() == 8
+    one = events[(events["rank"] == 0) & (events["iteration"] == 1)].sort_values("start_s")
+    main = one[one["stream"].isin(["compute", "optim"])].reset_index(drop=True)
+    gathers = one[one["stream"] == "allgather"]
+    for _, gather in gathers.iterrows():
+        step = main[(main["layer"] == gather["layer"]) & (main["phase"] == gather["phase"])].iloc[0]
+        assert step["start_s"] >= gather["end_s"] - 1e-12
+        position = int(step.name)
+        if position >= 2:
+            # Issued when the step before this one started, i.e. when the one before that ended.
+            assert abs(gather["issued_s"] - main.loc[position - 2, "end_s"]) < 1e-12
+    scatters = one[one["stream"] == "reduce_scatter"]
+    assert (scatters["phase"] == "bwd").all() and len(scatters) == 6
+    first_optim = main[main["phase"] == "optim"]["start_s"].min()
+    assert first_optim >= scatters["end_s"].max() - 1e-12
+    iteration_s = bundle.iterations.set_index(["run_id", "iteration"]).loc[
+        ("analytic-mixtral-8x7b-bf16-L4-W8", 1), "iteration_s"
+    ]
+    assert iteration_s >= (main["end_s"] - main["start_s"]).sum() - 1e-12
+    for rank, rows in events[events["iteration"] == 1].groupby("rank"):
+        assert rows.sort_values("start_s")["end_s"].to_numpy() == pytest.approx(one["end_s"].to_numpy()), rank
+
+
+def test_a_gather_beside_a_reduce_scatter_shares_the_link():
+    """Two collectives in flight on the link take longer together than alone: the schedule's costs go
+    through the evaluator's shared link, not a sum of maxima."""
+    from sim.analytic import _schedule_events, _Step
+
+    def step(layer: int, phase: str, gather: float, scatter: float) -> _Step:
+        return _Step(
+            layer,
+            phase,
+            0.001,
+            1e6 if gather else 0.0,
+            gather,
+            gather,
+            1e6 if scatter else 0.0,
+            scatter,
+            scatter,
+        )
+
+    alone = [step(0, "fwd", 0.0, 0.0), step(1, "bwd", 0.0, 0.1), step(2, "bwd", 0.1, 0.0)]
+    events, _ = _schedule_events(alone, prefetch=0)
+    # The second gather starts when the first backward's reduce-scatter is in flight: both at half rate.
+    scatter = events[events["stream"] == "reduce_scatter"].iloc[0]
+    gather = events[events["stream"] == "allgather"].iloc[0]
+    assert scatter["end_s"] - scatter["start_s"] > 0.1 + 1e-6
+    assert gather["end_s"] - gather["start_s"] > 0.1 + 1e-6

@@ -9,6 +9,8 @@ simulator re-costs graphs with.
   (W − 1)/W · S` for a ring (`k_op` fitted from the sweep's slope and the link rate gloo measured on that
   cluster: 1 for gloo's ring all_gather, more for ops gloo runs another way), over that rate. The rest of
   the time (latency, CPU, the intra-node hops) is fixed.
+- **Cluster preset** (`PresetCurve`): the preset's own hierarchical ring α–β (sim/collectives.py,
+  calibrated to its nccl-tests points), its link part the bandwidth term of the level that bounds it.
 - **Projected cluster** (`LevelCurve`): a topology that was not measured, of a measured kind (the same
   link): `(W − 1)·α_op + k_op·(W − 1)/W · S / B_link` with α_op (per ring step) and k_op from the kind's
   measured sweeps.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from .collectives import CollectiveModel
 from .errors import SimInputError
 
 STREAM_OPS = {"allgather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
@@ -101,7 +104,27 @@ class LevelCurve:
         )
 
 
-Curve = SweepCurve | LevelCurve
+@dataclass(frozen=True)
+class PresetCurve:
+    """A cluster preset's cost of one op at one world size: its collective model, as it stands."""
+
+    op: str
+    model: CollectiveModel
+    world_size: int
+
+    def time_s(self, size_bytes: np.ndarray) -> np.ndarray:
+        sizes = np.asarray(size_bytes, dtype=float)
+        return np.vectorize(lambda size: self.model.time_s(self.op, float(size), self.world_size))(sizes)
+
+    def link_s(self, size_bytes: np.ndarray) -> np.ndarray:
+        sizes = np.asarray(size_bytes, dtype=float)
+        return np.vectorize(lambda size: self.model.link_s(self.op, float(size), self.world_size))(sizes)
+
+    def describe(self) -> str:
+        return f"{self.op}: the preset's hierarchical ring α–β at W = {self.world_size}"
+
+
+Curve = SweepCurve | LevelCurve | PresetCurve
 
 
 def sweep_curves(

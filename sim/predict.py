@@ -22,7 +22,7 @@ from .depth import block_map, repeat_blocks
 from .errors import SimInputError
 from .evaluate import evaluate
 from .opgraph import build_graph
-from .rewrite import ClusterSpec, measured_cluster, rewrite_costs
+from .rewrite import ClusterSpec, rewrite_costs, traced_cluster
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def predict_run(
     target_layers = int(target["layers"])
     anchor = anchors.iloc[depths.index(target_layers)] if target_layers in depths else anchors.iloc[-1]
     anchor_id, anchor_layers = str(anchor["run_id"]), int(anchor["layers"])
-    anchor_cluster = measured_cluster(collectives, anchor)
+    anchor_cluster = traced_cluster(collectives, anchor)
     ratio = 1.0
     if anchor_layers != target_layers:
         ratio = _target_parameters(seen, anchor_id, anchor_layers, target_layers) / parameter_count(
@@ -134,6 +134,8 @@ def predict_run(
         basis += f", blocks repeated {anchor_layers} → {target_layers}"
     if anchor_cluster.name != target_cluster.name:
         basis += f", re-costed on {target_cluster.name}"
+    elif anchor_cluster.world_size != target_cluster.world_size:
+        basis += f", re-costed on {target_cluster.name} at W = {target_cluster.world_size}"
     if ciera_on is not None:
         basis += f", CIERA written in ({counts.get('ciera_gathers', 0) // max(len(times), 1)} gathers per iteration)"
         if counts.get("buckets_not_split"):

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .curves import STREAM_OPS, Curve, level_curves, sweep_curves
+from .cluster import ClusterPreset, load_cluster
+from .collectives import CollectiveModel
+from .curves import STREAM_OPS, Curve, PresetCurve, level_curves, sweep_curves
 from .errors import SimInputError
 from .evaluate import Costs
 from .opgraph import OpGraph
@@ -50,7 +52,13 @@ class ClusterSpec:
         return self.nodes * self.ranks_per_node
 
     def describe(self) -> str:
-        curves = "its measured sweep" if self.measured else "α–β per level from measured sweeps of its kind"
+        curves = (
+            "its measured sweep"
+            if self.measured
+            else "the preset's α–β"
+            if any(isinstance(c, PresetCurve) for c in self.curves.values())
+            else "α–β per level from measured sweeps of its kind"
+        )
         cores = (
             f"{self.ranks_per_host} ranks on {self.host_cores} cores per host"
             if self.host_cores
@@ -88,6 +96,32 @@ def measured_cluster(collectives: pd.DataFrame, run: pd.Series) -> ClusterSpec:
         ranks_per_host=world_size if shared else int(run["gpus_per_node"]),
         curves=curves,
         measured=True,
+    )
+
+
+def traced_cluster(collectives: pd.DataFrame, run: pd.Series) -> ClusterSpec:
+    """The cluster a run was traced on: a measured run's with its own sweep; an analytic run's preset
+    (by name, as shipped: overrides the generator was run with are not recorded) at the run's W."""
+    if run["source"] != "analytic":
+        return measured_cluster(collectives, run)
+    preset = load_cluster(str(run["cluster"]))
+    return preset_cluster(preset, CollectiveModel.from_preset(preset, None), int(run["world_size"]))
+
+
+def preset_cluster(preset: ClusterPreset, model: CollectiveModel, world_size: int) -> ClusterSpec:
+    """`world_size` GPUs of a cluster preset: its nodes of `gpus_per_node`, collectives from its own
+    α–β model. Compute is not a shared resource (one GPU per rank)."""
+    per_node = min(preset.gpus_per_node, world_size)
+    nodes = -(-world_size // preset.gpus_per_node)
+    return ClusterSpec(
+        name=preset.name,
+        nodes=nodes,
+        ranks_per_node=per_node,
+        link_Bps=model.inter_beta_Bps if nodes > 1 else 0.0,
+        host_cores=0,
+        ranks_per_host=1,
+        curves={op: PresetCurve(op, model, world_size) for op in STREAM_OPS.values()},
+        measured=False,
     )
 
 
@@ -175,7 +209,21 @@ def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> t
     # The rank's own time on its stream beyond what the anchor's sweep explains is in-run overhead
     # (the CPU it shared with compute, Python in hooks): kept. The target's fixed part and link part
     # replace the anchor's; the link part goes through the shared link, a 1/W_a share per traced rank.
-    in_run_rest = graph.duration_s[collective] - anchor_time
+    # What the anchor's curve explains of a collective's measured time: its fixed part, and its link part
+    # stretched by the link-bearing collectives its rank had in flight beside it (they shared the link).
+    # Only the remainder is in-run overhead; the target's own contention comes from the shared link.
+    anchor_link = np.zeros(len(collective))
+    for name in set(op.tolist()):
+        chosen = op == name
+        anchor_link[chosen] = anchor.curves[name].link_s(size[chosen])
+    beside = np.ones(len(collective))
+    start, end = graph.measured_start_s[collective], graph.measured_end_s[collective]
+    ranks = graph.rank[collective]
+    for r in set(ranks.tolist()):
+        mine = ranks == r
+        beside[mine] = mean_concurrency(start[mine], end[mine])
+    explained = anchor_time - anchor_link + anchor_link * beside
+    in_run_rest = graph.duration_s[collective] - explained
     own[collective] = np.maximum(0.0, target_time - target_link + in_run_rest)
     own_link[collective] = target_link / graph.world_size
     # No rank finishes a collective before every rank has issued it and it has moved its bytes.

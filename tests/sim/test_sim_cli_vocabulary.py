@@ -91,6 +91,7 @@ def test_bundle_errors_name_the_fix(tmp_path: Path) -> None:
         layers=bundle.layers[bundle.layers["run_id"].isin(small.runs["run_id"])],
         iterations=bundle.iterations[bundle.iterations["run_id"].isin(small.runs["run_id"])],
         exponents=bundle.exponents[bundle.exponents["run_id"].isin(small.runs["run_id"])],
+        events=bundle.events[bundle.events["run_id"].isin(small.runs["run_id"])],
     )
     target = traces.write_bundle(small, tmp_path / "b")
     with pytest.raises(traces.TraceError, match="--overwrite"):

@@ -230,5 +230,5 @@ def test_shipped_analytic_change_rates_never_clip_to_one() -> None:
     shipped = traces.read_bundle(path)
     _exponent_rates_below_one(shipped)
     versions = shipped.runs["versions"].map(lambda text: __import__("json").loads(text)["generator"])
-    assert set(versions) == {"analytic/2"}
+    assert set(versions) == {"analytic/3"}
     assert np.isfinite(shipped.exponents["exp_change_rate"]).all()

@@ -6,8 +6,11 @@ Each rank's iteration is cut into **windows** at its main thread's compute: a fo
 from the first compute op of block l's forward to the first of the next block's; a backward block window from
 the first op of block l's recompute or backward to the first of block l − 1's (glue ops outside any layer
 stay in the window they fall in). The embedding, the head, the loss and the optimizer step are windows
-of their own and are kept once. A collective belongs to the window whose main-thread op issued it (so
-every rank cuts the same collectives into the same window: program order, not timing).
+of their own and are kept once. A block's collective belongs to the window of the main-thread op it
+serves (the first of its layer and phase: a prefetched gather is repeated with the block whose parameters
+it moves, issued as far ahead of it as traced); any other collective to the window whose op issued it, or
+to the last block window of that phase when that is a block window (so it is copied once) — program order
+and labels, not timing, so every rank cuts the same collectives into the same window.
 
 The target iteration is the sequence: what comes before block 1, forward windows of target blocks 1..N,
 what lies between the forward and the backward blocks (head, loss), backward windows N..1, the rest
@@ -16,7 +19,8 @@ neighbours differ: the embedding, the head); the blocks between are the traced i
 Each window keeps its events' offsets from its own start, and the windows are laid end to end.
 
 Two things depend on the parameter count and are scaled by it: the optimizer step's work, and the
-gradient collectives outside block windows (ZeRO-3 reduces every gradient in one bucket at the end).
+gradient collectives of no layer (ZeRO-3 reduces every gradient in one bucket at the end); the
+embedding's and head's own collectives are kept as traced.
 """
 
 from __future__ import annotations
@@ -64,13 +68,40 @@ def _windows(
             boundaries.append((key, start))
     starts = np.array([b[1] for b in boundaries])
     main_window = np.searchsorted(starts, main["start_s"].to_numpy(dtype=float), side="right") - 1
-    # A collective is issued by the main-thread op that had ended last before it was issued.
+    # A collective goes with the block it serves: a block's collectives (layer 1..L) with the window of the
+    # first op of their layer and phase — a prefetched gather issued a step ahead still moves its own
+    # block's parameters, so it is repeated with that block, not with the block that issued it. Any other
+    # collective (embedding, head, layer −1) is kept once: with the window of the op that had ended last
+    # before its issue, or, when that is a block window (a head gather prefetched during an interior
+    # block, which is repeated), with the last block window of that phase, which is copied once.
     main_ends = main["end_s"].to_numpy(dtype=float)
     collectives = ordered[~is_main]
     issuer = (
         np.searchsorted(main_ends, collectives["issued_s"].to_numpy(dtype=float) + 1e-6, side="right") - 1
     )
-    collective_window = np.where(issuer >= 0, main_window[np.maximum(issuer, 0)], 0)
+    by_issuer = np.where(issuer >= 0, main_window[np.maximum(issuer, 0)], 0)
+    first_of: dict[tuple[int, str], int] = {}
+    for position, (stream, layer, phase) in enumerate(
+        zip(main["stream"], main["layer"], main["phase"], strict=True)
+    ):
+        if stream in ("compute", "optim"):
+            first_of.setdefault((int(layer), str(phase)), position)
+    window_keys = [key for key, _ in boundaries]
+    last_block = {
+        "fwd": window_keys.index(("fwd", layers)) if ("fwd", layers) in window_keys else -1,
+        "bwd": window_keys.index(("bwd", 1)) if ("bwd", 1) in window_keys else -1,
+    }
+    collective_window = []
+    for layer, phase, window in zip(collectives["layer"], collectives["phase"], by_issuer, strict=True):
+        served = first_of.get((int(layer), str(phase)), -1) if 1 <= layer <= layers else -1
+        if served >= 0:
+            collective_window.append(int(main_window[served]))
+            continue
+        kind = window_keys[window][0]
+        collective_window.append(
+            last_block[kind] if kind in last_block and last_block[kind] >= 0 else int(window)
+        )
+    collective_window = np.array(collective_window, dtype=int)
     window_of = pd.Series(0, index=ordered.index)
     window_of[main.index] = main_window
     window_of[collectives.index] = collective_window
@@ -98,23 +129,45 @@ def repeat_blocks(
 ) -> pd.DataFrame:
     """The events of one iteration (every rank) rewritten from `traced_layers` to `target_layers` blocks.
     `parameter_ratio` (the target's parameter count over the traced one's) scales the optimizer step and
-    the gradient collectives outside block windows."""
+    the gradient collectives of no layer."""
     if target_layers == traced_layers:
         return events
     mapping = block_map(traced_layers, target_layers)
     pieces = []
     for rank, rank_events in events.groupby("rank", sort=True):
         clock: float | None = None
-        for start, end, frame, scaled in _target_windows(_windows(rank_events, traced_layers), mapping, rank):
+        rank_pieces = []
+        windows = _target_windows(_windows(rank_events, traced_layers), mapping, rank)
+        for position, (start, end, frame, scaled) in enumerate(windows):
             clock = start if clock is None else clock
             shifted = frame.copy()
             shift = clock - start
             for column in ("issued_s", "start_s", "end_s"):
                 shifted[column] = shifted[column] + shift
             grown = _scale_parameter_work(shifted, parameter_ratio) if scaled else 0.0
-            pieces.append(shifted)
+            rank_pieces.append(shifted.assign(_window=position))
             clock += (end - start) + grown
+        pieces.append(_issue_in_program_order(pd.concat(rank_pieces)))
     return pd.concat(pieces, ignore_index=True)
+
+
+def _issue_in_program_order(rank_events: pd.DataFrame) -> pd.DataFrame:
+    """A rank issues the collectives of a stream in program order: those serving an earlier window
+    first. A gather prefetched ahead of its window keeps its lead, but not past a collective of an earlier
+    window (a copied block may be shorter than the one traced before it): its issue, start and end move
+    by as much. Without this, ranks could issue one stream's collectives in different orders."""
+    frame = rank_events.reset_index(drop=True)
+    collective = ~frame["stream"].isin(MAIN_THREAD_STREAMS)
+    for _, rows in frame[collective].groupby("stream", sort=False):
+        order = rows.sort_values(["_window", "issued_s"], kind="stable").index
+        issued = frame.loc[order, "issued_s"].to_numpy(dtype=float)
+        # Strictly later than the one before (by a nanosecond at a tie): coupling orders by issue time.
+        steps = np.arange(len(issued)) * 1e-9
+        delay = np.maximum.accumulate(issued - steps) + steps - issued
+        if (delay > 0).any():
+            for column in ("issued_s", "start_s", "end_s"):
+                frame.loc[order, column] = frame.loc[order, column].to_numpy(dtype=float) + delay
+    return frame.drop(columns="_window")
 
 
 def _target_windows(
@@ -162,7 +215,10 @@ def _scale_parameter_work(window: pd.DataFrame, ratio: float) -> float:
                 delay if column != "issued_s" or window.at[index, "stream"] != "" else 0.0
             )
         stream = window.at[index, "stream"]
-        if stream == "optim" or stream in _GRADIENT_STREAMS:
+        # A gradient collective of no layer (ZeRO-3's bucket at the end) carries every layer's gradients;
+        # the embedding's or head's own reduce-scatter (FSDP2, analytic runs) does not grow with depth.
+        whole_model = stream in _GRADIENT_STREAMS and window.at[index, "layer"] < 0
+        if stream == "optim" or whole_model:
             duration = window.at[index, "end_s"] - window.at[index, "start_s"]
             window.at[index, "end_s"] = window.at[index, "start_s"] + duration * ratio
             if stream == "optim":

@@ -4,9 +4,10 @@ The op graph (the one intermediate form) and its evaluator:
 - `build_graph(events)` / `iteration_graphs(events)`: each iteration of every rank as an `OpGraph`.
 - `evaluate(graph, costs=None)`: simpy with the link and the hosts' cores shared; measured costs replay.
 - `replay_run(bundle, run_id)`: a traced run's iterations replayed.
-- `predict_run(...)`, `simulate_measured_cluster(...)`: projections as rewrites of traced graphs.
+- `predict_run(...)`, `simulate_measured_cluster(...)`: projections as rewrites of traced graphs, measured
+  or analytic; `preset_cluster(...)`: W GPUs of a cluster preset as a cluster the rewrites target.
 
-The per-layer path still used by presets and the analytic bundle:
+The per-layer path that still makes the records of `ciera simulate` on a preset:
 - `load_cluster` / `list_clusters`: cluster presets (TOML data) with dotted-key overrides.
 - `CollectiveModel`: hierarchical ring α–β costs calibrated to nccl-tests bus bandwidth.
 - `simulate(bundle, cluster, models, gpus, systems, dtypes)`: one `SimRecord` per (model, dtype, gpus, system).
@@ -23,6 +24,7 @@ from .measured_cluster import simulate_measured_cluster
 from .opgraph import OpGraph, build_graph, iteration_graphs
 from .predict import predict_run
 from .replay import replay_run
+from .rewrite import preset_cluster
 from .selection import select_shards
 from .simulate import (
     DEFAULT_GPUS,
@@ -44,6 +46,7 @@ __all__ = [
     "evaluate",
     "iteration_graphs",
     "predict_run",
+    "preset_cluster",
     "replay_run",
     "simulate_measured_cluster",
     "DEFAULT_GPUS",

@@ -471,7 +471,7 @@ def _check_layers_match_events(origin: str, bundle: TraceBundle) -> None:
     if not len(bundle.events):
         return
     key = ["run_id", "iteration", "layer", "phase"]
-    layers = bundle.layers[bundle.layers["run_id"].isin(bundle.events["run_id"])]
+    layers = bundle.layers[bundle.layers["run_id"].isin(bundle.events["run_id"].unique())]
     layer_numel = layers.drop_duplicates(["run_id", "layer"])[["run_id", "layer", "numel"]]
     try:
         derived, _ = derive_layer_tables(bundle.runs, bundle.events, layer_numel)

@@ -21,6 +21,8 @@ from _fsdp2_workers import (  # noqa: E402
     training_worker,
 )
 
+pytestmark = pytest.mark.heavy  # minutes of multi-process work: CI runs it with -m heavy
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _compile_numba_kernels_once():

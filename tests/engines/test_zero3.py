@@ -28,6 +28,8 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 import _zero3_workers as workers  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # minutes of multi-process work: CI runs it with -m heavy
+
 STEPS = 20
 
 

@@ -42,6 +42,7 @@ def captured(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.heavy
 def test_capture_gives_a_valid_bundle_of_measured_runs(captured: Path) -> None:
     bundle = traces.read_bundle(captured / "bundle")
     assert set(bundle.runs["source"]) == {"measured"}
@@ -93,6 +94,7 @@ def test_events_are_consistent(captured: Path) -> None:
     assert {"codec_send", "codec_recv"} <= set(events[events["run_id"].str.contains("-ciera-")]["stream"])
 
 
+@pytest.mark.heavy
 def test_rerun_keeps_finished_runs_and_refuses_another_plan(captured: Path) -> None:
     done = ciera("measure", "layers", "--out", str(captured), *TINY, "--systems", "zero3,ciera,fsdp")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -122,6 +124,7 @@ def test_measured_timeline_is_a_chrome_trace(captured: Path, tmp_path: Path) -> 
     assert bad.returncode == 2 and "--run 'nope'" in bad.stderr
 
 
+@pytest.mark.heavy
 def test_simulator_loads_the_measured_bundle(captured: Path) -> None:
     label = traces.read_bundle(captured / "bundle").runs["model"].iloc[0]
     done = ciera(
@@ -247,6 +250,7 @@ def _our_namespaces() -> list[str]:
     not sys.platform.startswith("linux") or os.geteuid() != 0,
     reason="the emulated cluster needs root on Linux (network namespaces, veth, tc)",
 )
+@pytest.mark.heavy
 def test_emulated_capture_after_a_killed_one_cleans_up_and_records_its_link(tmp_path: Path) -> None:
     out = tmp_path / "cap"
     args = ["measure", "layers", "--out", str(out), *MODEL, "--layers", "1", "--systems", "zero3",

@@ -20,6 +20,8 @@ from _train_workers import runs_worker  # noqa: E402
 
 from measure.train import TrainConfig, TrainError, train  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # minutes of multi-process work: CI runs it with -m heavy
+
 # The engines' own tests (tests/engines) train 20+ steps; these check the `ciera train` harness on a zoo
 # model, so a few steps keep the default suite short.
 TINY = TrainConfig(

@@ -70,6 +70,7 @@ def test_render_check_script_prints_json(tmp_path, records):
     assert verdict["console_errors"] == [] and verdict["plots_rendered"] == 2 and verdict["ok"]
 
 
+@pytest.mark.heavy
 def test_report_of_the_measured_bundle_renders_its_measured_runs(tmp_path):
     _require_chromium()
     import traces

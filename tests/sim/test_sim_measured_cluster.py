@@ -21,8 +21,8 @@ PRESET_PATH_CLUSTER = "emulated-2x1-1gbit"
 
 
 @pytest.fixture(scope="module")
-def measured() -> traces.TraceBundle:
-    return traces.read_bundle(traces.measured_bundle_path())
+def measured(shipped_measured_bundle: traces.TraceBundle) -> traces.TraceBundle:
+    return shipped_measured_bundle
 
 
 def _cli(*arguments: str) -> subprocess.CompletedProcess[str]:
@@ -84,6 +84,7 @@ def test_what_a_measured_cluster_cannot_answer_is_refused(
         simulate_measured_cluster(measured, "emulated-2x2-200mbit", systems=["fsdp"], layers=2, gpus=[6 + 1])
 
 
+@pytest.mark.heavy
 def test_cli_replays_projects_writes_json_and_refuses_preset_options(tmp_path: Path) -> None:
     out = tmp_path / "measured.json"
     done = _cli(

@@ -132,8 +132,8 @@ def test_shared_cores_cap_each_flow_at_one_core() -> None:
 
 
 @pytest.fixture(scope="module")
-def measured() -> traces.TraceBundle:
-    return traces.read_bundle(traces.measured_bundle_path())
+def measured(shipped_measured_bundle: traces.TraceBundle) -> traces.TraceBundle:
+    return shipped_measured_bundle
 
 
 def test_every_shipped_measured_run_replays_within_a_microsecond(measured: traces.TraceBundle) -> None:

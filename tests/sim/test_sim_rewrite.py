@@ -83,8 +83,8 @@ def test_buckets_split_into_runs_of_consecutive_parameters() -> None:
 
 
 @pytest.fixture(scope="module")
-def measured() -> traces.TraceBundle:
-    return traces.read_bundle(traces.measured_bundle_path())
+def measured(shipped_measured_bundle: traces.TraceBundle) -> traces.TraceBundle:
+    return shipped_measured_bundle
 
 
 def _run(bundle: traces.TraceBundle, system: str, layers: int, cluster: str) -> pd.Series:

@@ -15,6 +15,8 @@ pytest.importorskip("torch")
 from validation.divergence import DivergencePlan, run_divergence  # noqa: E402
 from validation.lossless import LosslessPlan, run_lossless  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # minutes of multi-process work: CI runs it with -m heavy
+
 
 def _check_lossless(document: dict, steps: int) -> None:
     assert document["steps_compared"] == steps and document["tensors_compared"] > 0

@@ -26,12 +26,14 @@ from validation.sim_check import (
     validate_sim,
 )
 
+pytestmark = pytest.mark.heavy  # predicts the whole shipped bundle (minutes): CI runs it with -m heavy
+
 SEEN = "emulated-2x1-200mbit"
 
 
 @pytest.fixture(scope="module")
-def bundle() -> traces.TraceBundle:
-    return traces.read_bundle(traces.measured_bundle_path())
+def bundle(shipped_measured_bundle: traces.TraceBundle) -> traces.TraceBundle:
+    return shipped_measured_bundle
 
 
 def _small(bundle: traces.TraceBundle) -> traces.TraceBundle:

@@ -151,7 +151,6 @@ def schedule_graph(steps: list[_Step], prefetch: int) -> tuple[OpGraph, Costs]:
         size.append(nbytes)
         return index
 
-    last_scatter = -1
     for j, step in enumerate(steps):
         if step.gather_bytes > 0:
             issuer = j - prefetch - 1 if prefetch > 0 else j - 1
@@ -161,6 +160,7 @@ def schedule_graph(steps: list[_Step], prefetch: int) -> tuple[OpGraph, Costs]:
             blocker[j] = gather
     # Reduce-scatters are issued when their backward ends; add them after the gathers so that the stream
     # order is their issue order.
+    last_scatter = -1
     for j, step in enumerate(steps):
         if step.scatter_bytes > 0:
             last_scatter = add_collective(
@@ -205,8 +205,8 @@ def schedule_graph(steps: list[_Step], prefetch: int) -> tuple[OpGraph, Costs]:
     return graph, costs
 
 
-def _schedule_events(steps: list[_Step], prefetch: int) -> tuple[pd.DataFrame, float]:
-    """One rank's events of the iteration the schedule gives (the one evaluator runs it), and its time."""
+def _schedule_events(steps: list[_Step], prefetch: int) -> pd.DataFrame:
+    """One rank's events of the iteration the schedule gives (the one evaluator runs it)."""
     graph, costs = schedule_graph(steps, prefetch)
     result = evaluate(graph, costs)
     issuer_end = np.where(graph.main_prev >= 0, result.end_s[np.maximum(graph.main_prev, 0)], 0.0)
@@ -223,7 +223,7 @@ def _schedule_events(steps: list[_Step], prefetch: int) -> tuple[pd.DataFrame, f
             "wire_bytes": np.rint(graph.wire_bytes).astype(np.int64),
         }
     )
-    return events.sort_values(["start_s", "end_s"], kind="stable"), result.iteration_s
+    return events.sort_values(["start_s", "end_s"], kind="stable")
 
 
 def _run_tables(
@@ -331,7 +331,7 @@ def _run_tables(
                     scatter_link_s=collectives.link_s("reduce_scatter", scatter_bytes, world_size)
                     * scatter_scale,
                 )
-        rank_events, _ = _schedule_events(
+        rank_events = _schedule_events(
             _main_order(steps, traced_layers), cluster.schedule.zero3_prefetch_layers
         )
         # Every rank of the group runs the same schedule (the analytic ranks are identical).

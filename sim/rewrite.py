@@ -196,14 +196,11 @@ def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> t
     collective = np.flatnonzero(graph.group >= 0)
     op = np.array([STREAM_OPS[name] for name in graph.stream[collective]], dtype=object)
     size = graph.wire_bytes[collective]
-    anchor_time, target_time, target_link = (
-        np.zeros(len(collective)),
-        np.zeros(len(collective)),
-        np.zeros(len(collective)),
-    )
+    anchor_time, anchor_link, target_time, target_link = (np.zeros(len(collective)) for _ in range(4))
     for name in set(op.tolist()):
         chosen = op == name
         anchor_time[chosen] = anchor.curves[name].time_s(size[chosen])
+        anchor_link[chosen] = anchor.curves[name].link_s(size[chosen])
         target_time[chosen] = target.curves[name].time_s(size[chosen])
         target_link[chosen] = target.curves[name].link_s(size[chosen])
     # The rank's own time on its stream beyond what the anchor's sweep explains is in-run overhead
@@ -212,10 +209,6 @@ def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> t
     # What the anchor's curve explains of a collective's measured time: its fixed part, and its link part
     # stretched by the link-bearing collectives its rank had in flight beside it (they shared the link).
     # Only the remainder is in-run overhead; the target's own contention comes from the shared link.
-    anchor_link = np.zeros(len(collective))
-    for name in set(op.tolist()):
-        chosen = op == name
-        anchor_link[chosen] = anchor.curves[name].link_s(size[chosen])
     beside = np.ones(len(collective))
     start, end = graph.measured_start_s[collective], graph.measured_end_s[collective]
     ranks = graph.rank[collective]

@@ -117,7 +117,7 @@ def test_a_gather_beside_a_reduce_scatter_shares_the_link():
         )
 
     alone = [step(0, "fwd", 0.0, 0.0), step(1, "bwd", 0.0, 0.1), step(2, "bwd", 0.1, 0.0)]
-    events, _ = _schedule_events(alone, prefetch=0)
+    events = _schedule_events(alone, prefetch=0)
     # The second gather starts when the first backward's reduce-scatter is in flight: both at half rate.
     scatter = events[events["stream"] == "reduce_scatter"].iloc[0]
     gather = events[events["stream"] == "allgather"].iloc[0]

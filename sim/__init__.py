@@ -7,10 +7,11 @@ The op graph (the one intermediate form) and its evaluator:
 - `predict_run(...)`, `simulate_measured_cluster(...)`: projections as rewrites of traced graphs, measured
   or analytic; `preset_cluster(...)`: W GPUs of a cluster preset as a cluster the rewrites target.
 
-The per-layer path that still makes the records of `ciera simulate` on a preset:
+Records of `ciera simulate` on a cluster preset, on the same path:
 - `load_cluster` / `list_clusters`: cluster presets (TOML data) with dotted-key overrides.
-- `CollectiveModel`: hierarchical ring α–β costs calibrated to nccl-tests bus bandwidth.
-- `simulate(bundle, cluster, models, gpus, systems, dtypes)`: one `SimRecord` per (model, dtype, gpus, system).
+- `CollectiveModel`: a preset's hierarchical ring α–β, calibrated to nccl-tests bus bandwidth.
+- `simulate(bundle, cluster, models, gpus, systems, dtypes)`: one `SimRecord` per (model, dtype, gpus,
+  system), each from an anchor run's graphs rewritten (depth, system, cluster) and evaluated.
 - `timeline(...)`: one simulated iteration per system as Chrome-trace JSON.
 - `records_to_json` / `write_json_atomic`: the `ciera.simulate/1` document.
 - `select_shards`: benefit-driven shard selection (BSC) as a pure function.
@@ -30,6 +31,7 @@ from .simulate import (
     DEFAULT_GPUS,
     DTYPES,
     SCHEMA,
+    SYSTEMS,
     SimRecord,
     Simulator,
     records_to_json,
@@ -37,7 +39,6 @@ from .simulate import (
     timeline,
     write_json_atomic,
 )
-from .systems import SYSTEMS
 
 __all__ = [
     "Costs",

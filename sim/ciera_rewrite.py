@@ -29,7 +29,8 @@ import pandas as pd
 import traces
 
 from .errors import SimInputError
-from .opgraph import MAIN_THREAD_STREAMS, OpGraph
+from .graph_edit import EditableOp, editable_ops, to_graph
+from .opgraph import OpGraph
 
 SIGN_MANTISSA_FRACTION = {"bf16": 0.5, "fp16": 11 / 16}
 
@@ -204,26 +205,6 @@ def split_bucket(size_bytes: float, layer: int, parameters: dict[int, list[float
     return best or [size_bytes]
 
 
-@dataclass(eq=False)  # ops are compared by identity
-class _Op:
-    rank: int
-    stream: str
-    layer: int
-    phase: str
-    duration_s: float
-    lag_s: float = 0.0
-    raw_bytes: float = 0.0
-    wire_bytes: float = 0.0
-    issuer: _Op | None = None
-    blocker: _Op | None = None
-    offset_s: float = 0.0
-    tail_s: float = 0.0
-    measured_start_s: float = 0.0
-    measured_end_s: float = 0.0
-    issued_s: float = 0.0
-    main_prev: _Op | None = None
-
-
 def ciera_graph(
     plain: OpGraph,
     engine: str,
@@ -237,12 +218,12 @@ def ciera_graph(
     cost as their duration (no in-run overhead beyond the glue); `counts` collects what was done."""
     counts = counts if counts is not None else {}
     world = plain.world_size
-    ops_by_rank: dict[int, list[_Op]] = {}
+    ops_by_rank: dict[int, list[EditableOp]] = {}
     for rank in sorted(set(plain.rank.tolist())):
         ops_by_rank[rank] = _rewrite_rank(
             plain, rank, engine, dtype, figures, parameters, anchor_time_s, world, counts
         )
-    return _to_graph(ops_by_rank, world)
+    return to_graph(ops_by_rank, world)
 
 
 def _payload_bytes(
@@ -253,25 +234,12 @@ def _payload_bytes(
     return world * figures.shard_overhead_bytes + signs + exponents
 
 
-def _rewrite_rank(plain, rank, engine, dtype, figures, parameters, anchor_time_s, world, counts) -> list[_Op]:  # noqa: ANN001, PLR0913
+def _rewrite_rank(
+    plain, rank, engine, dtype, figures, parameters, anchor_time_s, world, counts
+) -> list[EditableOp]:  # noqa: ANN001, PLR0913
     indices = np.flatnonzero(plain.rank == rank)
     is_main = plain.is_main
-    old: dict[int, _Op] = {}
-    for i in indices:
-        old[int(i)] = _Op(
-            rank=rank, stream=str(plain.stream[i]), layer=int(plain.layer[i]), phase=str(plain.phase[i]),
-            duration_s=float(plain.duration_s[i]), lag_s=float(plain.lag_s[i]), raw_bytes=float(plain.raw_bytes[i]),
-            wire_bytes=float(plain.wire_bytes[i]), offset_s=float(plain.offset_s[i]), tail_s=float(plain.tail_s[i]),
-            measured_start_s=float(plain.measured_start_s[i]), measured_end_s=float(plain.measured_end_s[i]),
-            issued_s=float(plain.issued_s[i]),
-        )  # fmt: skip
-    for i in indices:
-        op = old[int(i)]
-        if is_main[i]:
-            op.main_prev = old.get(int(plain.main_prev[i]))
-            op.blocker = old.get(int(plain.blocker[i]))
-        else:
-            op.issuer = old.get(int(plain.main_prev[i]))
+    old = dict(zip((int(i) for i in indices), editable_ops(plain, rank), strict=True))
     change_rate = figures.block_change_rate
     replaced: dict[int, list[dict]] = {}  # plain gather index → its parameters' CIERA gathers
     for i in indices:
@@ -317,31 +285,31 @@ def _rewrite_rank(plain, rank, engine, dtype, figures, parameters, anchor_time_s
     def time_of(op_name: str, wire: float) -> float:
         return float(anchor_time_s(op_name, np.array([wire]))[0])
 
-    out: list[_Op] = []
-    previous_main: list[_Op | None] = [None]
+    out: list[EditableOp] = []
+    previous_main: list[EditableOp | None] = [None]
 
-    def emit_main(op: _Op) -> _Op:
+    def emit_main(op: EditableOp) -> EditableOp:
         op.main_prev = previous_main[0]
         previous_main[0] = op
         out.append(op)
         return op
 
-    def codec(stream: str, layer: int, phase: str, seconds: float, anchor: _Op) -> _Op:
-        return _Op(rank, stream, layer, phase, seconds, measured_start_s=anchor.measured_end_s,
+    def codec(stream: str, layer: int, phase: str, seconds: float, anchor: EditableOp) -> EditableOp:
+        return EditableOp(rank, stream, layer, phase, seconds, measured_start_s=anchor.measured_end_s,
                    measured_end_s=anchor.measured_end_s, issued_s=anchor.measured_end_s)  # fmt: skip
 
-    def collective(layer: int, phase: str, raw: float, wire: float, issuer: _Op) -> _Op:
-        op = _Op(rank, "allgather", layer, phase, time_of("all_gather", wire), raw_bytes=raw, wire_bytes=wire,
+    def collective(layer: int, phase: str, raw: float, wire: float, issuer: EditableOp) -> EditableOp:
+        op = EditableOp(rank, "allgather", layer, phase, time_of("all_gather", wire), raw_bytes=raw, wire_bytes=wire,
                  issuer=issuer, measured_start_s=issuer.measured_end_s, measured_end_s=issuer.measured_end_s,
                  issued_s=issuer.measured_end_s)  # fmt: skip
         out.append(op)
         return op
 
-    controls: dict[tuple[int, int], _Op] = {}
-    last_status: dict[int, _Op] = {}
+    controls: dict[tuple[int, int], EditableOp] = {}
+    last_status: dict[int, EditableOp] = {}
     replaced_by_op = {id(old[g]): g for g in replaced}
 
-    def encode_and_control(layer: int, phase: str, raw: float, anchor: _Op) -> _Op:
+    def encode_and_control(layer: int, phase: str, raw: float, anchor: EditableOp) -> EditableOp:
         seconds = figures.encode_call_s + figures.encode_s_per_byte * raw / world
         encode = emit_main(codec("codec_send", layer, phase, seconds, anchor))
         return collective(layer, phase, 0.0, figures.control_bytes_per_rank * world, encode)
@@ -392,66 +360,5 @@ def _rewrite_rank(plain, rank, engine, dtype, figures, parameters, anchor_time_s
                     controls[(g, j)] = encode_and_control(layer, phase, part["raw"], op)
             else:
                 wait_protocol(g, synchronous=True)
-    # A collective whose issuer is not in the rewritten graph has no issue edge.
-    emitted = {id(op) for op in out}
-    for op in out:
-        if op.stream not in MAIN_THREAD_STREAMS and op.issuer is not None and id(op.issuer) not in emitted:
-            op.issuer = None
+    # A collective whose issuer is not in the rewritten graph has no issue edge (graph_edit.to_graph).
     return out
-
-
-def _to_graph(ops_by_rank: dict[int, list[_Op]], world: int) -> OpGraph:
-    ops = [op for rank in sorted(ops_by_rank) for op in ops_by_rank[rank]]
-    index = {id(op): k for k, op in enumerate(ops)}
-
-    def ref(op: _Op | None) -> int:
-        return index.get(id(op), -1) if op is not None else -1
-
-    count = len(ops)
-    stream = np.array([op.stream for op in ops], dtype=object)
-    is_main = np.isin(stream, MAIN_THREAD_STREAMS)
-    main_prev = np.array([ref(op.main_prev) if is_main[k] else ref(op.issuer) for k, op in enumerate(ops)])
-    blocker = np.array([ref(op.blocker) if is_main[k] else -1 for k, op in enumerate(ops)])
-    stream_prev = np.full(count, -1)
-    group = np.full(count, -1)
-    base = 0
-    for rank in sorted(ops_by_rank):
-        last: dict[str, int] = {}
-        position: dict[str, int] = {}
-        for k in range(base, base + len(ops_by_rank[rank])):
-            if is_main[k]:
-                continue
-            name = stream[k]
-            stream_prev[k] = last.get(name, -1)
-            last[name] = k
-            position[name] = position.get(name, 0) + 1
-            group[k] = position[name] - 1
-        base += len(ops_by_rank[rank])
-    # Group ids: the k-th collective of a stream on every rank, numbered across streams.
-    offsets, total = {}, 0
-    for name in sorted(set(stream[~is_main].tolist())):
-        per_rank = max(
-            int(((stream == name) & (np.array([op.rank for op in ops]) == r)).sum()) for r in ops_by_rank
-        )
-        offsets[name], total = total, total + per_rank
-    group = np.array([offsets[stream[k]] + group[k] if group[k] >= 0 else -1 for k in range(count)])
-    return OpGraph(
-        rank=np.array([op.rank for op in ops]),
-        stream=stream,
-        layer=np.array([op.layer for op in ops]),
-        phase=np.array([op.phase for op in ops], dtype=object),
-        duration_s=np.array([op.duration_s for op in ops]),
-        tail_s=np.array([op.tail_s for op in ops]),
-        lag_s=np.array([op.lag_s for op in ops]),
-        main_prev=main_prev,
-        stream_prev=stream_prev,
-        blocker=blocker,
-        offset_s=np.array([op.offset_s for op in ops]),
-        raw_bytes=np.array([op.raw_bytes for op in ops]),
-        wire_bytes=np.array([op.wire_bytes for op in ops]),
-        group=group,
-        world_size=world,
-        measured_start_s=np.array([op.measured_start_s for op in ops]),
-        measured_end_s=np.array([op.measured_end_s for op in ops]),
-        issued_s=np.array([op.issued_s for op in ops]),
-    )

@@ -20,6 +20,8 @@ from .measured_cluster import measured_clusters, measured_records_to_json, simul
 from .simulate import (
     DEFAULT_GPUS,
     DTYPES,
+    FP16_ONLY_SYSTEMS,
+    SYSTEMS,
     SimRecord,
     check_output_path,
     records_to_json,
@@ -27,7 +29,6 @@ from .simulate import (
     timeline,
     write_json_atomic,
 )
-from .systems import FP16_ONLY_SYSTEMS, SYSTEMS
 
 USER_ERRORS: tuple[type[BaseException], ...] = (SimInputError,)
 

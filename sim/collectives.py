@@ -169,6 +169,8 @@ class CollectiveModel:
         return 2.0 * self.allgather_s(bytes_total, world_size)
 
     def time_s(self, op: str, bytes_total: float, world_size: int) -> float:
+        if op == "all_gather_intra":
+            return self.intra_node_allgather_s(bytes_total, world_size)
         if op == "all_gather":
             return self.allgather_s(bytes_total, world_size)
         if op == "reduce_scatter":
@@ -183,6 +185,10 @@ class CollectiveModel:
         collective spends moving bytes through a link that collectives in flight beside it share."""
         per_op = 2.0 if op == "all_reduce" else 1.0
         nodes, ranks_in_node = self._levels(world_size)
+        if op == "all_gather_intra":  # hpZ: inside the node, never on the inter-node link
+            if nodes > 1:
+                return 0.0
+            per_op = 1.0
         if nodes > 1:
             return per_op * (nodes - 1) / nodes * bytes_total / self.inter_beta_Bps
         if ranks_in_node > 1:

@@ -27,6 +27,10 @@ from .collectives import CollectiveModel
 from .errors import SimInputError
 
 STREAM_OPS = {"allgather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
+# Streams only a system rewrite makes, with the curve that costs them: ZeRO++'s hpZ gathers inside a node
+# (a preset's intra-node level; a measured cluster's sweep has no such curve).
+REWRITE_STREAM_OPS = {"allgather_intra": "all_gather_intra"}
+GRAPH_STREAM_OPS = {**STREAM_OPS, **REWRITE_STREAM_OPS}
 LARGE_BYTES = 1 << 20  # sizes from here on set the slope (bandwidth-bound)
 SMALL_BYTES = 16 << 10  # sizes up to here set the per-step latency
 
@@ -113,12 +117,13 @@ class PresetCurve:
     world_size: int
 
     def time_s(self, size_bytes: np.ndarray) -> np.ndarray:
+        # The α–β terms are elementwise arithmetic: the model takes an array of sizes as it is.
         sizes = np.asarray(size_bytes, dtype=float)
-        return np.vectorize(lambda size: self.model.time_s(self.op, float(size), self.world_size))(sizes)
+        return np.broadcast_to(self.model.time_s(self.op, sizes, self.world_size), sizes.shape).astype(float)
 
     def link_s(self, size_bytes: np.ndarray) -> np.ndarray:
         sizes = np.asarray(size_bytes, dtype=float)
-        return np.vectorize(lambda size: self.model.link_s(self.op, float(size), self.world_size))(sizes)
+        return np.broadcast_to(self.model.link_s(self.op, sizes, self.world_size), sizes.shape).astype(float)
 
     def describe(self) -> str:
         return f"{self.op}: the preset's hierarchical ring α–β at W = {self.world_size}"

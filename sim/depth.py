@@ -16,7 +16,8 @@ The target iteration is the sequence: what comes before block 1, forward windows
 what lies between the forward and the backward blocks (head, loss), backward windows N..1, the rest
 (embedding backward, optimizer). Target block 1 and N are the traced first and last blocks (their
 neighbours differ: the embedding, the head); the blocks between are the traced interior blocks in turn.
-Each window keeps its events' offsets from its own start, and the windows are laid end to end.
+Each window keeps its events' offsets from its own start, and the windows are laid end to end. Layers are
+relabelled to the target's: a copy of traced block l placed as block i is layer i, the head is N + 1.
 
 Two things depend on the parameter count and are scaled by it: the optimizer step's work, and the
 gradient collectives of no layer (ZeRO-3 reduces every gradient in one bucket at the end); the
@@ -188,17 +189,34 @@ def _target_windows(
     first_bwd = min(backward) if backward else len(windows)
     last_bwd = max(backward) if backward else len(windows) - 1
 
+    target_layers = len(mapping)
+
+    def relabel(frame: pd.DataFrame, source: int, target: int) -> pd.DataFrame:
+        """The window's ops of layer `source` as layer `target` of the rewritten model."""
+        if source == target:
+            return frame
+        return frame.assign(layer=frame["layer"].where(frame["layer"] != source, target))
+
     def kept(positions: range) -> list[tuple[float, float, pd.DataFrame, bool]]:
-        return [(windows[i][1], windows[i][2], windows[i][3], windows[i][0][0] == "other") for i in positions]
+        return [
+            (start, end, relabel(frame, traced_layers + 1, target_layers + 1), key[0] == "other")
+            for key, start, end, frame in (windows[i] for i in positions)
+        ]
 
-    def blocks(phase: str, order: list[int]) -> list[tuple[float, float, pd.DataFrame, bool]]:
-        return [(*by_key[(phase, source)], False) for source in order if (phase, source) in by_key]
+    def blocks(phase: str, order: list[tuple[int, int]]) -> list[tuple[float, float, pd.DataFrame, bool]]:
+        out = []
+        for target, source in order:
+            if (phase, source) in by_key:
+                start, end, frame = by_key[(phase, source)]
+                out.append((start, end, relabel(frame, source, target), False))
+        return out
 
+    numbered = list(enumerate(mapping, start=1))
     return [
         *kept(range(first_fwd)),
-        *blocks("fwd", mapping),
+        *blocks("fwd", numbered),
         *kept(range(last_fwd + 1, first_bwd)),
-        *blocks("bwd", list(reversed(mapping))),
+        *blocks("bwd", list(reversed(numbered))),
         *kept(range(last_bwd + 1, len(windows))),
     ]
 

@@ -252,3 +252,52 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
         events=env.scheduled_events,
         link_busy_s=link.busy_s,
     )
+
+
+# What an op's time is when it lies on the critical path (`critical_path`).
+BREAKDOWN_KEYS = ("compute", "exposed_allgather", "exposed_reduce_scatter", "codec_critical", "other")
+_GATHER_STREAMS = ("allgather", "allgather_intra")
+_CODEC_STREAMS = ("codec_send", "codec_recv", "ccp_send", "ccp_recv")
+
+
+def critical_path(
+    graph: OpGraph, result: Evaluation, embedded_codec_s: np.ndarray | None = None
+) -> dict[str, float]:
+    """The evaluated iteration's critical path by category — the one attribution of the simulator. From
+    the op that ended last, back through what each op waited for last (a main op: its blocker or its
+    predecessor on the main thread; a collective: its issuer or the op before it on its stream), every
+    interval of [0, iteration] is attributed once: a main op's run to compute (or codec_critical for codec
+    kernels), a collective's time from its start to its end to exposed_allgather or exposed_reduce_scatter
+    (its `embedded_codec_s` share to codec_critical), waits in between (lags, barrier offsets) to other.
+    The parts sum to `result.iteration_s`."""
+    parts = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
+    if graph.size == 0:
+        return parts
+    embedded = np.zeros(graph.size) if embedded_codec_s is None else embedded_codec_s
+    is_main = graph.is_main
+    current = int(np.argmax(result.end_s))
+    until = float(result.end_s[current])
+    while True:
+        start = min(float(result.start_s[current]), until)
+        span = until - start
+        stream = str(graph.stream[current])
+        if is_main[current]:
+            parts["codec_critical" if stream in _CODEC_STREAMS else "compute"] += span
+            candidates = [int(graph.blocker[current]), int(graph.main_prev[current])]
+        elif stream in _CODEC_STREAMS:  # a side-stream kernel
+            parts["codec_critical"] += span
+            candidates = [int(graph.main_prev[current]), int(graph.stream_prev[current])]
+        else:
+            codec = min(float(embedded[current]), span)
+            parts["codec_critical"] += codec
+            key = "exposed_allgather" if stream in _GATHER_STREAMS else "exposed_reduce_scatter"
+            parts[key] += span - codec
+            candidates = [int(graph.main_prev[current]), int(graph.stream_prev[current])]
+        candidates = [c for c in candidates if c >= 0]
+        if not candidates:
+            parts["other"] += start
+            return parts
+        previous = max(candidates, key=lambda c: result.end_s[c])
+        until = min(float(result.end_s[previous]), start)
+        parts["other"] += start - until
+        current = previous

@@ -36,6 +36,9 @@ from .errors import SimInputError
 
 MAIN_THREAD_STREAMS = ("compute", "optim", "codec_send", "codec_recv")
 COLLECTIVE_STREAMS = ("allgather", "reduce_scatter", "all_reduce")
+# Device kernels a rewrite puts on side streams (CIERA's codec under CCP): off the main thread, issued
+# like a collective and run in order on their stream, but one rank's own work (no coupling, no link).
+KERNEL_STREAMS = ("ccp_send", "ccp_recv")
 TOLERANCE_S = 1e-6
 
 

@@ -34,24 +34,19 @@ class Prediction:
     notes: tuple[str, ...] = ()
 
 
-def parameter_count(bundle: traces.TraceBundle, run_id: str) -> float:
-    """Parameters of a run's model at its traced depth (the layers table's forward numel)."""
-    layers = bundle.layers[(bundle.layers["run_id"] == run_id) & (bundle.layers["phase"] == "fwd")]
-    if layers.empty:
-        raise SimInputError(f"bundle: run {run_id!r} has no layer rows to count its parameters")
-    first = layers[layers["iteration"] == layers["iteration"].min()]
-    return float(first["numel"].sum())
-
-
-def _target_parameters(
+def parameter_ratio(
     bundle: traces.TraceBundle, anchor_id: str, anchor_layers: int, target_layers: int
 ) -> float:
-    """The parameter count at `target_layers`: the anchor's with its blocks repeated like the events."""
+    """The parameter count at `target_layers` (the anchor's blocks repeated like its events are) over the
+    anchor's: what the depth rewrite scales the optimizer step and whole-model collectives by."""
     layers = bundle.layers[(bundle.layers["run_id"] == anchor_id) & (bundle.layers["phase"] == "fwd")]
+    if layers.empty:
+        raise SimInputError(f"bundle: run {anchor_id!r} has no layer rows to count its parameters")
     first = layers[layers["iteration"] == layers["iteration"].min()].set_index("layer")["numel"]
     blocks = [float(first.get(layer, 0.0)) for layer in range(1, anchor_layers + 1)]
     others = float(first.sum()) - sum(blocks)
-    return others + sum(blocks[source - 1] for source in block_map(anchor_layers, target_layers))
+    target = others + sum(blocks[source - 1] for source in block_map(anchor_layers, target_layers))
+    return target / float(first.sum())
 
 
 def choose_anchor(seen: traces.TraceBundle, target: pd.Series, system: str | None = None) -> pd.DataFrame:
@@ -103,11 +98,11 @@ def predict_run(
     anchor = anchors.iloc[depths.index(target_layers)] if target_layers in depths else anchors.iloc[-1]
     anchor_id, anchor_layers = str(anchor["run_id"]), int(anchor["layers"])
     anchor_cluster = traced_cluster(collectives, anchor)
-    ratio = 1.0
-    if anchor_layers != target_layers:
-        ratio = _target_parameters(seen, anchor_id, anchor_layers, target_layers) / parameter_count(
-            seen, anchor_id
-        )
+    ratio = (
+        parameter_ratio(seen, anchor_id, anchor_layers, target_layers)
+        if anchor_layers != target_layers
+        else 1.0
+    )
     events = seen.events[seen.events["run_id"] == anchor_id]
     times, simulated, notes = [], 0, []
     counts: dict[str, int] = {}

@@ -28,10 +28,10 @@ import pandas as pd
 
 from .cluster import ClusterPreset, load_cluster
 from .collectives import CollectiveModel
-from .curves import STREAM_OPS, Curve, PresetCurve, level_curves, sweep_curves
+from .curves import GRAPH_STREAM_OPS, Curve, PresetCurve, level_curves, sweep_curves
 from .errors import SimInputError
 from .evaluate import Costs
-from .opgraph import OpGraph
+from .opgraph import KERNEL_STREAMS, OpGraph
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def preset_cluster(preset: ClusterPreset, model: CollectiveModel, world_size: in
         link_Bps=model.inter_beta_Bps if nodes > 1 else 0.0,
         host_cores=0,
         ranks_per_host=1,
-        curves={op: PresetCurve(op, model, world_size) for op in STREAM_OPS.values()},
+        curves={op: PresetCurve(op, model, world_size) for op in GRAPH_STREAM_OPS.values()},
         measured=False,
     )
 
@@ -190,11 +190,13 @@ def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> t
     work = np.where(is_main, graph.duration_s * _core_share(graph, anchor), 0.0)
     optimizer = graph.stream == "optim"
     work[optimizer] *= world_scale
-    own = np.zeros(graph.size)
     own_link = np.zeros(graph.size)
     floor = np.zeros(graph.size)
-    collective = np.flatnonzero(graph.group >= 0)
-    op = np.array([STREAM_OPS[name] for name in graph.stream[collective]], dtype=object)
+    kernel = np.isin(graph.stream, KERNEL_STREAMS)
+    # A side-stream kernel (a rewrite's device work) runs its duration on its stream: no curve, no link.
+    own = np.where(kernel, graph.duration_s, 0.0)
+    collective = np.flatnonzero((graph.group >= 0) & ~kernel)
+    op = np.array([GRAPH_STREAM_OPS[name] for name in graph.stream[collective]], dtype=object)
     size = graph.wire_bytes[collective]
     anchor_time, anchor_link, target_time, target_link = (np.zeros(len(collective)) for _ in range(4))
     for name in set(op.tolist()):

@@ -1,4 +1,21 @@
-"""The sweep: (model, dtype, world size, system) → one SimRecord, plus timelines and JSON output."""
+"""The sweep: (model, dtype, world size, system) → one SimRecord, plus timelines and JSON output — every
+number from the one op-graph path (docs/simulator.md).
+
+For each (model, dtype, world size W, system) on a cluster preset:
+
+1. **Anchor**: the bundle's run of that system (else of ZeRO-3, to be rewritten) of the model and dtype
+   at W when traced, else at the largest traced W; at the target depth when traced, else the deepest.
+2. Each of its iterations' events → **depth rewrite** (`repeat_blocks`, to the full model or `--layers`)
+   → **op graph** (`build_graph`) → **system rewrite** (sim/system_rewrite.py, for a system the bundle has
+   no runs of) → **cluster rewrite** onto W GPUs of the preset (`rewrite_costs` with `preset_cluster`) →
+   **evaluate** (simpy, shared link).
+3. The record: p5/p50/p95 over the anchor's iterations; the breakdown, the codec figures and the bounds
+   from the iteration nearest the median (`iteration_nominal_s`), its critical path
+   (`sim.evaluate.critical_path`).
+
+Runs of an analytic bundle have identical ranks: one rank stands for all. A measured run's compute is
+the traced device's; on a preset of another device it is refused (no compute model is built).
+"""
 
 from __future__ import annotations
 
@@ -6,44 +23,42 @@ import json
 import os
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 import traces
 
 from .cluster import ClusterPreset
 from .collectives import CollectiveModel
-from .engine import (
-    BREAKDOWN_KEYS,
-    STREAMS,
-    OpGraph,
-    Replay,
-    busy_s,
-    critical_path,
-    nominal_iteration_s,
-    replay,
-    sample_durations,
-    sample_iteration_s,
-)
-from .engine import timeline_events as engine_timeline_events
+from .depth import repeat_blocks
 from .errors import SimInputError
-from .profile import BundleIndex, ModelProfile, available_models, build_profile, compute_world_size_for
-from .systems import (
+from .evaluate import BREAKDOWN_KEYS, Costs, Evaluation, critical_path, evaluate
+from .opgraph import OpGraph, build_graph
+from .predict import parameter_ratio
+from .rewrite import ClusterSpec, preset_cluster, rewrite_costs, traced_cluster
+from .shards import shard_table
+from .system_rewrite import (
     BSC_SYSTEMS,
     CIERA_SYSTEMS,
-    FP16_ONLY_SYSTEMS,
-    SENDER_CODEC_NAME,
-    SYSTEMS,
-    BuiltSystem,
-    build_system,
-    noise_slots,
+    INTRA_NODE_GATHER_STREAM,
+    CieraPlan,
+    SystemGraph,
+    ciera_plan,
+    system_graph,
 )
 
+SYSTEMS = ("zero3", "fsdp", "zeropp", "ciera-er", "ciera-er-bsc", "ciera")
+FP16_ONLY_SYSTEMS = ("zeropp",)
+# Timeline threads in this order (a stream an iteration does not use is left out).
+TIMELINE_STREAMS = (
+    "compute", "optim", "codec_send", "codec_recv", "allgather", INTRA_NODE_GATHER_STREAM,
+    "reduce_scatter", "all_reduce",
+)  # fmt: skip
 SCHEMA = "ciera.simulate/1"
 DEFAULT_GPUS = (4, 8, 16, 32, 64, 128)
 # ciera and ciera-er-bsc p50s closer than this are "the same" for the note that says why CCP bought nothing.
@@ -81,22 +96,16 @@ class SimRecord:
     bound_basis: str  # bytes | link | none: which bound model (docs/simulator.md)
     overlap_only_speedup: float | None
     speedup_parts: dict[str, float]  # bytes × overlap × other = speedup_vs_zero3
-    fit_residual: float
-    full_layers: int
-    compute_world_size: int
+    full_layers: int  # the depth simulated
+    compute_world_size: int  # the anchor run's world size (its compute is per rank at a fixed batch)
+    anchor_run: str  # the traced run the record is a rewrite of
+    iterations: int  # the anchor's iterations, each rewritten and evaluated (the p5/p50/p95 are over them)
     cluster: str
     simulated_events: int
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass
-class _Outcome:
-    built: BuiltSystem
-    replay: Replay
-    samples_s: np.ndarray
 
 
 def _quantiles(samples: np.ndarray) -> dict[str, float]:
@@ -121,9 +130,39 @@ def _speedup_parts(speedup: float, bound: float | None, overlap_only: float | No
     }
 
 
+@dataclass
+class _Outcome:
+    """One system at one (model, dtype, W): every iteration evaluated, the representative one kept."""
+
+    times_s: np.ndarray
+    system: SystemGraph  # of the representative iteration
+    result: Evaluation
+    costs: Costs  # of the representative iteration on the target
+    events: int
+    plan: CieraPlan | None
+    anchor_run: str
+    selection: str  # benefit | all | none (CIERA systems with BSC)
+    notes: tuple[str, ...] = ()
+
+
+def _busy(graph: OpGraph, values: np.ndarray, streams: Iterable[str]) -> float:
+    """Σ `values` over one rank's ops on `streams`."""
+    return float(values[np.isin(graph.stream, list(streams)) & (graph.rank == graph.rank.min())].sum())
+
+
+def _link_seconds(graph: OpGraph, costs: Costs, streams: Iterable[str]) -> float:
+    """How long the ops on `streams` hold the shared link, every rank's part summed: a time no schedule
+    can shorten (the link is serial), unlike the collectives' latencies, which overlap."""
+    return float(costs.own_link_work_s[np.isin(graph.stream, list(streams))].sum())
+
+
+_GATHERS = ("allgather", INTRA_NODE_GATHER_STREAM)
+_OTHER_COMM = ("reduce_scatter", "all_reduce")
+
+
 def _bound_speedup(
     system: str,
-    graph: OpGraph,
+    outcome: _Outcome,
     zero3_nominal_s: float,
     compute_busy_s: float,
     allgather_busy_s: float,
@@ -132,16 +171,17 @@ def _bound_speedup(
 ) -> tuple[float | None, str]:
     """(the most this system can gain over zero3, which model says so); docs/simulator.md.
 
-    CIERA systems ("bytes", DESIGN.md): zero3's gathers shrunk to r of their link time, perfectly
-    overlapped. The others ("link"): the time the system's own collectives hold the serial link — for ZeRO++
-    its int8 forward gathers across W, hpZ gathers inside the node and int4 gradient scatters — perfectly
+    CIERA systems ("bytes", DESIGN.md): zero3's gathers shrunk to r of their time, perfectly overlapped.
+    The others ("link"): the time the system's own collectives take alone on the target — for ZeRO++ its
+    int8 forward gathers across W, hpZ gathers inside the node and int4 gradient scatters — perfectly
     overlapped. Both sides are zero3's compute, which no system here shortens. "none": zero3 has neither
-    compute nor link time, so no ratio exists."""
+    compute nor collective time, so no ratio exists."""
     if system in CIERA_SYSTEMS:
         link_s = payload_ratio * allgather_busy_s + other_comm_busy_s
         basis = "bytes"
     else:
-        link_s = sum(op.duration_s for op in graph.ops if op.uses_link)
+        graph = outcome.system.graph
+        link_s = _link_seconds(graph, outcome.costs, TIMELINE_STREAMS)
         basis = "link"
     denominator = max(compute_busy_s, link_s)
     if denominator <= 0:
@@ -149,56 +189,8 @@ def _bound_speedup(
     return zero3_nominal_s / denominator, basis
 
 
-def _codec_removal_saving_s(graph: OpGraph, nominal: Replay) -> float:
-    """What the iteration would lose if every codec kernel took no time (same schedule, nominal)."""
-    durations = [0.0 if op.category == "codec" else op.duration_s for op in graph.ops]
-    return max(nominal.iteration_s - nominal_iteration_s(graph, durations), 0.0)
-
-
-def _note_ccp_without_effect(records: list[SimRecord], outcomes: dict[str, _Outcome]) -> None:
-    """Say why ciera ≈ ciera-er-bsc where CCP buys nothing: CCP takes the sender kernels (hash+compress)
-    off the compute stream, which can save at most what removing them from ciera-er-bsc would save."""
-    by_system = {record.system: record for record in records}
-    ciera, bsc = by_system.get("ciera"), by_system.get("ciera-er-bsc")
-    if ciera is None or bsc is None:
-        return
-    gap = abs(ciera.iteration_s["p50"] / bsc.iteration_s["p50"] - 1.0)
-    if gap >= CCP_SAME_REL:
-        return
-    if ciera.shards_selected == 0 and bsc.shards_selected == 0:
-        ciera.notes.append(
-            f"ciera = ciera-er-bsc at W={ciera.gpus}: no shard is compressed, so CCP has no codec work to overlap"
-        )
-        return
-    outcome = outcomes["ciera-er-bsc"]
-    graph = outcome.built.graph
-    is_sender = [op.category == "codec" and op.name.startswith(SENDER_CODEC_NAME) for op in graph.ops]
-    sender_busy_s = sum(op.duration_s for op, sender in zip(graph.ops, is_sender, strict=True) if sender)
-    without_sender_s = nominal_iteration_s(
-        graph, [0.0 if sender else op.duration_s for op, sender in zip(graph.ops, is_sender, strict=True)]
-    )
-    sender_saving_s = max(outcome.replay.iteration_s - without_sender_s, 0.0)
-    on_path = critical_path(graph, outcome.replay).ops
-    receiver_on_path_s = sum(
-        graph.ops[i].duration_s for i in on_path if graph.ops[i].category == "codec" and not is_sender[i]
-    )
-    ciera.notes.append(
-        f"ciera ≈ ciera-er-bsc at W={ciera.gpus} (p50 {gap:.2%} apart): CCP overlaps hash+compress, but in "
-        f"ciera-er-bsc those kernels ({sender_busy_s:.3g} s) cost the iteration only {sender_saving_s:.3g} s: "
-        f"they run while compute waits on the link. Its critical path holds {receiver_on_path_s:.3g} s of "
-        "decompress (each gather's decompress delays its layer and so the next gather's issue), which CCP "
-        "leaves on the critical path"
-    )
-
-
-def _normal_draws(preset: ClusterPreset, profile: ModelProfile) -> np.ndarray:
-    # Common random numbers: the same draws for every system and world size of a (model, dtype).
-    seed = [preset.simulation.seed, zlib.crc32(profile.model.encode()), DTYPES.index(profile.dtype)]
-    return np.random.default_rng(seed).standard_normal((noise_slots(profile), preset.simulation.samples))
-
-
 def resolve_models(bundle: traces.TraceBundle, models: Sequence[str] | None) -> list[str]:
-    known = available_models(bundle)
+    known = sorted(set(bundle.runs["model"]))
     if not known:
         raise SimInputError("bundle: table 'runs' is empty, nothing to simulate")
     if not models:
@@ -243,12 +235,12 @@ def check_request(systems: Sequence[str], gpus: Sequence[int], dtypes: Sequence[
 
 
 class Simulator:
-    """Caches profiles and collective model for one bundle and preset."""
+    """The op-graph path on one bundle and cluster preset, with what it can reuse cached: the depth-
+    rewritten graphs of an anchor (they do not depend on W or the system) and the shard tables."""
 
     def __init__(self, bundle: traces.TraceBundle, preset: ClusterPreset, layers: int | None = None) -> None:
         self.bundle = bundle
         self.layers = layers  # simulate this many blocks instead of the full model
-        self.index = BundleIndex(bundle)
         self.preset = preset
         self.collectives = CollectiveModel.from_preset(preset, bundle.collectives)
         source = {
@@ -259,189 +251,346 @@ class Simulator:
         self.calibration_note = (
             f"inter-node β {self.collectives.inter_beta_Bps / 1e9:.3g} GB/s of {preset.name}: {source}"
         )
-        self._profiles: dict[tuple[str, str, int], ModelProfile] = {}
-        self._draws: dict[tuple[str, str], np.ndarray] = {}
+        runs = bundle.runs
+        self.runs = runs[runs["run_id"].isin(set(bundle.events["run_id"].unique()))]
+        self.events_by_run = dict(tuple(bundle.events.groupby("run_id", sort=False, observed=True)))
+        self._graphs: dict[tuple[str, int], list[OpGraph]] = {}
+        self._anchors: dict[tuple[str, str, int, str], pd.Series] = {}
+        self._model_runs: dict[tuple[str, str], pd.DataFrame] = {}
+        self._anchor_clusters: dict[str, ClusterSpec] = {}
+        self._targets: dict[int, ClusterSpec] = {}
+        self._shards: dict[tuple[str, str, int], tuple[pd.DataFrame, tuple[str, ...]]] = {}
+        self._outcomes: dict[tuple[str, str, str, int, str], _Outcome] = {}
         self.simulated_events = 0
         self.simpy_seconds = 0.0
         self.simulated_runs = 0
-        # (system, model, dtype, W) where selecting every shard or none replayed faster than BSC's choice.
+        # (system, model, dtype, W) where selecting every shard or none ran faster than BSC's choice.
         self.selection_overrides: dict[tuple[str, str, str, int], str] = {}
-        self._plain_s: dict[tuple[str, str, int], float] = {}
-        self._every_shard_s: dict[tuple[str, str, int], float] = {}
 
-    def profile(self, model: str, dtype: str, world_size: int) -> ModelProfile:
-        source_w = compute_world_size_for(self.index, model, dtype, world_size)
-        key = (model, dtype, source_w)
-        if key not in self._profiles:
-            self._profiles[key] = build_profile(
-                self.index, model, dtype, source_w, self.preset, target_layers=self.layers
+    # ------------------------------------------------------------------------------------ what is traced
+    def model_runs(self, model: str, dtype: str) -> pd.DataFrame:
+        if (model, dtype) not in self._model_runs:
+            runs = self.runs[(self.runs["model"] == model) & (self.runs["dtype"] == dtype)]
+            if runs.empty:
+                raise SimInputError(f"bundle: model {model!r} has no {dtype} runs with events")
+            self._model_runs[(model, dtype)] = runs
+        return self._model_runs[(model, dtype)]
+
+    def target_layers(self, model: str, dtype: str) -> int:
+        full = int(self.model_runs(model, dtype)["full_layers"].iloc[0])
+        if self.layers is not None and not 1 <= self.layers <= full:
+            raise SimInputError(f"--layers {self.layers}: model {model!r} has 1..{full} blocks")
+        return self.layers or full
+
+    def anchor(self, model: str, dtype: str, world_size: int, system: str) -> pd.Series:
+        """The run `system` at (model, dtype, W) is simulated from (docs above)."""
+        key = (model, dtype, world_size, system)
+        if key not in self._anchors:
+            self._anchors[key] = self._anchor(model, dtype, world_size, system)
+        return self._anchors[key]
+
+    def _anchor(self, model: str, dtype: str, world_size: int, system: str) -> pd.Series:
+        runs = self.model_runs(model, dtype)
+        own = runs[runs["system"] == system]
+        candidates = own if len(own) else runs[runs["system"] == "zero3"]
+        if candidates.empty:
+            raise SimInputError(
+                f"bundle: model {model!r} ({dtype}) has no run of {system!r} or of zero3 to rewrite into it"
             )
-        return self._profiles[key]
+        traced_w = sorted({int(w) for w in candidates["world_size"]})
+        chosen_w = world_size if world_size in traced_w else max(traced_w)
+        at_w = candidates[candidates["world_size"] == chosen_w]
+        depth = self.target_layers(model, dtype)
+        same_depth = at_w[at_w["layers"] == depth]
+        pick = same_depth if len(same_depth) else at_w[at_w["layers"] == at_w["layers"].max()]
+        anchor = pick.sort_values("run_id").iloc[0]
+        hardware = str(anchor["hardware"])
+        if anchor["source"] == "measured" and hardware != self.preset.hardware:
+            raise SimInputError(
+                f"--cluster {self.preset.name}: run {anchor['run_id']!r} was measured on {hardware!r}, the preset "
+                f"is {self.preset.hardware or 'another device'}; its compute cannot be moved to another device "
+                f"(no compute model is built) — simulate it on its own cluster (--cluster {anchor['cluster']} "
+                "--gpus ...) or give a bundle traced on the preset's device"
+            )
+        return anchor
 
-    def run(self, system: str, model: str, dtype: str, world_size: int) -> _Outcome:
-        profile = self.profile(model, dtype, world_size)
-        built = build_system(system, profile, world_size, self.preset, self.collectives)
-        started = time.perf_counter()
-        nominal = replay(built.graph)
-        if system in BSC_SYSTEMS:
-            # The per-shard gain model cannot see the schedule (codec work on an idle compute stream costs
-            # nothing when the link is the bottleneck). Selection must never lose to compressing every
-            # shard or none, so those two plans are replayed too and the fastest is kept (and said).
-            chosen, total = built.shards_selected, len(built.decisions) if built.decisions is not None else 0
-            # Every shard is a candidate only when every shard's receiver cache fits the budget.
-            every_shard_fits = built.decisions is not None and float(
-                built.decisions["memory_bytes"].sum()
-            ) <= float(self.preset.ciera.cache_budget_bytes)
-            alternatives = [
-                name
-                for name, skip in (("all", chosen == total or not every_shard_fits), ("none", chosen == 0))
-                if not skip
+    def graphs(self, anchor: pd.Series, target_layers: int) -> list[OpGraph]:
+        """The anchor's iterations at `target_layers` blocks (one rank of an analytic run: its ranks are
+        identical)."""
+        key = (str(anchor["run_id"]), target_layers)
+        if key not in self._graphs:
+            events = self.events_by_run[str(anchor["run_id"])]
+            if anchor["source"] == "analytic":
+                events = events[events["rank"] == events["rank"].min()]
+            traced_layers = int(anchor["layers"])
+            ratio = 1.0
+            if traced_layers != target_layers:
+                ratio = parameter_ratio(self.bundle, str(anchor["run_id"]), traced_layers, target_layers)
+            self._graphs[key] = [
+                build_graph(repeat_blocks(rows, traced_layers, target_layers, ratio))
+                for _, rows in events.groupby("iteration", sort=True)
             ]
-            for selection in alternatives:
-                if selection == "none":
-                    # No shard compressed is the plain engine's schedule: its time is zero3's.
-                    plain_s = self._plain_iteration_s(profile, model, dtype, world_size)
-                    if plain_s >= nominal.iteration_s * (1 - 1e-9):
-                        continue
-                known_all_s = self._every_shard_s.get((model, dtype, world_size))
-                if selection == "all" and system == "ciera-er-bsc" and known_all_s is not None:
-                    # Every shard without CCP is exactly ciera-er's plan, replayed already.
-                    if known_all_s >= nominal.iteration_s * (1 - 1e-9):
-                        continue
-                candidate = build_system(
-                    system, profile, world_size, self.preset, self.collectives, selection
-                )
-                candidate_replay = replay(candidate.graph)
-                if candidate_replay.iteration_s < nominal.iteration_s * (1 - 1e-9):
-                    built, nominal = candidate, candidate_replay
-                    self.selection_overrides[(system, model, dtype, world_size)] = selection
-        if system == "zero3":
-            self._plain_s[(model, dtype, world_size)] = nominal.iteration_s
-        if system == "ciera-er":
-            self._every_shard_s[(model, dtype, world_size)] = nominal.iteration_s
+        return self._graphs[key]
+
+    def anchor_cluster(self, anchor: pd.Series) -> ClusterSpec:
+        run_id = str(anchor["run_id"])
+        if run_id not in self._anchor_clusters:
+            self._anchor_clusters[run_id] = traced_cluster(self.bundle.collectives, anchor)
+        return self._anchor_clusters[run_id]
+
+    def target(self, world_size: int) -> ClusterSpec:
+        if world_size not in self._targets:
+            self._targets[world_size] = preset_cluster(self.preset, self.collectives, world_size)
+        return self._targets[world_size]
+
+    def shards(self, model: str, dtype: str, graph: OpGraph) -> tuple[pd.DataFrame, tuple[str, ...]]:
+        layers = int(graph.layer.max()) - 1
+        key = (model, dtype, layers)
+        if key not in self._shards:
+            gathered = (graph.stream == "allgather") & (graph.rank == graph.rank.min())
+            layer_numel: dict[int, float] = {}
+            for layer, size in zip(graph.layer[gathered], graph.raw_bytes[gathered], strict=True):
+                layer_numel[int(layer)] = max(layer_numel.get(int(layer), 0.0), float(size) / 2)
+            notes: list[str] = []
+            table = shard_table(self.bundle, model, dtype, layers, layer_numel, self.preset, notes)
+            self._shards[key] = (table, tuple(notes))
+        return self._shards[key]
+
+    # --------------------------------------------------------------------------------- one system
+    def plan(
+        self, system: str, model: str, dtype: str, world_size: int, graph: OpGraph, selection: str
+    ) -> tuple[CieraPlan, tuple[str, ...]]:
+        shards, notes = self.shards(model, dtype, graph)
+        first_rank = (graph.stream == "allgather") & (graph.rank == graph.rank.min())
+        per_layer = np.unique(graph.layer[first_rank], return_counts=True)[1]
+        gathers = int(per_layer.max()) if len(per_layer) else 1
+        plan = ciera_plan(
+            system, shards, dtype, world_size, gathers, self.preset, self.collectives, selection
+        )
+        return plan, notes
+
+    def run(
+        self, system: str, model: str, dtype: str, world_size: int, selection: str = "benefit"
+    ) -> _Outcome:
+        key = (system, model, dtype, world_size, selection)
+        if key in self._outcomes:
+            return self._outcomes[key]
+        anchor = self.anchor(model, dtype, world_size, system)
+        rewrite = system if anchor["system"] != system else "zero3"
+        anchor_cluster = self.anchor_cluster(anchor)
+        if rewrite == "zeropp" and "all_gather_intra" not in anchor_cluster.curves:
+            raise SimInputError(
+                f"zeropp from run {anchor['run_id']!r}: its cluster has no intra-node gather curve for hpZ"
+            )
+        target = self.target(world_size)
+        graphs = self.graphs(anchor, self.target_layers(model, dtype))
+        plan, plan_notes = None, ()
+        if rewrite in CIERA_SYSTEMS:
+            plan, plan_notes = self.plan(rewrite, model, dtype, world_size, graphs[0], selection)
+
+        def anchor_time_s(op: str, sizes: np.ndarray) -> np.ndarray:
+            return anchor_cluster.curves[op].time_s(sizes)
+
+        started = time.perf_counter()
+        evaluated = []
+        for graph in graphs:
+            rewritten = system_graph(rewrite, graph, dtype, self.preset, anchor_time_s, plan)
+            costs, _ = rewrite_costs(rewritten.graph, anchor_cluster, target)
+            evaluated.append((rewritten, costs, evaluate(rewritten.graph, costs)))
         self.simpy_seconds += time.perf_counter() - started
-        self.simulated_events += nominal.events
+        times = np.array([result.iteration_s for _, _, result in evaluated])
+        nearest = int(np.argmin(np.abs(times - np.median(times))))
+        rewritten, costs, result = evaluated[nearest]
+        events = sum(result.events for _, _, result in evaluated)
+        self.simulated_events += events
         self.simulated_runs += 1
-        draws_key = (model, dtype)
-        if draws_key not in self._draws:
-            self._draws[draws_key] = _normal_draws(self.preset, profile)
-        samples = sample_iteration_s(built.graph, sample_durations(built.graph, self._draws[draws_key]))
-        return _Outcome(built, nominal, samples)
+        outcome = _Outcome(
+            times_s=times,
+            system=rewritten,
+            result=result,
+            costs=costs,
+            events=events,
+            plan=plan,
+            anchor_run=str(anchor["run_id"]),
+            selection=selection,
+            notes=plan_notes,
+        )
+        self._outcomes[key] = outcome
+        return outcome
 
-    def _plain_iteration_s(self, profile: ModelProfile, model: str, dtype: str, world_size: int) -> float:
-        key = (model, dtype, world_size)
-        if key not in self._plain_s:
-            plain = build_system("zero3", profile, world_size, self.preset, self.collectives)
-            self._plain_s[key] = replay(plain.graph).iteration_s
-        return self._plain_s[key]
+    def codec_free_s(self, outcome: _Outcome, model: str, dtype: str, world_size: int, system: str) -> float:
+        """The representative iteration with every codec kernel at 0 s (same schedule)."""
+        anchor = self.anchor(model, dtype, world_size, system)
+        anchor_cluster = self.anchor_cluster(anchor)
+        graphs = self.graphs(anchor, self.target_layers(model, dtype))
+        times = outcome.times_s
+        nearest = int(np.argmin(np.abs(times - np.median(times))))
 
+        def anchor_time_s(op: str, sizes: np.ndarray) -> np.ndarray:
+            return anchor_cluster.curves[op].time_s(sizes)
+
+        free = system_graph(
+            system, graphs[nearest], dtype, self.preset, anchor_time_s, outcome.plan, without_codec=True
+        )
+        costs, _ = rewrite_costs(free.graph, anchor_cluster, self.target(world_size))
+        return evaluate(free.graph, costs).iteration_s
+
+    def best(self, system: str, model: str, dtype: str, world_size: int) -> _Outcome:
+        """`system`'s outcome; for BSC systems the fastest of BSC's choice, every shard (when the cache
+        budget holds them all) and none — selection must never lose to either (the choice is noted)."""
+        chosen = self.run(system, model, dtype, world_size)
+        if system not in BSC_SYSTEMS or chosen.plan is None:
+            return chosen
+        plan = chosen.plan
+        every_fits = float(plan.decisions["memory_bytes"].sum()) <= float(
+            self.preset.ciera.cache_budget_bytes
+        )
+        total = len(plan.decisions)
+        for selection, skip in (
+            ("all", plan.shards_selected == total or not every_fits),
+            ("none", plan.shards_selected == 0),
+        ):
+            if skip:
+                continue
+            # Every shard without CCP is ciera-er's plan; no shard is the plain engine's graph.
+            same = {"all": "ciera-er" if system == "ciera-er-bsc" else None, "none": "zero3"}[selection]
+            if same is not None:
+                candidate = self.run(same, model, dtype, world_size)
+            else:
+                candidate = self.run(system, model, dtype, world_size, selection)
+            if np.median(candidate.times_s) < np.median(chosen.times_s) * (1 - 1e-9):
+                chosen = candidate
+                self.selection_overrides[(system, model, dtype, world_size)] = selection
+        return chosen
+
+    # ----------------------------------------------------------------------------------- records
     def records_for(self, model: str, dtype: str, world_size: int, systems: Sequence[str]) -> list[SimRecord]:
-        profile = self.profile(model, dtype, world_size)
         wanted = [s for s in systems if not (dtype == "bf16" and s in FP16_ONLY_SYSTEMS)]
         needed = list(dict.fromkeys(["zero3", *(["zeropp"] if dtype == "fp16" else []), *wanted]))
-        outcomes = {system: self.run(system, model, dtype, world_size) for system in needed}
+        outcomes = {system: self.best(system, model, dtype, world_size) for system in needed}
         baseline = outcomes["zero3"]
-        base_graph = baseline.built.graph
-        compute_busy = busy_s(base_graph, "compute")
-        allgather_busy = busy_s(base_graph, "allgather", link_only=True)
-        other_comm_busy = busy_s(base_graph, "reduce_scatter", link_only=True)
-        base_p50 = float(np.median(baseline.samples_s))
-        zeropp_p50 = float(np.median(outcomes["zeropp"].samples_s)) if "zeropp" in outcomes else None
-        projected = (
-            world_size not in profile.traced_world_sizes or profile.full_layers not in profile.traced_layers
-        )
+        base_graph = baseline.system.graph
+        # Busy times of zero3 on the target: the main thread's work, and the link's time per collective kind.
+        compute_busy = _busy(base_graph, baseline.costs.work_s, ("compute", "optim"))
+        allgather_busy = _link_seconds(base_graph, baseline.costs, _GATHERS)
+        other_comm_busy = _link_seconds(base_graph, baseline.costs, _OTHER_COMM)
+        base_p50 = float(np.median(baseline.times_s))
+        base_nominal = baseline.result.iteration_s
+        zeropp_p50 = float(np.median(outcomes["zeropp"].times_s)) if "zeropp" in outcomes else None
+        base_bytes = _gathered_bytes(base_graph)
+        runs = self.model_runs(model, dtype)
+        target_layers = self.target_layers(model, dtype)
+        projected = world_size not in {int(w) for w in runs["world_size"]} or target_layers not in {
+            int(n) for n in runs["layers"]
+        }
+        source = "measured" if (runs["source"] == "measured").all() else str(runs["source"].iloc[0])
         records = []
         for system in wanted:
             outcome = outcomes[system]
-            graph = outcome.built.graph
-            p50 = float(np.median(outcome.samples_s))
-            ratio = outcome.built.allgather_bytes_per_iter / max(baseline.built.allgather_bytes_per_iter, 1.0)
-            base_nominal = baseline.replay.iteration_s
+            graph = outcome.system.graph
+            p50 = float(np.median(outcome.times_s))
+            gathered = _gathered_bytes(graph)
+            ratio = gathered / max(base_bytes, 1.0)
             bound, basis = _bound_speedup(
-                system, graph, base_nominal, compute_busy, allgather_busy, other_comm_busy, ratio
+                system, outcome, base_nominal, compute_busy, allgather_busy, other_comm_busy, ratio
             )
             overlap_denominator = max(compute_busy, allgather_busy + other_comm_busy)
             overlap_only = base_nominal / overlap_denominator if overlap_denominator > 0 else None
             speedup = base_p50 / p50
-            path = critical_path(graph, outcome.replay)
-            codec_busy = busy_s(graph, "codec")
-            codec_saving = _codec_removal_saving_s(graph, outcome.replay) if codec_busy > 0 else 0.0
-            scatter_bytes = sum(
-                op.bytes for op in graph.ops if op.category == "reduce_scatter" and op.uses_link
-            )
-            decisions = outcome.built.decisions
-            cache_bytes = (
-                float(decisions.loc[decisions["selected"].astype(bool), "memory_bytes"].sum())
-                if decisions is not None
+            parts = critical_path(graph, outcome.result, outcome.system.embedded_codec_s)
+            codec_busy = outcome.system.codec_busy_s
+            codec_saving = (
+                max(
+                    outcome.result.iteration_s - self.codec_free_s(outcome, model, dtype, world_size, system),
+                    0.0,
+                )
+                if codec_busy > 0
                 else 0.0
             )
+            inter, intra = self._traffic(graph, world_size)
+            scatter_bytes = float(
+                graph.wire_bytes[(graph.stream == "reduce_scatter") & (graph.rank == graph.rank.min())].sum()
+            )
+            plan = outcome.plan
+            cache_bytes = plan.receiver_cache_bytes if plan is not None else 0.0
             budget_bytes = float(self.preset.ciera.cache_budget_bytes)
-            over_budget = (
-                [
+            notes = [self.calibration_note]
+            if not (graph.stream == "optim").any():
+                notes.append(f"{model} {dtype}: run {outcome.anchor_run} has no optimizer step in its events")
+            notes += list(outcome.notes)
+            if (system, model, dtype, world_size) in self.selection_overrides:
+                choice = self.selection_overrides[(system, model, dtype, world_size)]
+                notes.append(
+                    f"{system} at W={world_size}: BSC's per-shard choice ran slower than "
+                    f"{'compressing every shard' if choice == 'all' else 'compressing no shard'}; that plan is used"
+                )
+            if cache_bytes > budget_bytes:
+                notes.append(
                     f"{system} at W={world_size}: every shard's receiver cache needs "
                     f"{cache_bytes / 2**30:.1f} GiB per GPU, over the {budget_bytes / 2**30:.0f} GiB "
                     "budget (ciera.cache_budget_bytes): an upper reference that does not fit, not a "
                     "deployable plan; ciera and ciera-er-bsc keep within the budget"
-                ]
-                if cache_bytes > budget_bytes
-                else []
-            )
+                )
             records.append(
                 SimRecord(
                     model=model,
                     dtype=dtype,
                     gpus=world_size,
                     system=system,
-                    source=profile.source,
+                    source=source,
                     projected=projected,
-                    iteration_s=_quantiles(outcome.samples_s),
-                    iteration_nominal_s=outcome.replay.iteration_s,
-                    breakdown_s={key: path.parts_s[key] for key in BREAKDOWN_KEYS},
+                    iteration_s=_quantiles(outcome.times_s),
+                    iteration_nominal_s=outcome.result.iteration_s,
+                    breakdown_s={key: parts[key] for key in BREAKDOWN_KEYS},
                     codec_busy_s=codec_busy,
-                    codec_off_critical_path_s=max(codec_busy - path.parts_s["codec_critical"], 0.0),
+                    codec_off_critical_path_s=max(codec_busy - parts["codec_critical"], 0.0),
                     codec_removal_saving_s=codec_saving,
-                    allgather_bytes_per_iter=float(outcome.built.allgather_bytes_per_iter),
-                    allgather_bytes_inter_node_per_iter=float(
-                        outcome.built.allgather_bytes_inter_node_per_iter
-                    ),
-                    allgather_bytes_intra_node_per_iter=float(
-                        outcome.built.allgather_bytes_intra_node_per_iter
-                    ),
-                    reduce_scatter_bytes_per_iter=float(scatter_bytes),
+                    allgather_bytes_per_iter=gathered,
+                    allgather_bytes_inter_node_per_iter=inter,
+                    allgather_bytes_intra_node_per_iter=intra,
+                    reduce_scatter_bytes_per_iter=scatter_bytes,
                     speedup_vs_zero3=speedup,
                     speedup_vs_zeropp=(zeropp_p50 / p50) if zeropp_p50 is not None else None,
-                    shards_selected=outcome.built.shards_selected,
-                    shards_total=len(decisions) if decisions is not None else 0,
+                    shards_selected=plan.shards_selected if plan is not None else 0,
+                    shards_total=len(plan.decisions) if plan is not None else 0,
                     receiver_cache_bytes=cache_bytes,
-                    within_cache_budget=not over_budget,
+                    within_cache_budget=cache_bytes <= budget_bytes,
                     payload_ratio=ratio,
                     bound_speedup=bound,
                     bound_basis=basis,
                     overlap_only_speedup=overlap_only,
                     speedup_parts=_speedup_parts(speedup, bound, overlap_only),
-                    fit_residual=profile.fit_residual,
-                    full_layers=profile.full_layers,
-                    compute_world_size=profile.compute_world_size,
+                    full_layers=target_layers,
+                    compute_world_size=int(self.anchor(model, dtype, world_size, system)["world_size"]),
+                    anchor_run=outcome.anchor_run,
+                    iterations=len(outcome.times_s),
                     cluster=self.preset.name,
-                    simulated_events=outcome.replay.events,
-                    notes=[
-                        *profile.notes,
-                        self.calibration_note,
-                        *(
-                            [
-                                f"{system} at W={world_size}: BSC's per-shard choice replayed slower than "
-                                f"selecting {self.selection_overrides[(system, model, dtype, world_size)]} "
-                                "shards; that plan is used"
-                            ]
-                            if (system, model, dtype, world_size) in self.selection_overrides
-                            else []
-                        ),
-                        *over_budget,
-                    ],
+                    simulated_events=outcome.events,
+                    notes=notes,
                 )
             )
-        _note_ccp_without_effect(records, outcomes)
         return records
+
+    def _traffic(self, graph: OpGraph, world_size: int) -> tuple[float, float]:
+        """(inter-node, intra-node) bytes one rank receives in its gathers of an iteration."""
+        first = graph.rank == graph.rank.min()
+        inter = intra = 0.0
+        for stream, size in zip(graph.stream[first], graph.wire_bytes[first], strict=True):
+            if stream == "allgather":
+                a, b = self.collectives.allgather_traffic_bytes(float(size), world_size)
+            elif stream == INTRA_NODE_GATHER_STREAM:
+                a, b = self.collectives.intra_node_allgather_traffic_bytes(float(size), world_size)
+            else:
+                continue
+            inter += a
+            intra += b
+        return inter, intra
+
+
+def _gathered_bytes(graph: OpGraph) -> float:
+    """Σ gathered tensor sizes (wire format) of one rank's iteration."""
+    first = graph.rank == graph.rank.min()
+    return float(graph.wire_bytes[first & np.isin(graph.stream, _GATHERS)].sum())
 
 
 def simulate(
@@ -499,36 +648,53 @@ def timeline(
     for pid, system in enumerate(systems, start=1):
         if dtype == "bf16" and system in FP16_ONLY_SYSTEMS:
             continue
-        outcome = simulator.run(system, model, dtype, gpus)
+        outcome = simulator.best(system, model, dtype, gpus)
+        graph, result = outcome.system.graph, outcome.result
         label = f"{system} — {model} {dtype} W={gpus}"
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": label}})
         events.append(
             {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
         )
-        for tid, stream in enumerate(STREAMS, start=1):
+        shown = graph.rank == graph.rank.min()  # one rank (the ranks of a preset run are alike)
+        streams = [name for name in TIMELINE_STREAMS if (graph.stream[shown] == name).any()]
+        tids = {stream: tid for tid, stream in enumerate(streams, start=1)}
+        for stream, tid in tids.items():
             events.append(
                 {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": stream}}
             )
             events.append(
                 {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
             )
-        tids = {stream: tid for tid, stream in enumerate(STREAMS, start=1)}
-        for event in engine_timeline_events(outcome.built.graph, outcome.replay):
-            duration_us = (event["end_s"] - event["start_s"]) * 1e6  # type: ignore[operator]
-            if duration_us <= 0:
+        for index in np.flatnonzero(shown):
+            duration_us = (result.end_s[index] - result.start_s[index]) * 1e6
+            stream = str(graph.stream[index])
+            if duration_us <= 0 or stream not in tids:
                 continue
             events.append(
                 {
                     "ph": "X",
-                    "name": event["name"],
-                    "cat": event["stream"],
+                    "name": _op_name(graph, int(index)),
+                    "cat": stream,
                     "pid": pid,
-                    "tid": tids[str(event["stream"])],
-                    "ts": float(event["start_s"]) * 1e6,  # type: ignore[arg-type]
-                    "dur": duration_us,
+                    "tid": tids[stream],
+                    "ts": float(result.start_s[index]) * 1e6,
+                    "dur": float(duration_us),
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schema": "ciera.timeline/1"}}
+
+
+def _op_name(graph: OpGraph, index: int) -> str:
+    """A timeline label: what the op is, of which layer and phase."""
+    stream, layer, phase = str(graph.stream[index]), int(graph.layer[index]), str(graph.phase[index])
+    what = {
+        "compute": phase,
+        "optim": "optimizer step",
+        "codec_send": "hash+compress",
+        "codec_recv": "decompress",
+        INTRA_NODE_GATHER_STREAM: "allgather (hpZ)",
+    }.get(stream, stream)
+    return what if layer < 0 else f"{what} L{layer}" + ("" if stream in ("compute", "optim") else f" {phase}")
 
 
 def records_to_json(records: Sequence[SimRecord], cluster: ClusterPreset | None = None) -> dict[str, Any]:

@@ -30,7 +30,8 @@ RECORD_KEYS = {
     "bound_speedup",
     "overlap_only_speedup",
     "speedup_parts",
-    "fit_residual",
+    "anchor_run",
+    "iterations",
 }
 
 

@@ -53,24 +53,6 @@ def test_measured_collectives_inside_one_node_leave_the_fit_to_the_preset_points
     assert model.inter_beta_Bps == CollectiveModel.from_preset(preset).inter_beta_Bps
 
 
-def test_runs_that_differ_in_more_than_depth_are_refused() -> None:
-    import dataclasses
-
-    import pytest
-
-    import traces
-    from sim import simulate
-    from sim.errors import SimInputError
-
-    bundle = traces.read_bundle(traces.default_bundle_path())
-    runs = bundle.runs.copy()
-    chosen = (runs["model"] == "OLMoE-1B-7B") & (runs["world_size"] == 8) & (runs["layers"] == 4)
-    runs.loc[chosen, "seq_len"] = 2048
-    edited = dataclasses.replace(bundle, runs=runs)
-    with pytest.raises(SimInputError, match=r"differ in runs.seq_len \(1024, 2048\)"):
-        simulate(edited, load_cluster("a100-hdr-testbed"), models=["olmoe-1b-7b"], gpus=[8], dtypes=["bf16"])
-
-
 def test_sweep_repeats_the_simulation_per_value(tmp_path: Path) -> None:
     import json
 
@@ -104,34 +86,28 @@ def test_selection_never_loses_to_compressing_every_shard_or_none() -> None:
         preset = load_cluster("a100-hdr-testbed", parse_overrides([f"inter_node.beta_Bps={beta}"]))
         records = simulate(bundle, preset, models=["olmoe-1b-7b"], gpus=[16, 64], dtypes=["bf16"])
         for gpus in (16, 64):
-            nominal = {r.system: r.iteration_nominal_s for r in records if r.gpus == gpus}
-            for system in ("ciera-er-bsc", "ciera"):
-                assert nominal[system] <= min(nominal["zero3"], nominal["ciera-er"]) * (1 + 1e-9), (
-                    beta,
-                    gpus,
-                    system,
-                )
-        overridden += sum("BSC's per-shard choice replayed slower" in " ".join(r.notes) for r in records)
+            p50 = {r.system: r.iteration_s["p50"] for r in records if r.gpus == gpus}
+            # BSC without CCP chooses among its own plan, every shard (ciera-er's) and none (zero3's);
+            # with CCP, every shard is placed as CCP places it, which need not beat ciera-er.
+            assert p50["ciera-er-bsc"] <= min(p50["zero3"], p50["ciera-er"]) * (1 + 1e-9), (beta, gpus)
+            assert p50["ciera"] <= p50["zero3"] * (1 + 1e-9), (beta, gpus)
+        overridden += sum("BSC's per-shard choice ran slower" in " ".join(r.notes) for r in records)
     assert overridden > 0  # at 25 GB/s the per-shard gains all come out negative: the override is said
 
 
-def test_runs_without_optimizer_time_are_said() -> None:
+def test_runs_without_optimizer_events_are_said() -> None:
     import dataclasses
 
     import traces
     from sim import simulate
 
     bundle = traces.read_bundle(traces.default_bundle_path())
-    layers = bundle.layers[bundle.layers["phase"] != "optim"]
-    edited = dataclasses.replace(bundle, layers=layers)
+    edited = dataclasses.replace(bundle, events=bundle.events[bundle.events["stream"] != "optim"])
     records = simulate(
         edited, load_cluster("a100-hdr-testbed"), models=["olmoe-1b-7b"], gpus=[8], dtypes=["bf16"]
     )
-    assert all(
-        any("carry no optimizer time; the optimizer step is taken as 0 s" in note for note in r.notes)
-        for r in records
-    )
+    assert all(any("has no optimizer step in its events" in note for note in r.notes) for r in records)
     plain = simulate(
         bundle, load_cluster("a100-hdr-testbed"), models=["olmoe-1b-7b"], gpus=[8], dtypes=["bf16"]
     )
-    assert not any("optimizer time" in note for r in plain for note in r.notes)
+    assert not any("optimizer" in note for r in plain for note in r.notes)

@@ -1,0 +1,136 @@
+"""An op graph (sim/opgraph.py) as editable objects: the form the system rewrites (sim/ciera_rewrite.py,
+sim/system_rewrite.py) insert and replace ops in, then turn back into an `OpGraph`.
+
+Edges are object references (`main_prev` for a main-thread op's predecessor, `issuer` for the main op that
+issues a collective, `blocker` for the collective a main op waits for), so inserting an op never
+renumbers anything; `to_graph` derives the indices, each stream's order and the cross-rank coupling (the
+k-th collective of a stream on every rank is one group) from the edited lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .opgraph import KERNEL_STREAMS, MAIN_THREAD_STREAMS, OpGraph
+
+
+@dataclass(eq=False)  # ops are compared by identity
+class EditableOp:
+    rank: int
+    stream: str
+    layer: int
+    phase: str
+    duration_s: float
+    lag_s: float = 0.0
+    raw_bytes: float = 0.0
+    wire_bytes: float = 0.0
+    issuer: EditableOp | None = None
+    blocker: EditableOp | None = None
+    offset_s: float = 0.0
+    tail_s: float = 0.0
+    measured_start_s: float = 0.0
+    measured_end_s: float = 0.0
+    issued_s: float = 0.0
+    main_prev: EditableOp | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.stream in MAIN_THREAD_STREAMS
+
+
+def editable_ops(graph: OpGraph, rank: int) -> list[EditableOp]:
+    """One rank's ops in the graph's order, with their edges as references."""
+    indices = np.flatnonzero(graph.rank == rank)
+    is_main = graph.is_main
+    ops: dict[int, EditableOp] = {}
+    for i in indices:
+        ops[int(i)] = EditableOp(
+            rank=rank, stream=str(graph.stream[i]), layer=int(graph.layer[i]), phase=str(graph.phase[i]),
+            duration_s=float(graph.duration_s[i]), lag_s=float(graph.lag_s[i]),
+            raw_bytes=float(graph.raw_bytes[i]), wire_bytes=float(graph.wire_bytes[i]),
+            offset_s=float(graph.offset_s[i]), tail_s=float(graph.tail_s[i]),
+            measured_start_s=float(graph.measured_start_s[i]), measured_end_s=float(graph.measured_end_s[i]),
+            issued_s=float(graph.issued_s[i]),
+        )  # fmt: skip
+    for i in indices:
+        op = ops[int(i)]
+        if is_main[i]:
+            op.main_prev = ops.get(int(graph.main_prev[i]))
+            op.blocker = ops.get(int(graph.blocker[i]))
+        else:
+            op.issuer = ops.get(int(graph.main_prev[i]))
+    return [ops[int(i)] for i in indices]
+
+
+def relink_main(ops: list[EditableOp]) -> None:
+    """Program order is the order of a rank's main ops in `ops`: each one's `main_prev` is the one before
+    it (a rank's first op keeps none)."""
+    previous: EditableOp | None = None
+    for op in ops:
+        if op.is_main:
+            op.main_prev = previous
+            previous = op
+
+
+def to_graph(ops_by_rank: dict[int, list[EditableOp]], world: int) -> OpGraph:
+    """The `OpGraph` of edited ops (each rank's list in program order)."""
+    ops = [op for rank in sorted(ops_by_rank) for op in ops_by_rank[rank]]
+    emitted = {id(op) for op in ops}
+    index = {id(op): k for k, op in enumerate(ops)}
+
+    def ref(op: EditableOp | None) -> int:
+        # An edge to an op that is not in the graph (replaced by a rewrite) is no edge.
+        return index[id(op)] if op is not None and id(op) in emitted else -1
+
+    count = len(ops)
+    stream = np.array([op.stream for op in ops], dtype=object)
+    is_main = np.isin(stream, MAIN_THREAD_STREAMS)
+    ranks = np.array([op.rank for op in ops], dtype=int)
+    main_prev = np.array([ref(op.main_prev) if is_main[k] else ref(op.issuer) for k, op in enumerate(ops)])
+    blocker = np.array([ref(op.blocker) if is_main[k] else -1 for k, op in enumerate(ops)])
+    stream_prev = np.full(count, -1)
+    position = np.full(count, -1)
+    base = 0
+    for rank in sorted(ops_by_rank):
+        last: dict[str, int] = {}
+        seen: dict[str, int] = {}
+        for k in range(base, base + len(ops_by_rank[rank])):
+            if is_main[k]:
+                continue
+            name = stream[k]
+            stream_prev[k] = last.get(name, -1)
+            last[name] = k
+            position[k] = seen.get(name, 0)
+            seen[name] = position[k] + 1
+        base += len(ops_by_rank[rank])
+    # Group ids: the k-th collective of a stream on every rank, numbered across streams; a side-stream
+    # kernel is a group of its own (one rank's work).
+    offsets, total = {}, 0
+    for name in sorted(set(stream[~is_main].tolist())):
+        per_rank = max(int(((stream == name) & (ranks == r)).sum()) for r in ops_by_rank)
+        offsets[name], total = total, total + per_rank
+    group = np.array([offsets[stream[k]] + position[k] if position[k] >= 0 else -1 for k in range(count)])
+    kernels = np.flatnonzero(np.isin(stream, KERNEL_STREAMS))
+    group[kernels] = total + np.arange(len(kernels))
+    return OpGraph(
+        rank=ranks,
+        stream=stream,
+        layer=np.array([op.layer for op in ops], dtype=int),
+        phase=np.array([op.phase for op in ops], dtype=object),
+        duration_s=np.array([op.duration_s for op in ops], dtype=float),
+        tail_s=np.array([op.tail_s for op in ops], dtype=float),
+        lag_s=np.array([op.lag_s for op in ops], dtype=float),
+        main_prev=main_prev,
+        stream_prev=stream_prev,
+        blocker=blocker,
+        offset_s=np.array([op.offset_s for op in ops], dtype=float),
+        raw_bytes=np.array([op.raw_bytes for op in ops], dtype=float),
+        wire_bytes=np.array([op.wire_bytes for op in ops], dtype=float),
+        group=group,
+        world_size=world,
+        measured_start_s=np.array([op.measured_start_s for op in ops], dtype=float),
+        measured_end_s=np.array([op.measured_end_s for op in ops], dtype=float),
+        issued_s=np.array([op.issued_s for op in ops], dtype=float),
+    )

@@ -1,0 +1,287 @@
+"""System rewrites for a cluster preset: a traced ZeRO-3 iteration's op graph (sim/opgraph.py) rewritten
+into the graph another system would run, before it is re-costed on the target cluster (sim/rewrite.py)
+and evaluated (sim/evaluate.py). A system the bundle holds runs of is simulated from those runs instead;
+these rules are for the systems it lacks (the analytic bundle holds ZeRO-3 runs only).
+
+- **fsdp** (FSDP2, `reshard_after_forward` as its default): every block is gathered for its forward and
+  again before its recompute, like ZeRO-3; the root group (embedding and head) is not resharded after
+  the forward, so its backward gathers are dropped.
+- **zeropp** (ZeRO++, FP16): forward gathers move int8 weights plus one fp32 scale per quantization
+  group (qwZ), with the quantize and dequantize kernels on the gather's own stream; recompute and
+  backward gathers read the hpZ secondary partition inside the node (the `allgather_intra` stream,
+  re-costed on the intra-node level only); gradients are reduce-scattered as int4 plus scales (qgZ),
+  quantize and dequantize on the scatter's stream.
+- **CIERA** (the method's GPU design: one compressed collective per engine gather, issued where the engine
+  issues it): each gather of a layer the plan compresses moves the plan's payload — changed blocks'
+  exponents only in the first gather after the optimizer step (the forward), none in the recompute and
+  backward gathers (compared with the last gather). `ciera-er` and `ciera-er-bsc` run the sender kernels
+  (hash+compress) on the main thread right after the op that issues the gather, and the receiver kernels
+  (decompress+merge) on the main thread before the op that waits for it. `ciera` (CCP) runs them on two
+  side streams (`ccp_send`, `ccp_recv`): the sender kernels from the gather's issue point, the transfer
+  after them; the receiver kernels after the transfer, and the op that waited for the gather waits for
+  them — so a sender kernel overlaps the previous transfer and a receiver kernel the next one. The plan
+  (`ciera_plan`) is benefit-driven selection (sim/selection.py) over the parameters' block change rates.
+
+A rewritten collective's duration is its traced duration scaled by the anchor curve's time at the new
+size over its time at the traced size, so what the trace held beyond the curve scales with it; kernel
+seconds added to a collective's own stream are recorded in `embedded_codec_s` for the critical path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .cluster import ClusterPreset
+from .collectives import CollectiveModel
+from .graph_edit import EditableOp, editable_ops, relink_main, to_graph
+from .opgraph import OpGraph
+from .payload import raw_bytes
+from .selection import select_shards
+
+CIERA_SYSTEMS = ("ciera-er", "ciera-er-bsc", "ciera")
+BSC_SYSTEMS = ("ciera-er-bsc", "ciera")  # the ones whose shards benefit-driven selection picks
+INTRA_NODE_GATHER_STREAM = "allgather_intra"
+SENDER_CODEC_NAME = "hash+compress"
+
+AnchorTime = Callable[[str, np.ndarray], np.ndarray]  # (curve op, sizes) → seconds on the anchor cluster
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    changed_ratio: float  # payload / raw of the first gather after the optimizer step
+    unchanged_ratio: float  # of the later gathers of the iteration
+    sender_s: float  # hash + compress of the rank's shards of the layer, per gather
+    receiver_s: float  # decompress + merge of what it receives, per gather
+
+
+@dataclass(frozen=True)
+class CieraPlan:
+    decisions: pd.DataFrame  # sim/selection.py's decision table
+    layers: dict[int, LayerPlan]
+
+    @property
+    def shards_selected(self) -> int:
+        return int(self.decisions["selected"].sum())
+
+    @property
+    def receiver_cache_bytes(self) -> float:
+        chosen = self.decisions["selected"].to_numpy(dtype=bool)
+        return float(self.decisions.loc[chosen, "memory_bytes"].sum())
+
+
+@dataclass(frozen=True)
+class SystemGraph:
+    graph: OpGraph
+    embedded_codec_s: np.ndarray  # per op: kernel seconds on a collective's own stream
+    codec_busy_s: float  # every codec kernel of the iteration (main thread or stream)
+
+
+def codec_seconds(shards: pd.DataFrame, world_size: int, preset: ClusterPreset) -> pd.DataFrame:
+    """Per shard and gather: hash, compress (of the rank's shard) and decompress (of what it receives)
+    at the preset's kernel throughputs plus a launch each."""
+    codec = preset.codec
+    full = np.asarray(raw_bytes(shards["numel"].to_numpy(dtype=float)), dtype=float)
+    return pd.DataFrame(
+        {
+            "hash_s": full / world_size / codec.hash_Bps + codec.kernel_launch_s,
+            "compress_s": full / world_size / codec.compress_Bps + codec.kernel_launch_s,
+            "decompress_s": full * (world_size - 1) / world_size / codec.decompress_Bps
+            + codec.kernel_launch_s,
+        },
+        index=shards.index,
+    )
+
+
+def ciera_plan(
+    system: str,
+    shards: pd.DataFrame,
+    dtype: str,
+    world_size: int,
+    gathers_per_layer: int,
+    preset: ClusterPreset,
+    collectives: CollectiveModel,
+    selection: str = "benefit",
+) -> CieraPlan:
+    """Which shards `system` compresses at `world_size` and what a gather of each layer then costs.
+    `selection`: "benefit" (BSC's per-shard gain under the cache budget), "all" or "none"."""
+    table = shards.copy()
+    table["q"] = np.clip(table["q"].to_numpy(dtype=float) * preset.ciera.change_rate_scale, 0.0, 1.0)
+    table = pd.concat([table, codec_seconds(table, world_size, preset)], axis=1)
+    changed = 1 if preset.ciera.reuse_across_gathers else gathers_per_layer
+    decisions = select_shards(
+        table,
+        world_size=world_size,
+        dtype=dtype,
+        block_size=preset.ciera.block_size,
+        entropy_bits=preset.ciera.exponent_entropy_bits,
+        header_bytes=preset.ciera.header_bytes,
+        comm_s_per_byte=collectives.allgather_marginal_s_per_byte(world_size),
+        cache_budget_bytes=0 if selection == "none" else preset.ciera.cache_budget_bytes,
+        changed_gathers=changed,
+        unchanged_gathers=max(gathers_per_layer - changed, 0),
+        overlap_codec=system == "ciera",
+        select_all=system == "ciera-er" or selection == "all",
+    )
+    selected = decisions["selected"].to_numpy(dtype=bool)
+    raw = np.asarray(raw_bytes(decisions["numel"].to_numpy(dtype=float)), dtype=float)
+    layer_of = decisions["layer"].to_numpy(dtype=np.int64)
+    slots = int(layer_of.max()) + 1 if len(layer_of) else 0
+
+    def per_layer(values: np.ndarray) -> np.ndarray:
+        return np.bincount(layer_of, weights=values, minlength=slots)
+
+    raw_sum = per_layer(raw)
+    changed_sum = per_layer(np.where(selected, decisions["changed_payload_bytes"].to_numpy(), raw))
+    unchanged_sum = per_layer(np.where(selected, decisions["unchanged_payload_bytes"].to_numpy(), raw))
+    sender = table["hash_s"].to_numpy() + table["compress_s"].to_numpy()
+    sender_sum = per_layer(np.where(selected, sender, 0.0))
+    receiver_sum = per_layer(np.where(selected, table["decompress_s"].to_numpy(), 0.0))
+    layers = {
+        layer: LayerPlan(
+            changed_ratio=float(changed_sum[layer] / raw_sum[layer]),
+            unchanged_ratio=float(unchanged_sum[layer] / raw_sum[layer]),
+            sender_s=float(sender_sum[layer]),
+            receiver_s=float(receiver_sum[layer]),
+        )
+        for layer in np.unique(layer_of).tolist()
+        if raw_sum[layer] > 0
+    }
+    return CieraPlan(decisions, layers)
+
+
+def _rescaled(
+    op: EditableOp, curve_op: str, new_curve_op: str, wire: float, anchor_time_s: AnchorTime
+) -> None:
+    """Give `op` a new size (and curve): its duration scaled by the anchor curve's times."""
+    before = float(anchor_time_s(curve_op, np.array([op.wire_bytes]))[0])
+    after = float(anchor_time_s(new_curve_op, np.array([wire]))[0])
+    op.duration_s = op.duration_s * (after / before if before > 0 else 1.0)
+    op.wire_bytes = wire
+
+
+def _waiters(ops: list[EditableOp]) -> dict[int, EditableOp]:
+    """Per collective (by identity), the main op blocked on it."""
+    return {id(op.blocker): op for op in ops if op.is_main and op.blocker is not None}
+
+
+def system_graph(
+    system: str,
+    plain: OpGraph,
+    dtype: str,
+    preset: ClusterPreset,
+    anchor_time_s: AnchorTime,
+    plan: CieraPlan | None = None,
+    without_codec: bool = False,
+) -> SystemGraph:
+    """The graph `system` runs, from the ZeRO-3 graph `plain`. `without_codec`: every codec kernel at 0 s
+    (what the iteration would be if the codec were free)."""
+    if system == "zero3":
+        return SystemGraph(plain, np.zeros(plain.size), 0.0)
+    ops_by_rank: dict[int, list[EditableOp]] = {}
+    embedded: dict[int, float] = {}
+    busy = [0.0]
+    for rank in sorted(set(plain.rank.tolist())):
+        ops = editable_ops(plain, rank)
+        if system == "fsdp":
+            ops = _fsdp(ops)
+        elif system == "zeropp":
+            _zeropp(ops, plain.world_size, preset, anchor_time_s, embedded, busy, without_codec)
+        elif system in CIERA_SYSTEMS:
+            if plan is None:
+                raise ValueError(f"system {system!r} needs a CIERA plan")
+            ops = _ciera(ops, system, plan, anchor_time_s, embedded, busy, without_codec, preset)
+        ops_by_rank[rank] = ops
+    graph = to_graph(ops_by_rank, plain.world_size)
+    order = [op for rank in sorted(ops_by_rank) for op in ops_by_rank[rank]]
+    embedded_codec_s = np.array([embedded.get(id(op), 0.0) for op in order])
+    return SystemGraph(graph, embedded_codec_s, busy[0] / max(len(ops_by_rank), 1))
+
+
+def _fsdp(ops: list[EditableOp]) -> list[EditableOp]:
+    layers = [op.layer for op in ops if op.is_main and op.layer >= 0]
+    root = {0, max(layers)} if layers else set()
+    dropped = {id(op) for op in ops if op.stream == "allgather" and op.phase == "bwd" and op.layer in root}
+    for op in ops:
+        if op.is_main and op.blocker is not None and id(op.blocker) in dropped:
+            op.blocker = None
+    return [op for op in ops if id(op) not in dropped]
+
+
+def _quantized_bytes(raw: float, bits: int, group: int) -> float:
+    numel = raw / 2
+    return numel * bits / 8 + np.ceil(numel / group) * 4
+
+
+def _zeropp(ops, world, preset, anchor_time_s, embedded, busy, without_codec) -> None:  # noqa: ANN001
+    zpp, launch = preset.zeropp, preset.codec.kernel_launch_s
+    scale = 0.0 if without_codec else 1.0
+    for op in ops:
+        raw = op.raw_bytes
+        if op.stream == "allgather" and op.phase == "fwd":
+            wire = _quantized_bytes(raw, zpp.weight_bits, zpp.quantization_group_size)
+            _rescaled(op, "all_gather", "all_gather", wire, anchor_time_s)
+            kernels = raw / world / zpp.quantize_Bps + raw / zpp.dequantize_Bps + 2 * launch
+        elif op.stream == "allgather":
+            _rescaled(op, "all_gather", "all_gather_intra", raw, anchor_time_s)
+            op.stream = INTRA_NODE_GATHER_STREAM
+            continue
+        elif op.stream == "reduce_scatter":
+            wire = _quantized_bytes(raw, zpp.gradient_bits, zpp.quantization_group_size)
+            _rescaled(op, "reduce_scatter", "reduce_scatter", wire, anchor_time_s)
+            kernels = raw / zpp.quantize_Bps + raw / world / zpp.dequantize_Bps + 2 * launch
+        else:
+            continue
+        op.duration_s += kernels * scale
+        embedded[id(op)] = kernels * scale
+        busy[0] += kernels * scale
+
+
+def _ciera(ops, system, plan, anchor_time_s, embedded, busy, without_codec, preset) -> list[EditableOp]:  # noqa: ANN001
+    scale = 0.0 if without_codec else 1.0
+    overlap = system == "ciera"
+    waiters = _waiters(ops)
+    before: dict[int, list[EditableOp]] = {}  # main op (by identity) → codec ops to run before it
+    after: dict[int, list[EditableOp]] = {}  # main op → codec ops to run after it
+    for op in ops:
+        layer_plan = plan.layers.get(op.layer)
+        if op.stream != "allgather" or layer_plan is None:
+            continue
+        first = op.phase == "fwd" or not preset.ciera.reuse_across_gathers
+        ratio = layer_plan.changed_ratio if first else layer_plan.unchanged_ratio
+        _rescaled(op, "all_gather", "all_gather", op.raw_bytes * ratio, anchor_time_s)
+        sender_s, receiver_s = layer_plan.sender_s * scale, layer_plan.receiver_s * scale
+        busy[0] += sender_s + receiver_s
+        if overlap:
+            # CCP: the sender kernels on their side stream between the issue and the transfer (the gather
+            # is issued by them), the receiver kernels on theirs after it (the waiter waits for them).
+            if sender_s > 0:
+                send = EditableOp(op.rank, "ccp_send", op.layer, op.phase, sender_s, issuer=op.issuer)
+                before.setdefault(id(op), []).append(send)
+                op.issuer = send
+            waiter = waiters.get(id(op))
+            if receiver_s > 0 and waiter is not None:
+                receive = EditableOp(op.rank, "ccp_recv", op.layer, op.phase, receiver_s, issuer=op)
+                after.setdefault(id(op), []).append(receive)
+                waiter.blocker = receive
+            continue
+        if sender_s > 0:
+            # Right after the op that issues the gather (at the iteration's start when none does).
+            send = EditableOp(op.rank, "codec_send", op.layer, op.phase, sender_s)
+            after.setdefault(id(op.issuer) if op.issuer is not None else 0, []).append(send)
+            op.issuer = send
+        waiter = waiters.get(id(op))
+        if receiver_s > 0 and waiter is not None:
+            receive = EditableOp(op.rank, "codec_recv", op.layer, op.phase, receiver_s, blocker=op)
+            waiter.blocker = None
+            before.setdefault(id(waiter), []).append(receive)
+    edited: list[EditableOp] = list(after.get(0, []))
+    for op in ops:
+        edited.extend(before.get(id(op), []))
+        edited.append(op)
+        edited.extend(after.get(id(op), []))
+    relink_main(edited)
+    return edited

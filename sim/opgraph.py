@@ -9,7 +9,9 @@ collectives on their own streams. Edges:
   ended last inside the idle interval is its dependency (`blocker`); what remains of the idle time after
   that end (Python between hooks, a wakeup) is a fixed `lag_s`;
 - **issue points**: a collective is issued by the main-thread op that had ended last before `issued_s`
-  (plus the same kind of lag);
+  (plus the same kind of lag). An asynchronous collective is issued from inside a main-thread segment (the
+  call does not end it): that op is cut at the issue point and the part before it issues the collective,
+  so the issue moves with the work when the work is slowed or sped up;
 - **stream order**: a collective starts after the previous op on its stream;
 - **coupling across ranks**: the k-th collective issued on a stream is the same collective on every rank
   (gloo and NCCL run a group's collectives in issue order). It cannot finish before its last participant
@@ -120,6 +122,43 @@ def _rank_arrays(events: pd.DataFrame) -> dict[str, np.ndarray]:
     return {"main_prev": main_prev, "stream_prev": stream_prev, "blocker": blocker, "lag_s": lag}
 
 
+def _split_at_issues(rank_events: pd.DataFrame) -> pd.DataFrame:
+    """One rank's events (in start order) with every main-thread op inside which the rank issued a
+    collective cut at each such issue point (an asynchronous call does not end a segment): the collective
+    is then issued by the part before it, so its issue moves with that work when the work is slowed or
+    sped up (shared cores), instead of staying a fixed time after the op's start."""
+    streams = rank_events["stream"].to_numpy(dtype=object)
+    is_main = np.isin(streams, MAIN_THREAD_STREAMS)
+    issued = np.sort(rank_events["issued_s"].to_numpy(dtype=float)[~is_main])
+    if not len(issued) or not is_main.any():
+        return rank_events
+    start = rank_events["start_s"].to_numpy(dtype=float)
+    end = rank_events["end_s"].to_numpy(dtype=float)
+    low = np.searchsorted(issued, start + TOLERANCE_S, side="right")
+    high = np.searchsorted(issued, end - TOLERANCE_S, side="left")
+    cut = is_main & (high > low)
+    if not cut.any():
+        return rank_events
+    rows, times = [], []
+    for position in np.flatnonzero(cut):
+        points = [start[position]]
+        for t in issued[low[position] : high[position]]:
+            if t - points[-1] > TOLERANCE_S:
+                points.append(float(t))
+        points.append(end[position])
+        for a, b in zip(points[:-1], points[1:], strict=True):
+            rows.append(position)
+            times.append((a, b))
+    parts = rank_events.iloc[rows].copy()
+    bounds = np.array(times)
+    parts["issued_s"], parts["start_s"], parts["end_s"] = bounds[:, 0], bounds[:, 0], bounds[:, 1]
+    return (
+        pd.concat([rank_events[~cut], parts], ignore_index=True)
+        .sort_values(["start_s", "end_s"], kind="stable")
+        .reset_index(drop=True)
+    )
+
+
 def build_graph(events: pd.DataFrame) -> OpGraph:
     """The op graph of one iteration from its events (one run, one iteration, every rank)."""
     if events.empty:
@@ -129,7 +168,7 @@ def build_graph(events: pd.DataFrame) -> OpGraph:
     offset = 0
     ranks = sorted(int(r) for r in set(events["rank"]))
     for rank in ranks:
-        ordered = (
+        ordered = _split_at_issues(
             events[events["rank"] == rank]
             .sort_values(["start_s", "end_s"], kind="stable")
             .reset_index(drop=True)

@@ -52,8 +52,25 @@ def test_the_main_thread_waits_for_the_gather_it_blocked_on() -> None:
 
 def test_an_overlapped_gather_does_not_hold_the_main_thread() -> None:
     graph = build_graph(_events([("compute", 0, 0, 2), ("allgather", 0.5, 0.5, 1.5), ("compute", 2, 2, 3)]))
-    assert graph.blocker[2] == -1
-    assert evaluate(graph, _with(graph, [2, 1, 1])).iteration_s == pytest.approx(3.0)
+    # The compute is cut at the gather's issue point: 0–0.5 issues it, 0.5–2 runs beside it.
+    assert list(graph.stream) == ["compute", "allgather", "compute", "compute"]
+    assert graph.blocker[3] == -1
+    assert evaluate(graph, _with(graph, [0.5, 1, 1.5, 1])).iteration_s == pytest.approx(3.0)
+
+
+def test_a_gather_issued_inside_compute_is_issued_after_that_share_of_its_work() -> None:
+    # A segment 0–2 issues a gather at 1.5 (asynchronous calls do not end a segment). On cores shared by
+    # twice the ranks the segment's work takes twice as long, and the issue moves with it: at 3, not at
+    # the fixed 1.5 s after the segment's start a lag would give.
+    graph = build_graph(
+        _events([("compute", 0, 0, 2), ("allgather", 1.5, 1.5, 2.5, 100), ("compute", 2.5, 2.5, 3)])
+    )
+    assert graph.lag_s[graph.stream == "allgather"] == pytest.approx([0.0])
+    base = Costs.measured(graph)
+    slowed = evaluate(graph, Costs(**{**base.__dict__, "work_s": base.work_s * 2}))
+    gather = np.flatnonzero(graph.stream == "allgather")[0]
+    assert slowed.start_s[gather] == pytest.approx(3.0)
+    assert evaluate(graph).iteration_s == pytest.approx(3.0)  # the replay is unchanged
 
 
 def test_idle_time_not_explained_by_a_collective_stays_a_fixed_lag() -> None:

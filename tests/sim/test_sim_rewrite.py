@@ -12,7 +12,7 @@ import pytest
 
 import traces
 from sim.ciera_rewrite import split_bucket
-from sim.curves import SweepCurve, level_curves, sweep_curves
+from sim.curves import SweepCurve, level_curves, monotone_fit, sweep_curves
 from sim.depth import block_map, repeat_blocks
 from sim.evaluate import evaluate
 from sim.opgraph import build_graph
@@ -51,9 +51,22 @@ def test_the_curve_goes_through_every_measured_size_and_between_them() -> None:
 
 def test_a_noisy_sweep_never_makes_a_larger_collective_cheaper() -> None:
     curve = SweepCurve(
-        "all_gather", np.array([1e3, 2e3, 4e3]), np.maximum.accumulate([3e-4, 2e-4, 5e-4]), 2, 2, 1e7, 1.0
+        "all_gather", np.array([1e3, 2e3, 4e3]), monotone_fit(np.array([3e-4, 2e-4, 5e-4])), 2, 2, 1e7, 1.0
     )
     assert np.all(np.diff(curve.time_s(np.linspace(1e3, 4e3, 50))) >= 0)
+
+
+def test_one_slow_small_size_is_pooled_not_carried_to_every_larger_size() -> None:
+    # One slow repetition median at the smallest size (3 ms) among 0.5–0.7 ms: the running maximum made
+    # every size up to the next real rise cost 3 ms; the least-squares monotone fit averages it in.
+    sweep = _sweep("c", 2, 2, 1e7, 1e-4)
+    small = (sweep["op"] == "all_gather") & (sweep["bytes"] == sweep["bytes"].min())
+    sweep.loc[small, "time_s"] = 3e-3
+    curve = sweep_curves(sweep, "c", 2, 2, 1e7)["all_gather"]
+    fitted = monotone_fit(np.array([3.0, 0.5, 0.6, 0.7, 4.0]))
+    np.testing.assert_allclose(fitted, [1.2, 1.2, 1.2, 1.2, 4.0])
+    assert np.all(np.diff(curve.times_s) >= 0)
+    assert curve.times_s[0] < 3e-3 and curve.times_s[0] == pytest.approx(curve.times_s[1])
 
 
 def test_projected_topologies_fit_a_per_call_and_a_per_step_cost() -> None:

@@ -192,7 +192,9 @@ def _simulate_sweep(
     dtype) when given, else the first model, FP16 when swept (so all six systems, ZeRO++ included,
     appear), at the largest world size — and the console says which."""
     sim = _import_sim()
-    preset = sim.load_cluster(cluster or DEFAULT_CLUSTER, sim.parse_overrides(overrides))
+    parsed_overrides = sim.parse_overrides(overrides)
+    sim.check_simulate_overrides(parsed_overrides)
+    preset = sim.load_cluster(cluster or DEFAULT_CLUSTER, parsed_overrides)
     sweep_gpus = gpus or list(sim.DEFAULT_GPUS)
     sweep_dtypes = [dtype] if dtype else list(sim.DTYPES)
     with Progress(

@@ -1011,12 +1011,13 @@ def build_report(
         section(
             "breakdown",
             "Where the iteration time goes",
-            "The simulator's attribution of one iteration's critical path (nominal replay) to compute, "
-            "Allgather and ReduceScatter time not hidden behind compute, codec work on the critical path, and "
-            "the rest (optimizer step, launch gaps), per system. One panel per world size W, each with its own "
+            "The simulator's attribution of one iteration's critical path (the iteration nearest the median) "
+            "to compute (optimizer step included), Allgather and ReduceScatter time not hidden behind compute, "
+            "codec work on the critical path, and the rest (waits between an op and what it waited for), per "
+            "system. One panel per world size W, each with its own "
             "time axis, because W = 4 takes a fraction of what W = 128 takes (compare bars within a panel; "
-            "the axis values across panels). The vertical tick with whiskers is the Monte Carlo p50 iteration "
-            "time and its p5–p95 band. ER+BSC is CIERA-ER+BSC, CIERA is ER+BSC+CCP. Paler bars are "
+            "the axis values across panels). The vertical tick with whiskers is the p50 iteration time and its "
+            "p5–p95 band over the anchor run's iterations. ER+BSC is CIERA-ER+BSC, CIERA is ER+BSC+CCP. Paler bars are "
             "projections, full-colour bars measured.",
             _plot_div("fig-breakdown") if records else no_records,
         ),

@@ -13,7 +13,7 @@ from typing import Any
 from .inputs import SYSTEMS
 
 # A speedup this close to 1 is no gain: CIERA's selection choosing no shard replays ZeRO-3 exactly
-# (1.000), and the Monte Carlo p50 wobbles in the fourth digit.
+# (1.000), and a p50 over a few iterations wobbles in the fourth digit.
 PAYS_ABOVE = 1.005
 # Two systems whose speedups differ by less than this (relative) draw as one line.
 COINCIDE_RELATIVE = 0.002

@@ -24,6 +24,7 @@ from .simulate import (
     SYSTEMS,
     SimRecord,
     check_output_path,
+    check_simulate_overrides,
     records_to_json,
     simulate,
     timeline,
@@ -235,7 +236,9 @@ def simulate_command(
             sweep, bundle, models, gpus, systems, dtype, cluster, overrides or [], layers, json_path
         )
         return
-    preset = load_cluster(cluster, parse_overrides(overrides or []))
+    parsed_overrides = parse_overrides(overrides or [])
+    check_simulate_overrides(parsed_overrides)
+    preset = load_cluster(cluster, parsed_overrides)
     system_names = _split(systems) or list(SYSTEMS)
     for name in system_names:
         if name not in SYSTEMS:
@@ -422,7 +425,9 @@ def _sweep_command(
     loaded = _read_bundle(bundle)
     runs, notes = [], set()
     for value in values:
-        preset = load_cluster(cluster, parse_overrides([*overrides, f"{key.strip()}={value}"]))
+        parsed_overrides = parse_overrides([*overrides, f"{key.strip()}={value}"])
+        check_simulate_overrides(parsed_overrides)
+        preset = load_cluster(cluster, parsed_overrides)
         records = simulate(
             loaded, preset, models=_split(models) or None, gpus=parse_gpus(gpus), systems=system_names,
             dtypes=dtypes, layers=layers,

@@ -89,12 +89,6 @@ class ScheduleSpec:
 
 
 @dataclass(frozen=True)
-class SimulationSpec:
-    samples: int = 64
-    seed: int = 20261129
-
-
-@dataclass(frozen=True)
 class ClusterPreset:
     name: str
     gpus_per_node: int
@@ -108,7 +102,6 @@ class ClusterPreset:
     zeropp: ZeroppSpec = field(default_factory=ZeroppSpec)
     ciera: CieraSpec = field(default_factory=CieraSpec)
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
-    simulation: SimulationSpec = field(default_factory=SimulationSpec)
     # Where the preset came from (file path), for error messages; not a TOML key.
     origin: str = field(default="", compare=False)
     # Fields the TOML left out and their defaults filled (printed with every simulation: never silent).
@@ -135,7 +128,6 @@ _POSITIVE_FIELDS = {
     "zeropp.gradient_bits",
     "ciera.block_size",
     "ciera.exponent_entropy_bits",
-    "simulation.samples",
 }
 _UNIT_INTERVAL_FIELDS = {"compute.efficiency", "ciera.fallback_block_change_rate"}
 _BIT_WIDTH_FIELDS = {"zeropp.weight_bits": 16, "zeropp.gradient_bits": 16, "ciera.exponent_entropy_bits": 8}

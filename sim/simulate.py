@@ -218,6 +218,23 @@ def _shipped_model_name(name: str) -> str:
         return ""
 
 
+# Preset tables that shape how the analytic generator writes a bundle's events (its compute roofline, its
+# prefetch rule), not how a traced run is rewritten: a simulation keeps the trace's compute and schedule.
+GENERATOR_ONLY_TABLES = ("compute", "schedule")
+
+
+def check_simulate_overrides(overrides: dict[str, str]) -> None:
+    """Refuse a --set/--sweep of a field that a simulation of a traced bundle cannot change."""
+    for key in overrides:
+        table = key.split(".", 1)[0]
+        if table in GENERATOR_ONLY_TABLES:
+            raise SimInputError(
+                f"--set {key}: a simulation keeps the traced run's {table} (its events); [{table}] shapes "
+                "the analytic generator — regenerate a bundle with `ciera analytic-bundle --settings FILE` "
+                "and a preset that sets it"
+            )
+
+
 def check_request(systems: Sequence[str], gpus: Sequence[int], dtypes: Sequence[str]) -> None:
     for system in systems:
         if system not in SYSTEMS:

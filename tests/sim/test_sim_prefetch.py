@@ -1,26 +1,25 @@
-"""Schedules: prefetch depth 0 gathers on demand (no cycle, never faster than depth 1); --layers simulates a given depth."""
+"""The trace's schedule is kept (generator-only fields refused); --layers simulates a given depth."""
 
 from __future__ import annotations
 
 
-def test_prefetch_depth_zero_gathers_on_demand_and_is_never_faster() -> None:
-    import traces
-    from sim import simulate
-    from sim.cluster import load_cluster, parse_overrides
+def test_generator_only_fields_are_refused_not_ignored() -> None:
+    """--set of a field a simulation of a traced bundle cannot change (the trace's compute and prefetch)
+    is one line naming the field and what to do, from `ciera simulate`, `--sweep` and `ciera report`."""
+    import subprocess
+    import sys
 
-    bundle = traces.read_bundle(traces.default_bundle_path())
-    p50 = {}
-    for depth in (0, 1):
-        preset = load_cluster(
-            "a100-hdr-testbed",
-            parse_overrides(
-                [f"schedule.zero3_prefetch_layers={depth}", f"schedule.fsdp_prefetch_layers={depth}"]
-            ),
+    for args in (
+        ["simulate", "--set", "schedule.zero3_prefetch_layers=0"],
+        ["simulate", "--sweep", "compute.efficiency=0.3,0.5", "--models", "olmoe"],
+        ["report", "--set", "compute.peak_flops=1e15", "--html", "/nonexistent/dir/r.html"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "ciera_cli.main", *args], capture_output=True, text=True, timeout=120
         )
-        records = simulate(bundle, preset, models=["olmoe-1b-7b"], gpus=[16], dtypes=["fp16"])
-        p50[depth] = {r.system: r.iteration_s["p50"] for r in records}
-    for system, seconds in p50[0].items():
-        assert seconds >= p50[1][system] - 1e-9, system
+        assert done.returncode == 2, (args, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "analytic-bundle" in lines[0], (args, done.stderr)
 
 
 def test_layers_simulates_a_traced_depth_as_traced_and_refuses_more_than_the_model() -> None:

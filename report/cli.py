@@ -178,6 +178,13 @@ def _simulate_sensitivity(
     return sweep, summary
 
 
+def _not_simulated_on(bundle: TraceBundle, cluster: str | None, overrides: list[str]) -> str:
+    """Why the bundle cannot be simulated on the report's preset ('' when it can)."""
+    sim = _import_sim()
+    preset = sim.load_cluster(cluster or DEFAULT_CLUSTER, sim.parse_overrides(overrides))
+    return sim.other_device(bundle, preset)
+
+
 def _simulate_sweep(
     bundle: TraceBundle,
     models: list[str],
@@ -368,13 +375,22 @@ def report_command(
     if resolved_bundle_path is None and default_bundle_path().exists():
         resolved_bundle_path = default_bundle_path()
     bundle = read_bundle(resolved_bundle_path) if resolved_bundle_path is not None else None
+    not_simulated = ""
     if records_path is None:
         if bundle is None:
             raise ReportInputError("--bundle: no trace bundle to simulate (the packaged default is missing)")
-        records, timeline_events, metadata = _simulate_sweep(
-            bundle, model_names, gpu_counts, dtype, cluster, overrides or [], console, parsed_timeline_of
-        )
-    records = _filter_records(records, model_names, gpu_counts, dtype)
+        not_simulated = _not_simulated_on(bundle, cluster, overrides or [])
+        if not_simulated:
+            # A measured bundle of another device: its measured runs, exponents and validation still
+            # render; the simulated sections say why they are empty.
+            console.print(f"note: no simulation — {not_simulated}", markup=False, highlight=False)
+            records, timeline_events, metadata = [], [], {}
+        else:
+            records, timeline_events, metadata = _simulate_sweep(
+                bundle, model_names, gpu_counts, dtype, cluster, overrides or [], console, parsed_timeline_of
+            )
+    if not not_simulated:
+        records = _filter_records(records, model_names, gpu_counts, dtype)
     if timeline_path is not None:
         _check_timeline_matches(timeline_path, timeline_events, records, console)
     sensitivity_missing = None
@@ -384,6 +400,8 @@ def report_command(
         if sensitivity.key == DEFAULT_KEY:
             reference_Bps, reference_note = reference_from_records(records, sensitivity.cluster)
             sensitivity = replace(sensitivity, reference_Bps=reference_Bps, reference_note=reference_note)
+    elif not_simulated:
+        sensitivity_missing = f"no simulation: {not_simulated}"
     elif records_path is None and bundle is not None:
         sensitivity, sensitivity_missing = _simulate_sensitivity(
             bundle, records, cluster, overrides or [], console

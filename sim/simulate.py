@@ -321,14 +321,9 @@ class Simulator:
         same_depth = at_w[at_w["layers"] == depth]
         pick = same_depth if len(same_depth) else at_w[at_w["layers"] == at_w["layers"].max()]
         anchor = pick.sort_values("run_id").iloc[0]
-        hardware = str(anchor["hardware"])
-        if anchor["source"] == "measured" and hardware != self.preset.hardware:
-            raise SimInputError(
-                f"--cluster {self.preset.name}: run {anchor['run_id']!r} was measured on {hardware!r}, the preset "
-                f"is {self.preset.hardware or 'another device'}; its compute cannot be moved to another device "
-                f"(no compute model is built) — simulate it on its own cluster (--cluster {anchor['cluster']} "
-                "--gpus ...) or give a bundle traced on the preset's device"
-            )
+        refusal = _other_device(anchor, self.preset)
+        if refusal:
+            raise SimInputError(refusal)
         return anchor
 
     def graphs(self, anchor: pd.Series, target_layers: int) -> list[OpGraph]:
@@ -602,6 +597,29 @@ class Simulator:
             inter += a
             intra += b
         return inter, intra
+
+
+def _other_device(run: pd.Series, preset: ClusterPreset) -> str:
+    """Why a measured run cannot be simulated on `preset` ('' when it can): its compute is the traced
+    device's, and no compute model moves it to another."""
+    hardware = str(run["hardware"])
+    if run["source"] != "measured" or hardware == preset.hardware:
+        return ""
+    return (
+        f"--cluster {preset.name}: run {run['run_id']!r} was measured on {hardware!r}, the preset is "
+        f"{preset.hardware or 'another device'}; its compute cannot be moved to another device (no compute "
+        f"model is built) — simulate it on its own cluster (--cluster {run['cluster']} --gpus ...) or give a "
+        "bundle traced on the preset's device"
+    )
+
+
+def other_device(bundle: traces.TraceBundle, preset: ClusterPreset) -> str:
+    """Why the bundle's runs cannot be simulated on `preset` ('' when they can; see `_other_device`)."""
+    for _, run in bundle.runs.iterrows():
+        refusal = _other_device(run, preset)
+        if refusal:
+            return refusal
+    return ""
 
 
 def _gathered_bytes(graph: OpGraph) -> float:

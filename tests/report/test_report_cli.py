@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import typer
@@ -217,3 +219,19 @@ def test_records_and_cluster_options_conflict(monkeypatch, capsys, tmp_path, rec
         "inter_node.beta_Bps=1e9",
     )
     assert code == 2 and "--cluster/--set apply to a simulation" in err
+
+
+@pytest.mark.heavy
+def test_report_of_a_cpu_measured_bundle_says_why_nothing_is_simulated(tmp_path: Path) -> None:
+    """`ciera report --bundle measured`: the measured runs render; the simulation is not made on the GPU
+    preset (CPU compute under an A100 network), and the console says why instead of mixing them."""
+    out = tmp_path / "measured.html"
+    done = subprocess.run(
+        [sys.executable, "-m", "ciera_cli.main", "report", "--bundle", "measured", "--html", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    said = " ".join((done.stdout + done.stderr).split())
+    assert "note: no simulation" in said and "no compute model is built" in said
+    page = out.read_text()
+    assert page.count('<tr class="measured">') == 64 and "No simulation records." in page

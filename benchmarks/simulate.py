@@ -119,7 +119,7 @@ def _measured_projection(path: Path, run_id: str | None) -> dict:
     from sim.replay import replay_run
 
     bundle = traces.read_bundle(path)
-    runs = bundle.runs[bundle.runs["run_id"].isin(set(bundle.events["run_id"].unique()))]
+    runs = bundle.runs_with_events()
     if run_id is None:
         zero3 = runs[runs["system"] == "zero3"]
         first = sorted(set(zero3["cluster"]))[0]

@@ -56,10 +56,8 @@ class MeasuredClusterRecord:
 
 def measured_clusters(bundle: traces.TraceBundle) -> list[str]:
     """Clusters the bundle holds measured runs with events of (the clusters it can replay)."""
-    runs = bundle.runs
-    with_events = runs[
-        (runs["source"] == "measured") & runs["run_id"].isin(set(bundle.events["run_id"].unique()))
-    ]
+    runs = bundle.runs_with_events()
+    with_events = runs[runs["source"] == "measured"]
     return sorted(set(with_events["cluster"]))
 
 
@@ -99,12 +97,8 @@ def simulate_measured_cluster(
 ) -> list[MeasuredClusterRecord]:
     """One record per (model, dtype, world size, depth, system) on `cluster` or clusters of its kind: every
     traced depth at the traced world size when `layers` and `gpus` are None."""
-    runs = bundle.runs
-    on_cluster = runs[
-        (runs["cluster"] == cluster)
-        & (runs["source"] == "measured")
-        & runs["run_id"].isin(set(bundle.events["run_id"].unique()))
-    ]
+    runs = bundle.runs_with_events()
+    on_cluster = runs[(runs["cluster"] == cluster) & (runs["source"] == "measured")]
     if on_cluster.empty:
         raise SimInputError(
             f"--cluster {cluster!r}: the bundle holds no measured run with events on it "

@@ -51,13 +51,9 @@ def parameter_ratio(
 
 def choose_anchor(seen: traces.TraceBundle, target: pd.Series, system: str | None = None) -> pd.DataFrame:
     """The seen runs of the target's model and `system` (default: the target's) on the closest cluster."""
-    runs = seen.runs
+    runs = seen.runs_with_events()
     system = system or target["system"]
-    candidates = runs[
-        (runs["model"] == target["model"])
-        & (runs["system"] == system)
-        & (runs["run_id"].isin(set(seen.events["run_id"].unique())))
-    ]
+    candidates = runs[(runs["model"] == target["model"]) & (runs["system"] == system)]
     if candidates.empty:
         raise SimInputError(
             f"no traced run of model {target['model']!r} and system {system!r} to predict {target['run_id']!r} from"

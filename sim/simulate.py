@@ -268,8 +268,7 @@ class Simulator:
         self.calibration_note = (
             f"inter-node β {self.collectives.inter_beta_Bps / 1e9:.3g} GB/s of {preset.name}: {source}"
         )
-        runs = bundle.runs
-        self.runs = runs[runs["run_id"].isin(set(bundle.events["run_id"].unique()))]
+        self.runs = bundle.runs_with_events()
         self.events_by_run = dict(tuple(bundle.events.groupby("run_id", sort=False, observed=True)))
         self._graphs: dict[tuple[str, int], list[OpGraph]] = {}
         self._anchors: dict[tuple[str, str, int, str], pd.Series] = {}

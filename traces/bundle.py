@@ -70,6 +70,11 @@ class TraceBundle:
     def table(self, name: str) -> pd.DataFrame:
         return getattr(self, name)
 
+    def runs_with_events(self) -> pd.DataFrame:
+        """The runs that have events (the ones a trace-driven simulation can replay or rewrite)."""
+        # isin against the unique ids: against 1.5 M arrow strings it is seconds slower.
+        return self.runs[self.runs["run_id"].isin(set(self.events["run_id"].unique()))]
+
 
 def _describe(value: object) -> str:
     text = repr(value.item() if isinstance(value, np.generic) else value)

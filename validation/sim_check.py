@@ -160,10 +160,8 @@ def _codec_figures(
 
 
 def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float) -> dict[str, Any]:
-    measured_runs = bundle.runs[
-        (bundle.runs["source"] == "measured")
-        & bundle.runs["run_id"].isin(set(bundle.events["run_id"].unique()))
-    ]
+    with_events = bundle.runs_with_events()
+    measured_runs = with_events[with_events["source"] == "measured"]
     if measured_runs.empty:
         raise ValidationInputError("bundle: no measured run with events (capture one with `ciera measure`)")
     unknown = sorted(set(held_out.seen_clusters) - set(measured_runs["cluster"]))

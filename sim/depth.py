@@ -1,116 +1,143 @@
-"""The depth rewrite: an iteration traced at L blocks rewritten to N blocks by repeating (or dropping) the
-per-block parts of its events; the one graph builder (sim/opgraph.py) then derives every edge of the
-rewritten iteration from them, as it does for a traced one.
+"""The depth rewrite: an iteration's op graph traced at L blocks rewritten to N blocks by repeating (or
+dropping) its per-block subgraphs — the ops of a block **and their edges** — not by repeating events and
+re-deriving the edges from shifted times.
 
-Each rank's iteration is cut into **windows** at its main thread's compute: a forward block window runs
-from the first compute op of block l's forward to the first of the next block's; a backward block window from
+Each rank's ops are cut into **windows** at its main thread's compute: a forward block window runs from
+the first compute op of block l's forward to the first of the next block's; a backward block window from
 the first op of block l's recompute or backward to the first of block l − 1's (glue ops outside any layer
 stay in the window they fall in). The embedding, the head, the loss and the optimizer step are windows
 of their own and are kept once. A block's collective belongs to the window of the main-thread op it
 serves (the first of its layer and phase: a prefetched gather is repeated with the block whose parameters
-it moves, issued as far ahead of it as traced); any other collective to the window whose op issued it, or
-to the last block window of that phase when that is a block window (so it is copied once) — program order
-and labels, not timing, so every rank cuts the same collectives into the same window.
+it moves); any other collective to the window whose op issued it, or to the last block window of that
+phase when that is a block window (so it is copied once) — program order and labels, not timing, so every
+rank cuts the same collectives into the same window.
 
 The target iteration is the sequence: what comes before block 1, forward windows of target blocks 1..N,
 what lies between the forward and the backward blocks (head, loss), backward windows N..1, the rest
 (embedding backward, optimizer). Target block 1 and N are the traced first and last blocks (their
 neighbours differ: the embedding, the head); the blocks between are the traced interior blocks in turn.
-Each window keeps its events' offsets from its own start, and the windows are laid end to end. Layers are
-relabelled to the target's: a copy of traced block l placed as block i is layer i, the head is N + 1.
+Layers are relabelled to the target's: a copy of traced block l placed as block i is layer i, the head is
+N + 1.
+
+**Edges are carried, not re-derived.** Every op of the target is a copy of a traced op and keeps its
+lag, its measured tail and its durations. An edge inside a window goes to the same copy of its other end.
+An edge that leaves the window keeps its place in program order relative to the window:
+
+- a collective issued from another window (a prefetched gather, issued during the block before the one it
+  serves) is issued by the main op that lies, in the target's program order, as many main ops before (or
+  after) the first op of its window as its traced issuer lay before the traced window's first op — "the
+  op k steps before the block it serves", with the traced lag after it;
+- a main op that waited for a collective of another window waits for the collective that lies as many
+  collectives of that stream before (or after) its window's first one as in the traced graph.
+
+So a prefetch's issue point stays where the engine's rule puts it — a number of ops ahead, moving with
+the work — whatever the copied neighbour window's duration or the conditions its lead was measured under
+(a lead measured at 200 Mbit included a reduce-scatter's wait that a faster link does not have).
+A rank's collectives of one stream run in window order (those serving an earlier window first), and the
+k-th of a stream is the same collective on every rank.
 
 Two things depend on the parameter count and are scaled by it: the optimizer step's work, and the
 gradient collectives of no layer (ZeRO-3 reduces every gradient in one bucket at the end); the
-embedding's and head's own collectives are kept as traced.
+embedding's and head's own collectives are kept as traced. The measured times of the copies (which the
+cluster rewrite reads overlaps from) are the traced ones shifted to where the window lies in the target.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
-import pandas as pd
 
 from .errors import SimInputError
-from .opgraph import MAIN_THREAD_STREAMS
+from .graph_edit import EditableOp, relink_main, to_graph
+from .opgraph import OpGraph
 
 _GRADIENT_STREAMS = ("reduce_scatter", "all_reduce")
 
 
-def _window_keys(main: pd.DataFrame, layers: int) -> list[tuple[str, int] | None]:
-    """Per main-thread op: the block window it opens (or None: it stays in the current window)."""
-    keys: list[tuple[str, int] | None] = []
-    for stream, phase, layer in zip(main["stream"], main["phase"], main["layer"], strict=True):
-        if stream not in ("compute", "optim"):
-            keys.append(None)  # codec work names the shard it codes, not where the program is
-        elif 1 <= layer <= layers and phase == "fwd":
-            keys.append(("fwd", int(layer)))
-        elif 1 <= layer <= layers and phase in ("recompute", "bwd"):
-            keys.append(("bwd", int(layer)))
-        elif layer in (0, layers + 1) or phase == "optim":
-            keys.append(("other", int(layer)))
-        else:
-            keys.append(None)
-    return keys
+def _window_key(stream: str, phase: str, layer: int, layers: int) -> tuple[str, int] | None:
+    """The block window a main-thread op opens (or None: it stays in the current window)."""
+    if stream not in ("compute", "optim"):
+        return None  # codec work names the shard it codes, not where the program is
+    if 1 <= layer <= layers and phase == "fwd":
+        return ("fwd", layer)
+    if 1 <= layer <= layers and phase in ("recompute", "bwd"):
+        return ("bwd", layer)
+    if layer in (0, layers + 1) or phase == "optim":
+        return ("other", layer)
+    return None
 
 
-def _windows(
-    rank_events: pd.DataFrame, layers: int
-) -> list[tuple[tuple[str, int], float, float, pd.DataFrame]]:
-    """(key, start, end, events) of one rank's windows in order; collectives go with their issuer."""
-    ordered = rank_events.sort_values(["start_s", "end_s"], kind="stable")
-    is_main = ordered["stream"].isin(MAIN_THREAD_STREAMS).to_numpy()
-    main = ordered[is_main]
-    keys = _window_keys(main, layers)
-    boundaries: list[tuple[tuple[str, int], float]] = []
-    current: tuple[str, int] = ("other", -1)
-    boundaries.append((current, float(main["start_s"].iloc[0]) if len(main) else 0.0))
-    for key, start in zip(keys, main["start_s"].to_numpy(dtype=float), strict=True):
-        if key is not None and key != current:
-            current = key
-            boundaries.append((key, start))
-    starts = np.array([b[1] for b in boundaries])
-    main_window = np.searchsorted(starts, main["start_s"].to_numpy(dtype=float), side="right") - 1
-    # A collective goes with the block it serves: a block's collectives (layer 1..L) with the window of the
-    # first op of their layer and phase — a prefetched gather issued a step ahead still moves its own
-    # block's parameters, so it is repeated with that block, not with the block that issued it. Any other
-    # collective (embedding, head, layer −1) is kept once: with the window of the op that had ended last
-    # before its issue, or, when that is a block window (a head gather prefetched during an interior
-    # block, which is repeated), with the last block window of that phase, which is copied once.
-    main_ends = main["end_s"].to_numpy(dtype=float)
-    collectives = ordered[~is_main]
-    issuer = (
-        np.searchsorted(main_ends, collectives["issued_s"].to_numpy(dtype=float) + 1e-6, side="right") - 1
-    )
-    by_issuer = np.where(issuer >= 0, main_window[np.maximum(issuer, 0)], 0)
-    first_of: dict[tuple[int, str], int] = {}
-    for position, (stream, layer, phase) in enumerate(
-        zip(main["stream"], main["layer"], main["phase"], strict=True)
-    ):
-        if stream in ("compute", "optim"):
-            first_of.setdefault((int(layer), str(phase)), position)
-    window_keys = [key for key, _ in boundaries]
-    last_block = {
-        "fwd": window_keys.index(("fwd", layers)) if ("fwd", layers) in window_keys else -1,
-        "bwd": window_keys.index(("bwd", 1)) if ("bwd", 1) in window_keys else -1,
-    }
-    collective_window = []
-    for layer, phase, window in zip(collectives["layer"], collectives["phase"], by_issuer, strict=True):
-        served = first_of.get((int(layer), str(phase)), -1) if 1 <= layer <= layers else -1
-        if served >= 0:
-            collective_window.append(int(main_window[served]))
-            continue
-        kind = window_keys[window][0]
-        collective_window.append(
-            last_block[kind] if kind in last_block and last_block[kind] >= 0 else int(window)
-        )
-    collective_window = np.array(collective_window, dtype=int)
-    window_of = pd.Series(0, index=ordered.index)
-    window_of[main.index] = main_window
-    window_of[collectives.index] = collective_window
-    windows = []
-    for position, (key, start) in enumerate(boundaries):
-        end = float(starts[position + 1]) if position + 1 < len(starts) else float(ordered["end_s"].max())
-        windows.append((key, start, end, ordered[window_of.to_numpy() == position]))
-    return windows
+class _RankWindows:
+    """One rank's ops (graph indices, in graph order) cut into windows."""
+
+    def __init__(self, graph: OpGraph, rank: int, layers: int) -> None:
+        self.ops = np.flatnonzero(graph.rank == rank)
+        is_main = graph.is_main[self.ops]
+        self.main = self.ops[is_main]
+        if not len(self.main):
+            raise SimInputError(f"depth rewrite: rank {rank} has no main-thread ops")
+        self.window: dict[int, int] = {}
+        self.keys: list[tuple[str, int]] = []
+        current: tuple[str, int] | None = None
+        for op in self.main:
+            key = _window_key(str(graph.stream[op]), str(graph.phase[op]), int(graph.layer[op]), layers)
+            if current is None and key is None:
+                key = ("other", -1)
+            if key is not None and key != current:
+                current = key
+                self.keys.append(key)
+            self.window[int(op)] = len(self.keys) - 1
+        # Where each window starts in the rank's program order (its first main op).
+        self.main_position = {int(op): k for k, op in enumerate(self.main)}
+        self.first_main = np.zeros(len(self.keys), dtype=int)
+        for k in range(len(self.main) - 1, -1, -1):
+            self.first_main[self.window[int(self.main[k])]] = k
+        # A collective goes with the block it serves: a block's collectives (layer 1..L) with the window
+        # of the first op of their layer and phase — a prefetched gather issued a step ahead still moves
+        # its own block's parameters, so it is repeated with that block, not with the block that issued
+        # it. Any other collective (embedding, head, layer −1) is kept once: with the window of its issuer,
+        # or, when that is a block window (a head gather prefetched during an interior block, which is
+        # repeated), with the last block window of that phase, which is copied once.
+        first_of: dict[tuple[int, str], int] = {}
+        for op in self.main:
+            if graph.stream[op] in ("compute", "optim"):
+                first_of.setdefault((int(graph.layer[op]), str(graph.phase[op])), int(op))
+        last_block = {
+            "fwd": self.keys.index(("fwd", layers)) if ("fwd", layers) in self.keys else -1,
+            "bwd": self.keys.index(("bwd", 1)) if ("bwd", 1) in self.keys else -1,
+        }
+        for op in self.ops[~is_main]:
+            layer, phase = int(graph.layer[op]), str(graph.phase[op])
+            served = first_of.get((layer, phase), -1) if 1 <= layer <= layers else -1
+            if served >= 0:
+                self.window[int(op)] = self.window[served]
+                continue
+            issuer = int(graph.main_prev[op])
+            window = self.window[issuer] if issuer >= 0 else 0
+            kind = self.keys[window][0]
+            self.window[int(op)] = last_block[kind] if last_block.get(kind, -1) >= 0 else window
+        self.members: list[list[int]] = [[] for _ in self.keys]
+        for op in self.ops:  # graph order: program order for main ops, stream order for collectives
+            self.members[self.window[int(op)]].append(int(op))
+        # Each window's span on the traced clock: from its first main op's start to the next window's.
+        starts = graph.measured_start_s[self.main[self.first_main]]
+        last_end = float(graph.measured_end_s[self.ops].max())
+        self.span = [
+            (float(starts[w]), float(starts[w + 1]) if w + 1 < len(starts) else last_end)
+            for w in range(len(self.keys))
+        ]
+        # Per stream, the collectives in window order (then stream order): where each lies, and where
+        # each window's first one would be.
+        self.stream_order: dict[str, list[int]] = {}
+        for window_members in self.members:
+            for op in window_members:
+                if not graph.is_main[op]:
+                    self.stream_order.setdefault(str(graph.stream[op]), []).append(op)
+        self.stream_position = {op: k for ops in self.stream_order.values() for k, op in enumerate(ops)}
+        self.stream_windows = {
+            name: np.array([self.window[op] for op in ops]) for name, ops in self.stream_order.items()
+        }
 
 
 def block_map(traced_layers: int, target_layers: int) -> list[int]:
@@ -125,91 +152,34 @@ def block_map(traced_layers: int, target_layers: int) -> list[int]:
     return [1, *middle, traced_layers]
 
 
-def repeat_blocks(
-    events: pd.DataFrame, traced_layers: int, target_layers: int, parameter_ratio: float
-) -> pd.DataFrame:
-    """The events of one iteration (every rank) rewritten from `traced_layers` to `target_layers` blocks.
-    `parameter_ratio` (the target's parameter count over the traced one's) scales the optimizer step and
-    the gradient collectives of no layer."""
-    if target_layers == traced_layers:
-        return events
-    mapping = block_map(traced_layers, target_layers)
-    pieces = []
-    for rank, rank_events in events.groupby("rank", sort=True):
-        clock: float | None = None
-        rank_pieces = []
-        windows = _target_windows(_windows(rank_events, traced_layers), mapping, rank)
-        for position, (start, end, frame, scaled) in enumerate(windows):
-            clock = start if clock is None else clock
-            shifted = frame.copy()
-            shift = clock - start
-            for column in ("issued_s", "start_s", "end_s"):
-                shifted[column] = shifted[column] + shift
-            grown = _scale_parameter_work(shifted, parameter_ratio) if scaled else 0.0
-            rank_pieces.append(shifted.assign(_window=position))
-            clock += (end - start) + grown
-        pieces.append(_issue_in_program_order(pd.concat(rank_pieces)))
-    return pd.concat(pieces, ignore_index=True)
-
-
-def _issue_in_program_order(rank_events: pd.DataFrame) -> pd.DataFrame:
-    """A rank issues the collectives of a stream in program order: those serving an earlier window
-    first. A gather prefetched ahead of its window keeps its lead, but not past a collective of an earlier
-    window (a copied block may be shorter than the one traced before it): its issue, start and end move
-    by as much. Without this, ranks could issue one stream's collectives in different orders."""
-    frame = rank_events.reset_index(drop=True)
-    collective = ~frame["stream"].isin(MAIN_THREAD_STREAMS)
-    for _, rows in frame[collective].groupby("stream", sort=False):
-        order = rows.sort_values(["_window", "issued_s"], kind="stable").index
-        issued = frame.loc[order, "issued_s"].to_numpy(dtype=float)
-        # Strictly later than the one before (by a nanosecond at a tie): coupling orders by issue time.
-        steps = np.arange(len(issued)) * 1e-9
-        delay = np.maximum.accumulate(issued - steps) + steps - issued
-        if (delay > 0).any():
-            for column in ("issued_s", "start_s", "end_s"):
-                frame.loc[order, column] = frame.loc[order, column].to_numpy(dtype=float) + delay
-    return frame.drop(columns="_window")
-
-
-def _target_windows(
-    windows: list[tuple[tuple[str, int], float, float, pd.DataFrame]], mapping: list[int], rank: int
-) -> list[tuple[float, float, pd.DataFrame, bool]]:
-    """(start, end, events, parameter-scaled) of the target's windows in order."""
-    traced_layers = max(key[1] for key, *_ in windows if key[0] == "fwd") if windows else 0
-    by_key = {key: (start, end, frame) for key, start, end, frame in windows}
-    missing = [layer for layer in range(1, traced_layers + 1) if ("fwd", layer) not in by_key]
+def _target_sequence(
+    windows: _RankWindows, mapping: list[int], rank: int
+) -> list[tuple[int, dict[int, int], bool]]:
+    """(traced window, layer relabelling, parameter-scaled) of the target's windows in order."""
+    keys = windows.keys
+    traced_layers = max((key[1] for key in keys if key[0] == "fwd"), default=0)
+    missing = [layer for layer in range(1, traced_layers + 1) if ("fwd", layer) not in keys]
     if missing or not traced_layers:
         raise SimInputError(
             f"depth rewrite: rank {rank} has no forward window of block {missing[0] if missing else 1} "
             "(the events do not name their layers)"
         )
-    keys = [key for key, *_ in windows]
+    target_layers = len(mapping)
+    head = {traced_layers + 1: target_layers + 1}
     first_fwd, last_fwd = keys.index(("fwd", 1)), keys.index(("fwd", traced_layers))
     backward = [i for i, key in enumerate(keys) if key[0] == "bwd"]
-    first_bwd = min(backward) if backward else len(windows)
-    last_bwd = max(backward) if backward else len(windows) - 1
+    first_bwd = min(backward) if backward else len(keys)
+    last_bwd = max(backward) if backward else len(keys) - 1
 
-    target_layers = len(mapping)
+    def kept(positions: range) -> list[tuple[int, dict[int, int], bool]]:
+        return [(w, head, keys[w][0] == "other") for w in positions]
 
-    def relabel(frame: pd.DataFrame, source: int, target: int) -> pd.DataFrame:
-        """The window's ops of layer `source` as layer `target` of the rewritten model."""
-        if source == target:
-            return frame
-        return frame.assign(layer=frame["layer"].where(frame["layer"] != source, target))
-
-    def kept(positions: range) -> list[tuple[float, float, pd.DataFrame, bool]]:
+    def blocks(phase: str, order: list[tuple[int, int]]) -> list[tuple[int, dict[int, int], bool]]:
         return [
-            (start, end, relabel(frame, traced_layers + 1, target_layers + 1), key[0] == "other")
-            for key, start, end, frame in (windows[i] for i in positions)
+            (keys.index((phase, source)), {**head, source: target}, False)
+            for target, source in order
+            if (phase, source) in keys
         ]
-
-    def blocks(phase: str, order: list[tuple[int, int]]) -> list[tuple[float, float, pd.DataFrame, bool]]:
-        out = []
-        for target, source in order:
-            if (phase, source) in by_key:
-                start, end, frame = by_key[(phase, source)]
-                out.append((start, end, relabel(frame, source, target), False))
-        return out
 
     numbered = list(enumerate(mapping, start=1))
     return [
@@ -217,31 +187,161 @@ def _target_windows(
         *blocks("fwd", numbered),
         *kept(range(last_fwd + 1, first_bwd)),
         *blocks("bwd", list(reversed(numbered))),
-        *kept(range(last_bwd + 1, len(windows))),
+        *kept(range(last_bwd + 1, len(keys))),
     ]
 
 
-def _scale_parameter_work(window: pd.DataFrame, ratio: float) -> float:
-    """Scale, in place, the optimizer ops and gradient collectives of a kept window by `ratio` (their work
-    and bytes go with the parameter count); what starts after a grown op starts later by as much. Returns
-    how much longer the window got."""
-    delay = 0.0
-    order = window.sort_values(["start_s", "end_s"], kind="stable").index
-    for index in order:
-        for column in ("issued_s", "start_s", "end_s"):
-            window.at[index, column] += (
-                delay if column != "issued_s" or window.at[index, "stream"] != "" else 0.0
+def repeat_blocks(graph: OpGraph, traced_layers: int, target_layers: int, parameter_ratio: float) -> OpGraph:
+    """The graph of one iteration (every rank) rewritten from `traced_layers` to `target_layers` blocks.
+    `parameter_ratio` (the target's parameter count over the traced one's) scales the optimizer step and
+    the gradient collectives of no layer. At the traced depth the graph is returned unchanged."""
+    if target_layers == traced_layers:
+        return graph
+    mapping = block_map(traced_layers, target_layers)
+    ops_by_rank: dict[int, list[EditableOp]] = {}
+    origin: dict[int, tuple[int, int]] = {}  # id(copy) -> (target window, traced op)
+    for rank in sorted(set(graph.rank.tolist())):
+        ops_by_rank[rank] = _repeat_rank(graph, rank, traced_layers, mapping, parameter_ratio, origin)
+    rewritten = to_graph(ops_by_rank, graph.world_size)
+    return _couple(
+        graph, rewritten, [origin[id(op)] for rank in sorted(ops_by_rank) for op in ops_by_rank[rank]]
+    )
+
+
+def _repeat_rank(
+    graph: OpGraph,
+    rank: int,
+    layers: int,
+    mapping: list[int],
+    ratio: float,
+    origin: dict[int, tuple[int, int]],
+) -> list[EditableOp]:
+    windows = _RankWindows(graph, rank, layers)
+    sequence = _target_sequence(windows, mapping, rank)
+    copies: dict[tuple[int, int], EditableOp] = {}
+    ordered: list[EditableOp] = []
+    placed: list[tuple[int, int]] = []  # (target window, traced op) of each copy, in target order
+    clock: float | None = None
+    for position, (window, relabel, scaled) in enumerate(sequence):
+        start, end = windows.span[window]
+        clock = start if clock is None else clock
+        shift, grown = clock - start, 0.0
+        for op in windows.members[window]:
+            layer = int(graph.layer[op])
+            copy = EditableOp(
+                rank=rank, stream=str(graph.stream[op]), layer=relabel.get(layer, layer),
+                phase=str(graph.phase[op]), duration_s=float(graph.duration_s[op]),
+                lag_s=float(graph.lag_s[op]), raw_bytes=float(graph.raw_bytes[op]),
+                wire_bytes=float(graph.wire_bytes[op]), offset_s=float(graph.offset_s[op]),
+                tail_s=float(graph.tail_s[op]),
+                measured_start_s=float(graph.measured_start_s[op]) + shift + grown,
+                measured_end_s=float(graph.measured_end_s[op]) + shift + grown,
+                issued_s=float(graph.issued_s[op]) + shift + grown,
+            )  # fmt: skip
+            if scaled:
+                grown += _scale_parameter_work(copy, layer, ratio)
+            copies[(position, op)] = copy
+            origin[id(copy)] = (position, op)
+            ordered.append(copy)
+            placed.append((position, op))
+        clock += (end - start) + grown
+    relink_main(ordered)
+    # Where each target window starts in the target's program order and in each stream's order.
+    target_window = [p for p, _ in placed]
+    main_positions = [k for k, op in enumerate(ordered) if op.is_main]
+    main_window = np.array([target_window[k] for k in main_positions])
+    target_first_main = np.searchsorted(main_window, np.arange(len(sequence)), side="left")
+    target_streams: dict[str, list[int]] = {}
+    for k, op in enumerate(ordered):
+        if not op.is_main:
+            target_streams.setdefault(op.stream, []).append(k)
+    target_stream_windows = {
+        name: np.array([target_window[k] for k in ks]) for name, ks in target_streams.items()
+    }
+
+    def main_counterpart(position: int, window: int, traced_op: int) -> EditableOp | None:
+        """The target main op as far before (after) the first op of target window `position` as
+        `traced_op` lies before (after) the first op of traced window `window`."""
+        offset = windows.main_position[traced_op] - int(windows.first_main[window])
+        k = int(target_first_main[position]) + offset
+        k = min(max(k, 0), len(main_positions) - 1)
+        return ordered[main_positions[k]]
+
+    def stream_counterpart(position: int, window: int, traced_op: int) -> EditableOp | None:
+        """The target collective as many of its stream before (after) the first one of target window
+        `position` as `traced_op` lies before (after) the first one of traced window `window`."""
+        name = str(graph.stream[traced_op])
+        base = int(np.searchsorted(windows.stream_windows[name], window, side="left"))
+        offset = windows.stream_position[traced_op] - base
+        target = target_stream_windows.get(name)
+        if target is None:
+            return None
+        k = int(np.searchsorted(target, position, side="left")) + offset
+        return ordered[target_streams[name][k]] if 0 <= k < len(target) else None
+
+    for (position, op), copy in zip(placed, ordered, strict=True):
+        issuer = int(graph.main_prev[op])
+        if not copy.is_main and issuer >= 0:
+            window = windows.window[op]
+            copy.issuer = (
+                copies[(position, issuer)]
+                if windows.window[issuer] == window
+                else main_counterpart(position, window, issuer)
             )
-        stream = window.at[index, "stream"]
-        # A gradient collective of no layer (ZeRO-3's bucket at the end) carries every layer's gradients;
-        # the embedding's or head's own reduce-scatter (FSDP2, analytic runs) does not grow with depth.
-        whole_model = stream in _GRADIENT_STREAMS and window.at[index, "layer"] < 0
-        if stream == "optim" or whole_model:
-            duration = window.at[index, "end_s"] - window.at[index, "start_s"]
-            window.at[index, "end_s"] = window.at[index, "start_s"] + duration * ratio
-            if stream == "optim":
-                delay += duration * (ratio - 1.0)
-            else:
-                for column in ("raw_bytes", "wire_bytes"):
-                    window.at[index, column] = int(round(window.at[index, column] * ratio))
-    return delay
+    main_rank = {id(ordered[k]): rank_position for rank_position, k in enumerate(main_positions)}
+    for (position, op), copy in zip(placed, ordered, strict=True):
+        blocker = int(graph.blocker[op])
+        if not copy.is_main or blocker < 0:
+            continue
+        window = windows.window[op]
+        if windows.window[blocker] == window:
+            copy.blocker = copies[(position, blocker)]
+            continue
+        counterpart = stream_counterpart(position, window, blocker)
+        # A wait for a collective of a later window (the next block's prefetched gather) holds only if
+        # its counterpart is issued before the waiting op: a copied neighbour may issue it later.
+        if counterpart is not None and counterpart.issuer is not None:
+            if main_rank[id(counterpart.issuer)] >= main_rank[id(copy)]:
+                counterpart = None
+        copy.blocker = counterpart
+    return ordered
+
+
+def _scale_parameter_work(op: EditableOp, traced_layer: int, ratio: float) -> float:
+    """Scale a kept window's optimizer op or gradient collective of no layer by `ratio` (their work and
+    bytes go with the parameter count). Returns how much later what follows it on the main thread
+    starts on the measured clock."""
+    # A gradient collective of no layer (ZeRO-3's bucket at the end) carries every layer's gradients; the
+    # embedding's or head's own reduce-scatter (FSDP2, analytic runs) does not grow with depth.
+    if op.stream == "optim":
+        grown = op.duration_s * (ratio - 1.0)
+        op.duration_s *= ratio
+        op.measured_end_s += grown
+        return grown
+    if op.stream in _GRADIENT_STREAMS and traced_layer < 0:
+        grown = op.duration_s * (ratio - 1.0)
+        op.duration_s *= ratio
+        op.tail_s += grown
+        op.measured_end_s += grown
+        op.raw_bytes = float(round(op.raw_bytes * ratio))
+        op.wire_bytes = float(round(op.wire_bytes * ratio))
+    return 0.0
+
+
+def _couple(traced: OpGraph, rewritten: OpGraph, origin: list[tuple[int, int]]) -> OpGraph:
+    """The rewritten graph with its collectives coupled across ranks structurally: the copies of one
+    traced collective (one group) placed in one target window are one collective. Every rank must have
+    placed the traced group's members in the same window (windows are cut by program order and labels),
+    else the ranks would not agree on what they run."""
+    group = np.full(rewritten.size, -1)
+    ids: dict[tuple[int, int], int] = {}
+    for k in np.flatnonzero(rewritten.group >= 0):
+        position, op = origin[k]
+        group[k] = ids.setdefault((position, int(traced.group[op])), len(ids))
+    sizes = np.bincount(group[group >= 0], minlength=len(ids))
+    if len(ids) and (sizes != rewritten.world_size).any():
+        raise SimInputError(
+            f"depth rewrite: {int((sizes != rewritten.world_size).sum())} collectives were placed in different "
+            "windows on different ranks; they cannot be coupled"
+        )
+    return dataclasses.replace(rewritten, group=group)

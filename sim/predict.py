@@ -4,7 +4,7 @@ one evaluator — the code path of every projection, and the one `ciera validate
 For a target (model, system, cluster, depth): the anchor is a traced run of the same model and system on
 the closest cluster (same ranks per node first, then the same link); its depth the target's when traced
 there, else the deepest traced. Each of the anchor's iterations is rewritten — depth (repeat the block
-windows), cluster (re-cost every collective from the two clusters' curves, compute on the target's shared
+subgraphs), cluster (re-cost every collective from the two clusters' curves, compute on the target's shared
 cores, optimizer by the partitioning rule) — and evaluated; the prediction is the median.
 """
 
@@ -104,8 +104,7 @@ def predict_run(
     counts: dict[str, int] = {}
     sizes = parameter_sizes(seen, target_layers) if ciera_on is not None else {}
     for _, per_iteration in events.groupby("iteration", sort=True):
-        rewritten = repeat_blocks(per_iteration, anchor_layers, target_layers, ratio)
-        graph = build_graph(rewritten)
+        graph = repeat_blocks(build_graph(per_iteration), anchor_layers, target_layers, ratio)
         if ciera_on is not None:
             graph = ciera_graph(
                 graph,

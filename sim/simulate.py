@@ -5,8 +5,8 @@ For each (model, dtype, world size W, system) on a cluster preset:
 
 1. **Anchor**: the bundle's run of that system (else of ZeRO-3, to be rewritten) of the model and dtype
    at W when traced, else at the largest traced W; at the target depth when traced, else the deepest.
-2. Each of its iterations' events → **depth rewrite** (`repeat_blocks`, to the full model or `--layers`)
-   → **op graph** (`build_graph`) → **system rewrite** (sim/system_rewrite.py, for a system the bundle has
+2. Each of its iterations' events → **op graph** (`build_graph`) → **depth rewrite** (`repeat_blocks`, to
+   the full model or `--layers`) → **system rewrite** (sim/system_rewrite.py, for a system the bundle has
    no runs of) → **cluster rewrite** onto W GPUs of the preset (`rewrite_costs` with `preset_cluster`) →
    **evaluate** (simpy, shared link).
 3. The record: p5/p50/p95 over the anchor's iterations; the breakdown, the codec figures and the bounds
@@ -338,7 +338,7 @@ class Simulator:
             if traced_layers != target_layers:
                 ratio = parameter_ratio(self.bundle, str(anchor["run_id"]), traced_layers, target_layers)
             self._graphs[key] = [
-                build_graph(repeat_blocks(rows, traced_layers, target_layers, ratio))
+                repeat_blocks(build_graph(rows), traced_layers, target_layers, ratio)
                 for _, rows in events.groupby("iteration", sort=True)
             ]
         return self._graphs[key]

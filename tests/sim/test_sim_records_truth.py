@@ -35,9 +35,9 @@ def test_breakdown_parts_bound_what_removing_each_category_saves(
     for record in records:
         assert set(record.breakdown_s) == set(BREAKDOWN_KEYS)
         assert sum(record.breakdown_s.values()) == pytest.approx(record.iteration_nominal_s, rel=1e-9)
-        # An analytic run has no Python between hooks: `other` holds only the lags the depth rewrite
-        # gives a repeated prefetched gather (its issue point is re-derived from its time lead).
-        assert 0 <= record.breakdown_s["other"] <= 0.05 * record.iteration_nominal_s
+        # An analytic run has no Python between hooks and no lags: the depth rewrite carries each
+        # repeated gather's issue edge (no lag re-derived from a time lead), so nothing is `other`.
+        assert 0 <= record.breakdown_s["other"] <= 1e-9 * record.iteration_nominal_s
         tolerance_s = 1e-9 * record.iteration_nominal_s
         # With a shared link, removing kernels off the path can also let a transfer start earlier: what
         # the removal saves is bounded by the kernels' time, not by the part on the path.
@@ -110,6 +110,9 @@ def test_shipped_bundle_records_stay_within_their_own_bounds() -> None:
     )
     assert {r.system for r in found} == set(SYSTEMS)
     for record in found:
+        # Rewritten from L = 8 to the full depth with every issue edge carried: no lag, nothing `other`
+        # (copied time leads left ~0.9 ms of lags on Qwen2's critical path at W = 8).
+        assert 0 <= record.breakdown_s["other"] <= 1e-9 * record.iteration_nominal_s, record
         assert record.bound_speedup is not None
         assert record.speedup_vs_zero3 <= record.bound_speedup * 1.01, record
 

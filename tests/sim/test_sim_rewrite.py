@@ -115,19 +115,19 @@ CLUSTER = "emulated-2x1-200mbit"
 
 def test_repeating_blocks_to_the_traced_depth_changes_nothing(measured: traces.TraceBundle) -> None:
     run = _run(measured, "zero3", 4, CLUSTER)
-    events = _iteration(measured, run.run_id)
-    assert repeat_blocks(events, 4, 4, 1.0) is events
+    graph = build_graph(_iteration(measured, run.run_id))
+    assert repeat_blocks(graph, 4, 4, 1.0) is graph
 
 
 def test_deeper_rewrites_add_the_block_windows_and_their_collectives(measured: traces.TraceBundle) -> None:
     for system in ("zero3", "fsdp"):
         run = _run(measured, system, 4, CLUSTER)
-        events = _iteration(measured, run.run_id)
-        deeper = repeat_blocks(events, 4, 6, 1.2)
-        counts = {s: int((events["stream"] == s).sum()) for s in ("allgather", "compute")}
-        grown = {s: int((deeper["stream"] == s).sum()) for s in ("allgather", "compute")}
+        graph = build_graph(_iteration(measured, run.run_id))
+        deeper = repeat_blocks(graph, 4, 6, 1.2)
+        counts = {s: int((graph.stream == s).sum()) for s in ("allgather", "compute")}
+        grown = {s: int((deeper.stream == s).sum()) for s in ("allgather", "compute")}
         assert grown["allgather"] > counts["allgather"] and grown["compute"] > counts["compute"]
-        assert evaluate(build_graph(deeper)).iteration_s > evaluate(build_graph(events)).iteration_s
+        assert evaluate(deeper).iteration_s > evaluate(graph).iteration_s
 
 
 def test_the_rewrite_onto_its_own_cluster_stays_near_the_replay(measured: traces.TraceBundle) -> None:

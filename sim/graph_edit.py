@@ -43,25 +43,38 @@ class EditableOp:
 def editable_ops(graph: OpGraph, rank: int) -> list[EditableOp]:
     """One rank's ops in the graph's order, with their edges as references."""
     indices = np.flatnonzero(graph.rank == rank)
-    is_main = graph.is_main
-    ops: dict[int, EditableOp] = {}
-    for i in indices:
-        ops[int(i)] = EditableOp(
-            rank=rank, stream=str(graph.stream[i]), layer=int(graph.layer[i]), phase=str(graph.phase[i]),
-            duration_s=float(graph.duration_s[i]), lag_s=float(graph.lag_s[i]),
-            raw_bytes=float(graph.raw_bytes[i]), wire_bytes=float(graph.wire_bytes[i]),
-            offset_s=float(graph.offset_s[i]), tail_s=float(graph.tail_s[i]),
-            measured_start_s=float(graph.measured_start_s[i]), measured_end_s=float(graph.measured_end_s[i]),
-            issued_s=float(graph.issued_s[i]),
-        )  # fmt: skip
-    for i in indices:
-        op = ops[int(i)]
-        if is_main[i]:
-            op.main_prev = ops.get(int(graph.main_prev[i]))
-            op.blocker = ops.get(int(graph.blocker[i]))
+    # The rank's columns as Python lists (one conversion per column, not one numpy scalar per field).
+    stream, layer, phase = (
+        graph.stream[indices].tolist(),
+        graph.layer[indices].tolist(),
+        graph.phase[indices].tolist(),
+    )
+    duration, lag = graph.duration_s[indices].tolist(), graph.lag_s[indices].tolist()
+    raw, wire = graph.raw_bytes[indices].tolist(), graph.wire_bytes[indices].tolist()
+    offset, tail = graph.offset_s[indices].tolist(), graph.tail_s[indices].tolist()
+    start, end = graph.measured_start_s[indices].tolist(), graph.measured_end_s[indices].tolist()
+    issued = graph.issued_s[indices].tolist()
+    ops = [
+        EditableOp(
+            rank=rank, stream=str(stream[k]), layer=int(layer[k]), phase=str(phase[k]),
+            duration_s=float(duration[k]), lag_s=float(lag[k]),
+            raw_bytes=float(raw[k]), wire_bytes=float(wire[k]),
+            offset_s=float(offset[k]), tail_s=float(tail[k]),
+            measured_start_s=float(start[k]), measured_end_s=float(end[k]),
+            issued_s=float(issued[k]),
+        )
+        for k in range(len(indices))
+    ]  # fmt: skip
+    by_index = dict(zip(indices.tolist(), ops, strict=True))
+    is_main = graph.is_main[indices].tolist()
+    main_prev, blocker = graph.main_prev[indices].tolist(), graph.blocker[indices].tolist()
+    for k, op in enumerate(ops):
+        if is_main[k]:
+            op.main_prev = by_index.get(main_prev[k])
+            op.blocker = by_index.get(blocker[k])
         else:
-            op.issuer = ops.get(int(graph.main_prev[i]))
-    return [ops[int(i)] for i in indices]
+            op.issuer = by_index.get(main_prev[k])
+    return ops
 
 
 def relink_main(ops: list[EditableOp]) -> None:

@@ -20,7 +20,9 @@ it is simulated once and weighs m on the shared cores.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import simpy
@@ -48,8 +50,8 @@ class SharedResource:
         self._current_rate = 0.0
         self.busy_s = 0.0  # time with at least one flow in it
 
-    def _rate(self) -> float:
-        total = sum(flow[1] for flow in self._flows.values())
+    def _rate(self, total: float) -> float:
+        """Each flow's share of its cap when the flows' counts sum to `total`."""
         return min(self.per_flow_cap, self.capacity / total) / self.per_flow_cap if total else 0.0
 
     def _advance(self) -> None:
@@ -74,19 +76,28 @@ class SharedResource:
         return done
 
     def _reschedule(self) -> None:
+        # One pass over the flows: the finished ones, and of the others (in order) their counts' sum and
+        # the least work left.
         flows = self._flows
-        for key in [k for k, flow in flows.items() if flow[0] <= RESOURCE_EPSILON]:
+        finished = []
+        total = 0
+        smallest = math.inf
+        for key, flow in flows.items():
+            if flow[0] <= RESOURCE_EPSILON:
+                finished.append(key)
+            else:
+                total += flow[1]
+                smallest = min(smallest, flow[0])
+        for key in finished:
             flows.pop(key)[2].succeed()
         self._version += 1
-        self._current_rate = rate = self._rate()
+        self._current_rate = rate = self._rate(total)
         if not flows:
             return
-        wait_s = min(flow[0] for flow in flows.values()) / rate
-        timer = self.env.timeout(max(wait_s, 0.0))
-        version = self._version
-        timer.callbacks.append(lambda _event, version=version: self._on_timer(version))
+        timer = self.env.timeout(max(smallest / rate, 0.0))
+        timer.callbacks.append(partial(self._on_timer, self._version))
 
-    def _on_timer(self, version: int) -> None:
+    def _on_timer(self, version: int, _event: simpy.Event) -> None:
         if version != self._version:
             return
         self._advance()

@@ -258,7 +258,8 @@ class Simulator:
         self._graphs: dict[tuple[str, int], list[OpGraph]] = {}
         self._anchors: dict[tuple[str, str, int, str], pd.Series] = {}
         self._traced_systems: dict[tuple[str, str], frozenset[str]] = {}
-        self._traced_world_sizes: dict[tuple[str, str, str], frozenset[int]] = {}
+        self._candidates: dict[tuple[str, str, str], tuple[pd.DataFrame, frozenset[int]]] = {}
+        self._full_layers: dict[tuple[str, str], int] = {}
         self._picks: dict[tuple[str, str, str, int], pd.Series] = {}
         self._anchor_times: dict[str, AnchorTime] = {}
         # (anchor run, depth, iteration, system) → its system graph, for the rewrites without a CIERA plan:
@@ -285,7 +286,9 @@ class Simulator:
         return self._model_runs[(model, dtype)]
 
     def target_layers(self, model: str, dtype: str) -> int:
-        full = int(self.model_runs(model, dtype)["full_layers"].iloc[0])
+        if (model, dtype) not in self._full_layers:
+            self._full_layers[(model, dtype)] = int(self.model_runs(model, dtype)["full_layers"].iloc[0])
+        full = self._full_layers[(model, dtype)]
         if self.layers is not None and not 1 <= self.layers <= full:
             raise SimInputError(f"--layers {self.layers}: model {model!r} has 1..{full} blocks")
         return self.layers or full
@@ -307,14 +310,15 @@ class Simulator:
             raise SimInputError(
                 f"bundle: model {model!r} ({dtype}) has no run of {system!r} or of zero3 to rewrite into it"
             )
-        # Every W a system is not traced at is simulated from the same run (the largest traced W): the
-        # pick is remembered per traced W, so the bundle's tables are filtered once per run, not per W.
-        candidates = runs[runs["system"] == source]
-        traced_w = self._traced_world_sizes.get((model, dtype, source))
-        if traced_w is None:
-            traced_w = self._traced_world_sizes[(model, dtype, source)] = frozenset(
-                int(w) for w in candidates["world_size"]
+        # Every system the bundle lacks, and every W a system is not traced at, is simulated from the same
+        # runs: they are filtered once per (model, dtype, system traced), the pick made once per traced W.
+        if (model, dtype, source) not in self._candidates:
+            candidates = runs[runs["system"] == source]
+            self._candidates[(model, dtype, source)] = (
+                candidates,
+                frozenset(int(w) for w in candidates["world_size"]),
             )
+        candidates, traced_w = self._candidates[(model, dtype, source)]
         chosen_w = world_size if world_size in traced_w else max(traced_w)
         key = (model, dtype, source, chosen_w)
         if key not in self._picks:

@@ -48,6 +48,7 @@ from .system_rewrite import (
     INTRA_NODE_GATHER_STREAM,
     AnchorTime,
     CieraPlan,
+    CieraTemplate,
     SystemGraph,
     ciera_plan,
     system_graph,
@@ -265,6 +266,8 @@ class Simulator:
         # (anchor run, depth, iteration, system) → its system graph, for the rewrites without a CIERA plan:
         # they do not depend on W, so every W after the first reuses them.
         self._system_graphs: dict[tuple[str, int, int, str], SystemGraph] = {}
+        # (anchor run, depth, iteration) → the CIERA rewrites of its graph by shape (CieraTemplate).
+        self._ciera_templates: dict[tuple[str, int, int], dict[tuple, CieraTemplate]] = {}
         self._model_runs: dict[tuple[str, str], pd.DataFrame] = {}
         self._anchor_clusters: dict[str, ClusterSpec] = {}
         self._targets: dict[int, ClusterSpec] = {}
@@ -443,7 +446,10 @@ class Simulator:
             graph_key = (str(anchor["run_id"]), depth, iteration, rewrite)
             rewritten = self._system_graphs.get(graph_key) if plan is None else None
             if rewritten is None:
-                rewritten = system_graph(rewrite, graph, dtype, self.preset, anchor_time_s, plan)
+                templates = self._ciera_templates.setdefault(graph_key[:3], {})
+                rewritten = system_graph(
+                    rewrite, graph, dtype, self.preset, anchor_time_s, plan, False, templates
+                )
                 if plan is None:
                     self._system_graphs[graph_key] = rewritten
             costs, _ = rewrite_costs(rewritten.graph, anchor_cluster, target)
@@ -484,6 +490,9 @@ class Simulator:
             self.anchor_time_s(anchor),
             outcome.plan,
             without_codec=True,
+            templates=self._ciera_templates.setdefault(
+                (str(anchor["run_id"]), self.target_layers(model, dtype), nearest), {}
+            ),
         )
         costs, _ = rewrite_costs(free.graph, anchor_cluster, self.target(world_size))
         return evaluate(free.graph, costs).iteration_s

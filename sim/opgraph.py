@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
@@ -68,9 +69,13 @@ class OpGraph:
     measured_end_s: np.ndarray
     issued_s: np.ndarray
 
-    @property
+    @cached_property
     def is_main(self) -> np.ndarray:
-        return np.isin(self.stream, MAIN_THREAD_STREAMS)
+        # Computed once per graph (np.isin over an object array sorts it): every rewrite, cost and
+        # evaluation step asks for it. Read-only, as it is shared.
+        flags = np.isin(self.stream, MAIN_THREAD_STREAMS)
+        flags.flags.writeable = False
+        return flags
 
     @property
     def size(self) -> int:

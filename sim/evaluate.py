@@ -20,7 +20,9 @@ it is simulated once and weighs m on the shared cores.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import simpy
@@ -43,20 +45,24 @@ class SharedResource:
         self._next_id = 0
         self._last_s = 0.0
         self._version = 0
+        # The share each flow gets, kept from the last change of the flows (it only changes with them):
+        # recomputing it at every advance was a large part of an evaluation.
+        self._current_rate = 0.0
         self.busy_s = 0.0  # time with at least one flow in it
 
-    def _rate(self) -> float:
-        total = sum(flow[1] for flow in self._flows.values())
+    def _rate(self, total: float) -> float:
+        """Each flow's share of its cap when the flows' counts sum to `total`."""
         return min(self.per_flow_cap, self.capacity / total) / self.per_flow_cap if total else 0.0
 
     def _advance(self) -> None:
-        elapsed = self.env.now - self._last_s
+        now = self.env.now
+        elapsed = now - self._last_s
         if elapsed > 0 and self._flows:
-            rate = self._rate()
+            rate = self._current_rate
             for flow in self._flows.values():
                 flow[0] -= elapsed * rate
             self.busy_s += elapsed
-        self._last_s = self.env.now
+        self._last_s = now
 
     def use(self, work_s: float, count: float = 1.0) -> simpy.Event:
         done = self.env.event()
@@ -70,18 +76,28 @@ class SharedResource:
         return done
 
     def _reschedule(self) -> None:
-        for key in [k for k, flow in self._flows.items() if flow[0] <= RESOURCE_EPSILON]:
-            self._flows.pop(key)[2].succeed()
+        # One pass over the flows: the finished ones, and of the others (in order) their counts' sum and
+        # the least work left.
+        flows = self._flows
+        finished = []
+        total = 0
+        smallest = math.inf
+        for key, flow in flows.items():
+            if flow[0] <= RESOURCE_EPSILON:
+                finished.append(key)
+            else:
+                total += flow[1]
+                smallest = min(smallest, flow[0])
+        for key in finished:
+            flows.pop(key)[2].succeed()
         self._version += 1
-        if not self._flows:
+        self._current_rate = rate = self._rate(total)
+        if not flows:
             return
-        rate = self._rate()
-        wait_s = min(flow[0] for flow in self._flows.values()) / rate
-        timer = self.env.timeout(max(wait_s, 0.0))
-        version = self._version
-        timer.callbacks.append(lambda _event, version=version: self._on_timer(version))
+        timer = self.env.timeout(max(smallest / rate, 0.0))
+        timer.callbacks.append(partial(self._on_timer, self._version))
 
-    def _on_timer(self, version: int) -> None:
+    def _on_timer(self, version: int, _event: simpy.Event) -> None:
         if version != self._version:
             return
         self._advance()
@@ -144,112 +160,126 @@ class Evaluation:
     link_busy_s: float
 
 
-class CountingEnvironment(simpy.Environment):
-    """A simpy environment that counts the events it schedules (for events/s)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scheduled_events = 0
-
-    def schedule(self, event, priority=simpy.core.NORMAL, delay=0):  # type: ignore[no-untyped-def]
-        self.scheduled_events += 1
-        super().schedule(event, priority, delay)
+def _scheduled_events(env: simpy.Environment) -> int:
+    """How many events `env` has scheduled: simpy numbers each one it schedules from 0 (its queue's
+    tie-breaker), so the next number is the count — read at no cost per event."""
+    return next(env._eid)  # noqa: SLF001
 
 
 def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
     """Run `graph` at `costs` (default: the measured durations) in simpy."""
     costs = Costs.measured(graph) if costs is None else costs
-    env = CountingEnvironment()
+    env = simpy.Environment()
+    timeout, event = env.timeout, env.event
     count = graph.size
-    done = [env.event() for _ in range(count)]
-    start = np.zeros(count)
-    end = np.zeros(count)
+    done = [event() for _ in range(count)]
+    start = [0.0] * count
+    end = [0.0] * count
     is_main = graph.is_main
+    # Per-op values as Python lists: the processes read them once per op, and indexing numpy arrays
+    # element by element costs several times more than a list (the values are the same floats).
+    blocker = graph.blocker.tolist()
+    main_prev = graph.main_prev.tolist()
+    stream_prev = graph.stream_prev.tolist()
+    offset_s = graph.offset_s.tolist()
+    lag_s = costs.lag_s.tolist()
+    work_s = costs.work_s.tolist()
+    own_s = costs.own_s.tolist()
+    own_link_work_s = costs.own_link_work_s.tolist()
+    residual_s = costs.residual_s.tolist()
+    fixed_s = costs.fixed_s.tolist()
+    link_work_s = costs.link_work_s.tolist()
+    group_of = graph.group.tolist()
+    stream_order = costs.stream_order
     cores = (
         {h: SharedResource(env, costs.host_cores, 1.0) for h in set(costs.host[is_main].tolist())}
         if costs.host_cores > 0
         else {}
     )
+    # Per main op: the shared cores it runs on (None: a plain delay) and the ranks its rank stands for.
+    host = costs.host.tolist()
+    weight = costs.multiplicity[graph.rank].tolist()
     link = SharedResource(env, 1.0, 1.0)
     # Per group: members, how many have started, the event when the last has, and its transfer done.
     members: dict[int, list[int]] = {}
-    for index in np.flatnonzero(graph.group >= 0):
-        members.setdefault(int(graph.group[index]), []).append(int(index))
+    for index in np.flatnonzero(graph.group >= 0).tolist():
+        members.setdefault(group_of[index], []).append(index)
     issued = dict.fromkeys(members, 0)
-    transferred = {g: env.event() for g in members}
+    transferred = {g: event() for g in members}
     transfer_end = dict.fromkeys(members, 0.0)
 
     def group_transfer(group: int):  # noqa: ANN202 — a simpy process
         first = members[group][0]
-        if costs.fixed_s[first] > 0:
-            yield env.timeout(costs.fixed_s[first])
-        if costs.link_work_s[first] > 0:
-            yield link.use(costs.link_work_s[first])
+        if fixed_s[first] > 0:
+            yield timeout(fixed_s[first])
+        if link_work_s[first] > 0:
+            yield link.use(link_work_s[first])
         transfer_end[group] = env.now
         transferred[group].succeed()
 
     def main_thread(indices: list[int]):  # noqa: ANN202
         for index in indices:
-            blocker = graph.blocker[index]
-            if blocker >= 0:
-                yield done[blocker]
-            if graph.main_prev[index] < 0 and blocker < 0:
+            waits_for = blocker[index]
+            if waits_for >= 0:
+                yield done[waits_for]
+            if main_prev[index] < 0 and waits_for < 0:
                 # The rank's first op: its barrier exit on the aligned clock (its lag is that offset).
-                if graph.offset_s[index] > env.now:
-                    yield env.timeout(graph.offset_s[index] - env.now)
-            elif costs.lag_s[index] > 0:
-                yield env.timeout(costs.lag_s[index])
+                if offset_s[index] > env.now:
+                    yield timeout(offset_s[index] - env.now)
+            elif lag_s[index] > 0:
+                yield timeout(lag_s[index])
             start[index] = env.now
-            work = costs.work_s[index]
+            work = work_s[index]
             if work > 0:
-                resource = cores.get(int(costs.host[index]))
+                resource = cores.get(host[index])
                 if resource is None:
-                    yield env.timeout(work)
+                    yield timeout(work)
                 else:
-                    yield resource.use(work, float(costs.multiplicity[graph.rank[index]]))
+                    yield resource.use(work, weight[index])
             end[index] = env.now
             done[index].succeed()
 
     def collective(index: int):  # noqa: ANN202
-        issuer = graph.main_prev[index]
+        issuer = main_prev[index]
         if issuer >= 0:
             yield done[issuer]
-        if costs.lag_s[index] > 0:
-            yield env.timeout(costs.lag_s[index])
-        group = int(graph.group[index])
+        if lag_s[index] > 0:
+            yield timeout(lag_s[index])
+        group = group_of[index]
         issued[group] += 1
         if issued[group] == len(members[group]):
             env.process(group_transfer(group))
-        previous = graph.stream_prev[index]
-        if previous >= 0 and costs.stream_order:
+        previous = stream_prev[index]
+        if previous >= 0 and stream_order:
             yield done[previous]
         start[index] = env.now
-        if costs.own_s[index] > 0:
-            yield env.timeout(costs.own_s[index])
-        if costs.own_link_work_s[index] > 0:
-            yield link.use(costs.own_link_work_s[index])
+        if own_s[index] > 0:
+            yield timeout(own_s[index])
+        if own_link_work_s[index] > 0:
+            yield link.use(own_link_work_s[index])
         own_end = env.now
         yield transferred[group]
-        finish = max(own_end, transfer_end[group] + costs.residual_s[index])
+        finish = max(own_end, transfer_end[group] + residual_s[index])
         if finish > env.now:
-            yield env.timeout(finish - env.now)
+            yield timeout(finish - env.now)
         end[index] = env.now
         done[index].succeed()
 
     for rank in sorted(set(graph.rank.tolist())):
         indices = np.flatnonzero((graph.rank == rank) & is_main).tolist()
         env.process(main_thread(indices))
-    for index in np.flatnonzero(~is_main):
-        env.process(collective(int(index)))
+    for index in np.flatnonzero(~is_main).tolist():
+        env.process(collective(index))
     env.run()
     unfinished = [i for i in range(count) if not done[i].processed]
     if unfinished:
         raise RuntimeError(f"op graph deadlocked at {len(unfinished)} ops (a graph bug, not an input error)")
+    end_s = np.array(end, dtype=float)
     return Evaluation(
-        start_s=start,
-        end_s=end,
-        iteration_s=float(end.max(initial=0.0)),
-        events=env.scheduled_events,
+        start_s=np.array(start, dtype=float),
+        end_s=end_s,
+        iteration_s=float(end_s.max(initial=0.0)),
+        events=_scheduled_events(env),
         link_busy_s=link.busy_s,
     )
 

@@ -10,6 +10,7 @@ k-th collective of a stream on every rank is one group) from the edited lists.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -43,25 +44,38 @@ class EditableOp:
 def editable_ops(graph: OpGraph, rank: int) -> list[EditableOp]:
     """One rank's ops in the graph's order, with their edges as references."""
     indices = np.flatnonzero(graph.rank == rank)
-    is_main = graph.is_main
-    ops: dict[int, EditableOp] = {}
-    for i in indices:
-        ops[int(i)] = EditableOp(
-            rank=rank, stream=str(graph.stream[i]), layer=int(graph.layer[i]), phase=str(graph.phase[i]),
-            duration_s=float(graph.duration_s[i]), lag_s=float(graph.lag_s[i]),
-            raw_bytes=float(graph.raw_bytes[i]), wire_bytes=float(graph.wire_bytes[i]),
-            offset_s=float(graph.offset_s[i]), tail_s=float(graph.tail_s[i]),
-            measured_start_s=float(graph.measured_start_s[i]), measured_end_s=float(graph.measured_end_s[i]),
-            issued_s=float(graph.issued_s[i]),
-        )  # fmt: skip
-    for i in indices:
-        op = ops[int(i)]
-        if is_main[i]:
-            op.main_prev = ops.get(int(graph.main_prev[i]))
-            op.blocker = ops.get(int(graph.blocker[i]))
+    # The rank's columns as Python lists (one conversion per column, not one numpy scalar per field).
+    stream, layer, phase = (
+        graph.stream[indices].tolist(),
+        graph.layer[indices].tolist(),
+        graph.phase[indices].tolist(),
+    )
+    duration, lag = graph.duration_s[indices].tolist(), graph.lag_s[indices].tolist()
+    raw, wire = graph.raw_bytes[indices].tolist(), graph.wire_bytes[indices].tolist()
+    offset, tail = graph.offset_s[indices].tolist(), graph.tail_s[indices].tolist()
+    start, end = graph.measured_start_s[indices].tolist(), graph.measured_end_s[indices].tolist()
+    issued = graph.issued_s[indices].tolist()
+    ops = [
+        EditableOp(
+            rank=rank, stream=str(stream[k]), layer=int(layer[k]), phase=str(phase[k]),
+            duration_s=float(duration[k]), lag_s=float(lag[k]),
+            raw_bytes=float(raw[k]), wire_bytes=float(wire[k]),
+            offset_s=float(offset[k]), tail_s=float(tail[k]),
+            measured_start_s=float(start[k]), measured_end_s=float(end[k]),
+            issued_s=float(issued[k]),
+        )
+        for k in range(len(indices))
+    ]  # fmt: skip
+    by_index = dict(zip(indices.tolist(), ops, strict=True))
+    is_main = graph.is_main[indices].tolist()
+    main_prev, blocker = graph.main_prev[indices].tolist(), graph.blocker[indices].tolist()
+    for k, op in enumerate(ops):
+        if is_main[k]:
+            op.main_prev = by_index.get(main_prev[k])
+            op.blocker = by_index.get(blocker[k])
         else:
-            op.issuer = ops.get(int(graph.main_prev[i]))
-    return [ops[int(i)] for i in indices]
+            op.issuer = by_index.get(main_prev[k])
+    return ops
 
 
 def relink_main(ops: list[EditableOp]) -> None:
@@ -74,24 +88,33 @@ def relink_main(ops: list[EditableOp]) -> None:
             previous = op
 
 
+_COLUMNS = (
+    "rank", "stream", "layer", "phase", "duration_s", "tail_s", "lag_s", "offset_s", "raw_bytes", "wire_bytes",
+    "measured_start_s", "measured_end_s", "issued_s",
+)  # fmt: skip
+
+
 def to_graph(ops_by_rank: dict[int, list[EditableOp]], world: int) -> OpGraph:
     """The `OpGraph` of edited ops (each rank's list in program order)."""
     ops = [op for rank in sorted(ops_by_rank) for op in ops_by_rank[rank]]
-    emitted = {id(op) for op in ops}
     index = {id(op): k for k, op in enumerate(ops)}
 
     def ref(op: EditableOp | None) -> int:
         # An edge to an op that is not in the graph (replaced by a rewrite) is no edge.
-        return index[id(op)] if op is not None and id(op) in emitted else -1
+        return -1 if op is None else index.get(id(op), -1)
 
     count = len(ops)
-    stream = np.array([op.stream for op in ops], dtype=object)
-    is_main = np.isin(stream, MAIN_THREAD_STREAMS)
-    ranks = np.array([op.rank for op in ops], dtype=int)
-    main_prev = np.array([ref(op.main_prev) if is_main[k] else ref(op.issuer) for k, op in enumerate(ops)])
-    blocker = np.array([ref(op.blocker) if is_main[k] else -1 for k, op in enumerate(ops)])
-    stream_prev = np.full(count, -1)
-    position = np.full(count, -1)
+    # Every field of every op in one pass, as columns (plain lists until they become the graph's arrays;
+    # no ops: no columns, and each array below is empty).
+    columns = dict(zip(_COLUMNS, zip(*map(attrgetter(*_COLUMNS), ops), strict=True), strict=False))
+    streams = list(columns.get("stream", ()))
+    main_streams = set(MAIN_THREAD_STREAMS)
+    is_main = [name in main_streams for name in streams]
+    main_prev = [ref(op.main_prev) if is_main[k] else ref(op.issuer) for k, op in enumerate(ops)]
+    blocker = [ref(op.blocker) if is_main[k] else -1 for k, op in enumerate(ops)]
+    stream_prev = [-1] * count
+    position = [-1] * count
+    per_stream: dict[str, int] = {}  # the most collectives a rank runs on each stream
     base = 0
     for rank in sorted(ops_by_rank):
         last: dict[str, int] = {}
@@ -99,38 +122,46 @@ def to_graph(ops_by_rank: dict[int, list[EditableOp]], world: int) -> OpGraph:
         for k in range(base, base + len(ops_by_rank[rank])):
             if is_main[k]:
                 continue
-            name = stream[k]
+            name = streams[k]
             stream_prev[k] = last.get(name, -1)
             last[name] = k
             position[k] = seen.get(name, 0)
             seen[name] = position[k] + 1
+        for name, runs in seen.items():
+            per_stream[name] = max(per_stream.get(name, 0), runs)
         base += len(ops_by_rank[rank])
     # Group ids: the k-th collective of a stream on every rank, numbered across streams; a side-stream
     # kernel is a group of its own (one rank's work).
     offsets, total = {}, 0
-    for name in sorted(set(stream[~is_main].tolist())):
-        per_rank = max(int(((stream == name) & (ranks == r)).sum()) for r in ops_by_rank)
-        offsets[name], total = total, total + per_rank
-    group = np.array([offsets[stream[k]] + position[k] if position[k] >= 0 else -1 for k in range(count)])
+    for name in sorted(per_stream):
+        offsets[name], total = total, total + per_stream[name]
+    group = np.array(
+        [offsets[streams[k]] + position[k] if position[k] >= 0 else -1 for k in range(count)], dtype=int
+    )
+    stream = np.array(streams, dtype=object)
     kernels = np.flatnonzero(np.isin(stream, KERNEL_STREAMS))
     group[kernels] = total + np.arange(len(kernels))
+
+    def floats(name: str) -> np.ndarray:
+        return np.array(columns.get(name, ()), dtype=float)
+
     return OpGraph(
-        rank=ranks,
+        rank=np.array(columns.get("rank", ()), dtype=int),
         stream=stream,
-        layer=np.array([op.layer for op in ops], dtype=int),
-        phase=np.array([op.phase for op in ops], dtype=object),
-        duration_s=np.array([op.duration_s for op in ops], dtype=float),
-        tail_s=np.array([op.tail_s for op in ops], dtype=float),
-        lag_s=np.array([op.lag_s for op in ops], dtype=float),
-        main_prev=main_prev,
-        stream_prev=stream_prev,
-        blocker=blocker,
-        offset_s=np.array([op.offset_s for op in ops], dtype=float),
-        raw_bytes=np.array([op.raw_bytes for op in ops], dtype=float),
-        wire_bytes=np.array([op.wire_bytes for op in ops], dtype=float),
+        layer=np.array(columns.get("layer", ()), dtype=int),
+        phase=np.array(columns.get("phase", ()), dtype=object),
+        duration_s=floats("duration_s"),
+        tail_s=floats("tail_s"),
+        lag_s=floats("lag_s"),
+        main_prev=np.array(main_prev, dtype=int),
+        stream_prev=np.array(stream_prev, dtype=int),
+        blocker=np.array(blocker, dtype=int),
+        offset_s=floats("offset_s"),
+        raw_bytes=floats("raw_bytes"),
+        wire_bytes=floats("wire_bytes"),
         group=group,
         world_size=world,
-        measured_start_s=np.array([op.measured_start_s for op in ops], dtype=float),
-        measured_end_s=np.array([op.measured_end_s for op in ops], dtype=float),
-        issued_s=np.array([op.issued_s for op in ops], dtype=float),
+        measured_start_s=floats("measured_start_s"),
+        measured_end_s=floats("measured_end_s"),
+        issued_s=floats("issued_s"),
     )

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
@@ -68,9 +69,13 @@ class OpGraph:
     measured_end_s: np.ndarray
     issued_s: np.ndarray
 
-    @property
+    @cached_property
     def is_main(self) -> np.ndarray:
-        return np.isin(self.stream, MAIN_THREAD_STREAMS)
+        # Computed once per graph (np.isin over an object array sorts it): every rewrite, cost and
+        # evaluation step asks for it. Read-only, as it is shared.
+        flags = np.isin(self.stream, MAIN_THREAD_STREAMS)
+        flags.flags.writeable = False
+        return flags
 
     @property
     def size(self) -> int:
@@ -79,18 +84,20 @@ class OpGraph:
 
 def _rank_arrays(events: pd.DataFrame) -> dict[str, np.ndarray]:
     """The edges of one rank's iteration (events of one run, rank and iteration, in start order)."""
-    streams = events["stream"].to_numpy(dtype=object)
-    start = events["start_s"].to_numpy(dtype=float)
-    end = events["end_s"].to_numpy(dtype=float)
-    issued = events["issued_s"].to_numpy(dtype=float)
+    # Plain lists: the loop below reads them element by element (numpy scalars would cost more, and
+    # are the same floats).
+    streams = events["stream"].to_numpy(dtype=object).tolist()
+    start = events["start_s"].to_numpy(dtype=float).tolist()
+    end = events["end_s"].to_numpy(dtype=float).tolist()
+    issued = events["issued_s"].to_numpy(dtype=float).tolist()
     count = len(events)
-    is_main = np.isin(streams, MAIN_THREAD_STREAMS)
+    is_main = np.isin(np.array(streams, dtype=object), MAIN_THREAD_STREAMS).tolist()
     main_prev = np.full(count, -1)
     stream_prev = np.full(count, -1)
     blocker = np.full(count, -1)
     lag = np.zeros(count)
     collective_ends = sorted((end[i], i) for i in range(count) if not is_main[i])
-    ends_only = np.array([e for e, _ in collective_ends]) if collective_ends else np.zeros(0)
+    ends_only = [e for e, _ in collective_ends]
     last_main = -1
     # The main thread runs one op at a time, so its ends only grow: a collective's issuer is found by
     # bisection over them.
@@ -102,7 +109,7 @@ def _rank_arrays(events: pd.DataFrame) -> dict[str, np.ndarray]:
             previous_end = end[last_main] if last_main >= 0 else 0.0
             ready = previous_end
             if start[index] - previous_end > TOLERANCE_S and len(ends_only):
-                position = int(np.searchsorted(ends_only, start[index] + TOLERANCE_S, side="right")) - 1
+                position = bisect.bisect_right(ends_only, start[index] + TOLERANCE_S) - 1
                 if position >= 0 and ends_only[position] >= previous_end - TOLERANCE_S:
                     blocker[index] = collective_ends[position][1]
                     ready = max(ready, ends_only[position])

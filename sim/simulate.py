@@ -46,7 +46,9 @@ from .system_rewrite import (
     BSC_SYSTEMS,
     CIERA_SYSTEMS,
     INTRA_NODE_GATHER_STREAM,
+    AnchorTime,
     CieraPlan,
+    CieraTemplate,
     SystemGraph,
     ciera_plan,
     system_graph,
@@ -272,6 +274,16 @@ class Simulator:
         self.events_by_run = dict(tuple(bundle.events.groupby("run_id", sort=False, observed=True)))
         self._graphs: dict[tuple[str, int], list[OpGraph]] = {}
         self._anchors: dict[tuple[str, str, int, str], pd.Series] = {}
+        self._traced_systems: dict[tuple[str, str], frozenset[str]] = {}
+        self._candidates: dict[tuple[str, str, str], tuple[pd.DataFrame, frozenset[int]]] = {}
+        self._full_layers: dict[tuple[str, str], int] = {}
+        self._picks: dict[tuple[str, str, str, int], pd.Series] = {}
+        self._anchor_times: dict[str, AnchorTime] = {}
+        # (anchor run, depth, iteration, system) → its system graph, for the rewrites without a CIERA plan:
+        # they do not depend on W, so every W after the first reuses them.
+        self._system_graphs: dict[tuple[str, int, int, str], SystemGraph] = {}
+        # (anchor run, depth, iteration) → the CIERA rewrites of its graph by shape (CieraTemplate).
+        self._ciera_templates: dict[tuple[str, int, int], dict[tuple, CieraTemplate]] = {}
         self._model_runs: dict[tuple[str, str], pd.DataFrame] = {}
         self._anchor_clusters: dict[str, ClusterSpec] = {}
         self._targets: dict[int, ClusterSpec] = {}
@@ -293,7 +305,9 @@ class Simulator:
         return self._model_runs[(model, dtype)]
 
     def target_layers(self, model: str, dtype: str) -> int:
-        full = int(self.model_runs(model, dtype)["full_layers"].iloc[0])
+        if (model, dtype) not in self._full_layers:
+            self._full_layers[(model, dtype)] = int(self.model_runs(model, dtype)["full_layers"].iloc[0])
+        full = self._full_layers[(model, dtype)]
         if self.layers is not None and not 1 <= self.layers <= full:
             raise SimInputError(f"--layers {self.layers}: model {model!r} has 1..{full} blocks")
         return self.layers or full
@@ -307,16 +321,31 @@ class Simulator:
 
     def _anchor(self, model: str, dtype: str, world_size: int, system: str) -> pd.Series:
         runs = self.model_runs(model, dtype)
-        own = runs[runs["system"] == system]
-        candidates = own if len(own) else runs[runs["system"] == "zero3"]
-        if candidates.empty:
+        traced = self._traced_systems.get((model, dtype))
+        if traced is None:
+            traced = self._traced_systems[(model, dtype)] = frozenset(runs["system"])
+        source = system if system in traced else "zero3"
+        if source not in traced:
             raise SimInputError(
                 f"bundle: model {model!r} ({dtype}) has no run of {system!r} or of zero3 to rewrite into it"
             )
-        traced_w = sorted({int(w) for w in candidates["world_size"]})
+        # Every system the bundle lacks, and every W a system is not traced at, is simulated from the same
+        # runs: they are filtered once per (model, dtype, system traced), the pick made once per traced W.
+        if (model, dtype, source) not in self._candidates:
+            candidates = runs[runs["system"] == source]
+            self._candidates[(model, dtype, source)] = (
+                candidates,
+                frozenset(int(w) for w in candidates["world_size"]),
+            )
+        candidates, traced_w = self._candidates[(model, dtype, source)]
         chosen_w = world_size if world_size in traced_w else max(traced_w)
+        key = (model, dtype, source, chosen_w)
+        if key not in self._picks:
+            self._picks[key] = self._pick(candidates, chosen_w, self.target_layers(model, dtype))
+        return self._picks[key]
+
+    def _pick(self, candidates: pd.DataFrame, chosen_w: int, depth: int) -> pd.Series:
         at_w = candidates[candidates["world_size"] == chosen_w]
-        depth = self.target_layers(model, dtype)
         same_depth = at_w[at_w["layers"] == depth]
         pick = same_depth if len(same_depth) else at_w[at_w["layers"] == at_w["layers"].max()]
         anchor = pick.sort_values("run_id").iloc[0]
@@ -348,6 +377,27 @@ class Simulator:
         if run_id not in self._anchor_clusters:
             self._anchor_clusters[run_id] = traced_cluster(self.bundle.collectives, anchor)
         return self._anchor_clusters[run_id]
+
+    def anchor_time_s(self, anchor: pd.Series) -> AnchorTime:
+        """The anchor cluster's collective times (what the system rewrites rescale durations by),
+        remembered per (curve op, sizes): the rewrites ask for the same few sizes once per collective of
+        every iteration, world size and system."""
+        run_id = str(anchor["run_id"])
+        if run_id not in self._anchor_times:
+            curves = self.anchor_cluster(anchor).curves
+            known: dict[tuple[str, str, bytes], np.ndarray] = {}
+
+            def anchor_time_s(op: str, sizes: np.ndarray) -> np.ndarray:
+                sizes = np.asarray(sizes)
+                key = (op, sizes.dtype.str, sizes.tobytes())
+                if key not in known:
+                    times = np.asarray(curves[op].time_s(sizes))
+                    times.flags.writeable = False  # shared by every caller of these sizes
+                    known[key] = times
+                return known[key]
+
+            self._anchor_times[run_id] = anchor_time_s
+        return self._anchor_times[run_id]
 
     def target(self, world_size: int) -> ClusterSpec:
         if world_size not in self._targets:
@@ -399,13 +449,20 @@ class Simulator:
         if rewrite in CIERA_SYSTEMS:
             plan, plan_notes = self.plan(rewrite, model, dtype, world_size, graphs[0], selection)
 
-        def anchor_time_s(op: str, sizes: np.ndarray) -> np.ndarray:
-            return anchor_cluster.curves[op].time_s(sizes)
-
+        anchor_time_s = self.anchor_time_s(anchor)
+        depth = self.target_layers(model, dtype)
         started = time.perf_counter()
         evaluated = []
-        for graph in graphs:
-            rewritten = system_graph(rewrite, graph, dtype, self.preset, anchor_time_s, plan)
+        for iteration, graph in enumerate(graphs):
+            graph_key = (str(anchor["run_id"]), depth, iteration, rewrite)
+            rewritten = self._system_graphs.get(graph_key) if plan is None else None
+            if rewritten is None:
+                templates = self._ciera_templates.setdefault(graph_key[:3], {})
+                rewritten = system_graph(
+                    rewrite, graph, dtype, self.preset, anchor_time_s, plan, False, templates
+                )
+                if plan is None:
+                    self._system_graphs[graph_key] = rewritten
             costs, _ = rewrite_costs(rewritten.graph, anchor_cluster, target)
             evaluated.append((rewritten, costs, evaluate(rewritten.graph, costs)))
         self.simpy_seconds += time.perf_counter() - started
@@ -436,12 +493,17 @@ class Simulator:
         graphs = self.graphs(anchor, self.target_layers(model, dtype))
         times = outcome.times_s
         nearest = int(np.argmin(np.abs(times - np.median(times))))
-
-        def anchor_time_s(op: str, sizes: np.ndarray) -> np.ndarray:
-            return anchor_cluster.curves[op].time_s(sizes)
-
         free = system_graph(
-            system, graphs[nearest], dtype, self.preset, anchor_time_s, outcome.plan, without_codec=True
+            system,
+            graphs[nearest],
+            dtype,
+            self.preset,
+            self.anchor_time_s(anchor),
+            outcome.plan,
+            without_codec=True,
+            templates=self._ciera_templates.setdefault(
+                (str(anchor["run_id"]), self.target_layers(model, dtype), nearest), {}
+            ),
         )
         costs, _ = rewrite_costs(free.graph, anchor_cluster, self.target(world_size))
         return evaluate(free.graph, costs).iteration_s

@@ -30,7 +30,7 @@ seconds added to a collective's own stream are recorded in `embedded_codec_s` fo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -153,13 +153,27 @@ def ciera_plan(
     return CieraPlan(decisions, layers)
 
 
+def _rescaled_duration(
+    duration_s: float,
+    wire: float,
+    curve_op: str,
+    new_curve_op: str,
+    new_wire: float,
+    anchor_time_s: AnchorTime,
+) -> float:
+    """A collective's duration at a new size (and curve): scaled by the anchor curve's times."""
+    before = float(anchor_time_s(curve_op, np.array([wire]))[0])
+    after = float(anchor_time_s(new_curve_op, np.array([new_wire]))[0])
+    return duration_s * (after / before if before > 0 else 1.0)
+
+
 def _rescaled(
     op: EditableOp, curve_op: str, new_curve_op: str, wire: float, anchor_time_s: AnchorTime
 ) -> None:
     """Give `op` a new size (and curve): its duration scaled by the anchor curve's times."""
-    before = float(anchor_time_s(curve_op, np.array([op.wire_bytes]))[0])
-    after = float(anchor_time_s(new_curve_op, np.array([wire]))[0])
-    op.duration_s = op.duration_s * (after / before if before > 0 else 1.0)
+    op.duration_s = _rescaled_duration(
+        op.duration_s, op.wire_bytes, curve_op, new_curve_op, wire, anchor_time_s
+    )
     op.wire_bytes = wire
 
 
@@ -176,11 +190,24 @@ def system_graph(
     anchor_time_s: AnchorTime,
     plan: CieraPlan | None = None,
     without_codec: bool = False,
+    templates: dict[tuple, CieraTemplate] | None = None,
 ) -> SystemGraph:
     """The graph `system` runs, from the ZeRO-3 graph `plain`. `without_codec`: every codec kernel at 0 s
-    (what the iteration would be if the codec were free)."""
+    (what the iteration would be if the codec were free). `templates`: CIERA rewrites of `plain` already
+    made (see `CieraTemplate`), filled in as they are made."""
     if system == "zero3":
         return SystemGraph(plain, np.zeros(plain.size), 0.0)
+    if system in CIERA_SYSTEMS:
+        if plan is None:
+            raise ValueError(f"system {system!r} needs a CIERA plan")
+        scale = 0.0 if without_codec else 1.0
+        key = _ciera_structure(system, plan, scale, preset)
+        template = templates.get(key) if templates is not None else None
+        if template is None:
+            template = _ciera_template(system, plain, plan, scale, preset)
+            if templates is not None:
+                templates[key] = template
+        return template.fill(plain, plan, scale, anchor_time_s)
     ops_by_rank: dict[int, list[EditableOp]] = {}
     embedded: dict[int, float] = {}
     busy = [0.0]
@@ -190,10 +217,6 @@ def system_graph(
             ops = _fsdp(ops)
         elif system == "zeropp":
             _zeropp(ops, plain.world_size, preset, anchor_time_s, embedded, busy, without_codec)
-        elif system in CIERA_SYSTEMS:
-            if plan is None:
-                raise ValueError(f"system {system!r} needs a CIERA plan")
-            ops = _ciera(ops, system, plan, anchor_time_s, embedded, busy, without_codec, preset)
         ops_by_rank[rank] = ops
     graph = to_graph(ops_by_rank, plain.world_size)
     order = [op for rank in sorted(ops_by_rank) for op in ops_by_rank[rank]]
@@ -240,8 +263,85 @@ def _zeropp(ops, world, preset, anchor_time_s, embedded, busy, without_codec) ->
         busy[0] += kernels * scale
 
 
-def _ciera(ops, system, plan, anchor_time_s, embedded, busy, without_codec, preset) -> list[EditableOp]:  # noqa: ANN001
-    scale = 0.0 if without_codec else 1.0
+@dataclass(frozen=True)
+class CieraTemplate:
+    """A CIERA rewrite of one plain graph without the plan's values: the rewritten graph, and where each
+    value a plan sets lies in it. The rewrite's shape depends on the plan only through which layers it
+    compresses and which of them have sender or receiver kernels (`_ciera_structure`); across world
+    sizes and BSC's alternatives a plan mostly keeps that shape and changes only payload ratios and
+    kernel seconds, so one template serves them all and each plan only fills in its values."""
+
+    graph: OpGraph  # payload and kernel values still to fill in
+    gathers: tuple[tuple[int, int, int, bool], ...]  # (op in graph, op in plain, layer, first), rewrite order
+    kernels: tuple[tuple[int, int, bool], ...]  # (op in graph, layer, sender?)
+    ranks: int
+
+    def fill(self, plain: OpGraph, plan: CieraPlan, scale: float, anchor_time_s: AnchorTime) -> SystemGraph:
+        """The graph with `plan`'s values: each compressed gather at the plan's payload (its duration
+        rescaled by the anchor curve), each codec kernel at its seconds (times `scale`)."""
+        duration = self.graph.duration_s.copy()
+        wire = self.graph.wire_bytes.copy()
+        busy = 0.0
+        for op, source, layer, first in self.gathers:
+            layer_plan = plan.layers[layer]
+            ratio = layer_plan.changed_ratio if first else layer_plan.unchanged_ratio
+            new_wire = float(plain.raw_bytes[source]) * ratio
+            duration[op] = _rescaled_duration(
+                float(plain.duration_s[source]),
+                float(plain.wire_bytes[source]),
+                "all_gather",
+                "all_gather",
+                new_wire,
+                anchor_time_s,
+            )
+            wire[op] = new_wire
+            busy += layer_plan.sender_s * scale + layer_plan.receiver_s * scale
+        for op, layer, sender in self.kernels:
+            layer_plan = plan.layers[layer]
+            duration[op] = (layer_plan.sender_s if sender else layer_plan.receiver_s) * scale
+        graph = replace(self.graph, duration_s=duration, wire_bytes=wire)
+        return SystemGraph(graph, np.zeros(graph.size), busy / max(self.ranks, 1))
+
+
+def _ciera_structure(system: str, plan: CieraPlan, scale: float, preset: ClusterPreset) -> tuple:
+    """What of `plan` shapes `system`'s rewrite: per compressed layer, whether it has sender and receiver
+    kernels (a kernel of 0 s is not inserted)."""
+    return (
+        system == "ciera",
+        preset.ciera.reuse_across_gathers,
+        tuple(
+            (layer, layer_plan.sender_s * scale > 0, layer_plan.receiver_s * scale > 0)
+            for layer, layer_plan in sorted(plan.layers.items())
+        ),
+    )
+
+
+def _ciera_template(
+    system: str, plain: OpGraph, plan: CieraPlan, scale: float, preset: ClusterPreset
+) -> CieraTemplate:
+    ops_by_rank: dict[int, list[EditableOp]] = {}
+    gathers: list[tuple[EditableOp, int, int, bool]] = []
+    kernels: list[tuple[EditableOp, int, bool]] = []
+    for rank in sorted(set(plain.rank.tolist())):
+        ops = editable_ops(plain, rank)
+        source = dict(zip(map(id, ops), np.flatnonzero(plain.rank == rank).tolist(), strict=True))
+        ops_by_rank[rank] = _ciera(ops, system, plan, scale, preset, gathers, kernels, source)
+    graph = to_graph(ops_by_rank, plain.world_size)
+    position = {
+        id(op): k for k, op in enumerate(op for rank in sorted(ops_by_rank) for op in ops_by_rank[rank])
+    }
+    return CieraTemplate(
+        graph=graph,
+        gathers=tuple((position[id(op)], source, layer, first) for op, source, layer, first in gathers),
+        kernels=tuple((position[id(op)], layer, sender) for op, layer, sender in kernels),
+        ranks=len(ops_by_rank),
+    )
+
+
+def _ciera(ops, system, plan, scale, preset, gathers, kernels, source) -> list[EditableOp]:  # noqa: ANN001
+    """One rank's CIERA rewrite, its shape only: each compressed gather is listed in `gathers` (with its
+    op in the plain graph, `source`) and each codec kernel inserted in `kernels`, for
+    `CieraTemplate.fill` to give them the plan's values."""
     overlap = system == "ciera"
     waiters = _waiters(ops)
     before: dict[int, list[EditableOp]] = {}  # main op (by identity) → codec ops to run before it
@@ -251,31 +351,33 @@ def _ciera(ops, system, plan, anchor_time_s, embedded, busy, without_codec, pres
         if op.stream != "allgather" or layer_plan is None:
             continue
         first = op.phase == "fwd" or not preset.ciera.reuse_across_gathers
-        ratio = layer_plan.changed_ratio if first else layer_plan.unchanged_ratio
-        _rescaled(op, "all_gather", "all_gather", op.raw_bytes * ratio, anchor_time_s)
+        gathers.append((op, source[id(op)], op.layer, first))
         sender_s, receiver_s = layer_plan.sender_s * scale, layer_plan.receiver_s * scale
-        busy[0] += sender_s + receiver_s
         if overlap:
             # CCP: the sender kernels on their side stream between the issue and the transfer (the gather
             # is issued by them), the receiver kernels on theirs after it (the waiter waits for them).
             if sender_s > 0:
                 send = EditableOp(op.rank, "ccp_send", op.layer, op.phase, sender_s, issuer=op.issuer)
+                kernels.append((send, op.layer, True))
                 before.setdefault(id(op), []).append(send)
                 op.issuer = send
             waiter = waiters.get(id(op))
             if receiver_s > 0 and waiter is not None:
                 receive = EditableOp(op.rank, "ccp_recv", op.layer, op.phase, receiver_s, issuer=op)
+                kernels.append((receive, op.layer, False))
                 after.setdefault(id(op), []).append(receive)
                 waiter.blocker = receive
             continue
         if sender_s > 0:
             # Right after the op that issues the gather (at the iteration's start when none does).
             send = EditableOp(op.rank, "codec_send", op.layer, op.phase, sender_s)
+            kernels.append((send, op.layer, True))
             after.setdefault(id(op.issuer) if op.issuer is not None else 0, []).append(send)
             op.issuer = send
         waiter = waiters.get(id(op))
         if receiver_s > 0 and waiter is not None:
             receive = EditableOp(op.rank, "codec_recv", op.layer, op.phase, receiver_s, blocker=op)
+            kernels.append((receive, op.layer, False))
             waiter.blocker = None
             before.setdefault(id(waiter), []).append(receive)
     edited: list[EditableOp] = list(after.get(0, []))

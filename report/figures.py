@@ -62,7 +62,10 @@ CATEGORY_COLOURS = {
     "norm": "#72b7b2",
     "embedding": "#54a24b",
 }
-STREAM_ORDER = ("compute", "allgather", "reduce_scatter", "codec_send", "codec_recv")
+STREAM_ORDER = (
+    "compute", "optim", "allgather", "allgather_intra", "reduce_scatter", "all_reduce",
+    "codec_send", "codec_recv", "ccp_send", "ccp_recv",
+)  # fmt: skip
 
 ANALYTIC_BAR_OPACITY = 0.6
 DEFAULT_BLOCK_SIZE = 512  # DESIGN.md's B, shown when the bundle has it

@@ -58,13 +58,11 @@ SYSTEMS = ("zero3", "fsdp", "zeropp", "ciera-er", "ciera-er-bsc", "ciera")
 FP16_ONLY_SYSTEMS = ("zeropp",)
 # Timeline threads in this order (a stream an iteration does not use is left out).
 TIMELINE_STREAMS = (
-    "compute", "optim", "codec_send", "codec_recv", "allgather", INTRA_NODE_GATHER_STREAM,
-    "reduce_scatter", "all_reduce",
+    "compute", "optim", "codec_send", "codec_recv", "ccp_send", "ccp_recv", "allgather",
+    INTRA_NODE_GATHER_STREAM, "reduce_scatter", "all_reduce",
 )  # fmt: skip
 SCHEMA = "ciera.simulate/1"
 DEFAULT_GPUS = (4, 8, 16, 32, 64, 128)
-# ciera and ciera-er-bsc p50s closer than this are "the same" for the note that says why CCP bought nothing.
-CCP_SAME_REL = 0.001
 MAX_GPUS = 65536  # beyond the largest training clusters; a typo (1000000) is refused, not simulated
 DTYPES = ("bf16", "fp16")
 
@@ -788,6 +786,8 @@ def _op_name(graph: OpGraph, index: int) -> str:
         "optim": "optimizer step",
         "codec_send": "hash+compress",
         "codec_recv": "decompress",
+        "ccp_send": "hash+compress",
+        "ccp_recv": "decompress",
         INTRA_NODE_GATHER_STREAM: "allgather (hpZ)",
     }.get(stream, stream)
     return what if layer < 0 else f"{what} L{layer}" + ("" if stream in ("compute", "optim") else f" {phase}")

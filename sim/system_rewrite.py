@@ -45,7 +45,6 @@ from .selection import select_shards
 CIERA_SYSTEMS = ("ciera-er", "ciera-er-bsc", "ciera")
 BSC_SYSTEMS = ("ciera-er-bsc", "ciera")  # the ones whose shards benefit-driven selection picks
 INTRA_NODE_GATHER_STREAM = "allgather_intra"
-SENDER_CODEC_NAME = "hash+compress"
 
 AnchorTime = Callable[[str, np.ndarray], np.ndarray]  # (curve op, sizes) → seconds on the anchor cluster
 
@@ -178,8 +177,26 @@ def _rescaled(
 
 
 def _waiters(ops: list[EditableOp]) -> dict[int, EditableOp]:
-    """Per collective (by identity), the main op blocked on it."""
-    return {id(op.blocker): op for op in ops if op.is_main and op.blocker is not None}
+    """Per gather (by identity), the main op that uses what it gathered: the one blocked on it, else —
+    where the gather was done before it was needed, so nothing waited — the first main op after its
+    issuer, in program order, of the gather's layer and phase."""
+    waiters = {id(op.blocker): op for op in ops if op.is_main and op.blocker is not None}
+    position = {id(op): k for k, op in enumerate(ops)}
+    for op in ops:
+        if op.stream != "allgather" or id(op) in waiters:
+            continue
+        start = position[id(op.issuer)] + 1 if op.issuer is not None and id(op.issuer) in position else 0
+        user = next(
+            (
+                candidate
+                for candidate in ops[start:]
+                if candidate.is_main and candidate.layer == op.layer and candidate.phase == op.phase
+            ),
+            None,
+        )
+        if user is not None:
+            waiters[id(op)] = user
+    return waiters
 
 
 def system_graph(
@@ -366,7 +383,11 @@ def _ciera(ops, system, plan, scale, preset, gathers, kernels, source) -> list[E
                 receive = EditableOp(op.rank, "ccp_recv", op.layer, op.phase, receiver_s, issuer=op)
                 kernels.append((receive, op.layer, False))
                 after.setdefault(id(op), []).append(receive)
-                waiter.blocker = receive
+                if waiter.blocker is None or waiter.blocker is op:
+                    waiter.blocker = receive
+                else:  # it waits for another collective too: a zero-length wait for this one first
+                    wait = EditableOp(op.rank, "compute", waiter.layer, waiter.phase, 0.0, blocker=receive)
+                    before.setdefault(id(waiter), []).append(wait)
             continue
         if sender_s > 0:
             # Right after the op that issues the gather (at the iteration's start when none does).
@@ -378,7 +399,8 @@ def _ciera(ops, system, plan, scale, preset, gathers, kernels, source) -> list[E
         if receiver_s > 0 and waiter is not None:
             receive = EditableOp(op.rank, "codec_recv", op.layer, op.phase, receiver_s, blocker=op)
             kernels.append((receive, op.layer, False))
-            waiter.blocker = None
+            if waiter.blocker is op:
+                waiter.blocker = None  # it now follows the decode that waited for the gather
             before.setdefault(id(waiter), []).append(receive)
     edited: list[EditableOp] = list(after.get(0, []))
     for op in ops:

@@ -29,16 +29,23 @@ def measured_bundle_path() -> Path:
     return Path(__file__).parent / "data" / "measured"
 
 
+def measured_olmoe_bundle_path() -> Path:
+    """A second measured bundle: OLMoE-1B-7B at 1/32 width on 2 x 1 and 3 x 1 nodes at 500 Mbit — another
+    zoo model on another link, to check the simulator beyond the bundle it was built against."""
+    return Path(__file__).parent / "data" / "measured-olmoe"
+
+
 # Bundles the CLI knows by name (`--bundle measured`); anything else is a directory path.
 NAMED_BUNDLES = {
     "analytic": default_bundle_path,
     "default": default_bundle_path,
     "measured": measured_bundle_path,
+    "measured-olmoe": measured_olmoe_bundle_path,
 }
 
 
 def resolve_bundle(name_or_path: str | os.PathLike[str]) -> Path:
-    """`analytic` / `default` / `measured`: the shipped bundles; else the path as given."""
+    """`analytic` / `default` / `measured` / `measured-olmoe`: the shipped bundles; else the path as given."""
     text = os.fspath(name_or_path)
     if text in NAMED_BUNDLES:
         path = NAMED_BUNDLES[text]()
@@ -63,6 +70,7 @@ __all__ = [
     "TraceError",
     "default_bundle_path",
     "measured_bundle_path",
+    "measured_olmoe_bundle_path",
     "resolve_bundle",
     "derive_layer_tables",
     "run_summaries",

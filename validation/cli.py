@@ -29,7 +29,7 @@ def _out() -> Console:
 @app.command("sim")
 def sim_command(
     bundle: Annotated[
-        str, typer.Option("--bundle", help="Measured bundle: a directory, or `measured`.")
+        str, typer.Option("--bundle", help="Measured bundle: a directory, `measured` or `measured-olmoe`.")
     ] = "measured",
     held_out: Annotated[
         Path | None,
@@ -52,11 +52,12 @@ def sim_command(
     if json_path is not None:
         check_output_path(json_path, "--json")
     if held_out is None:
-        if bundle != "measured":
+        held_out = default_held_out_path(bundle)
+        if held_out is None:
             raise ValidationInputError(
-                "--held-out FILE is required for a bundle other than the shipped `measured`"
+                f"--bundle {bundle}: --held-out FILE is required for a bundle other than the shipped "
+                "`measured` and `measured-olmoe`"
             )
-        held_out = default_held_out_path()
     held = load_held_out(held_out)
     loaded = traces.read_bundle(traces.resolve_bundle(bundle))
     with Console(stderr=True).status("replaying and predicting"):

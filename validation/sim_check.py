@@ -45,8 +45,13 @@ class HeldOut:
     codec_runs: tuple[str, ...] = ()  # runs whose codec events only the CIERA rewrite may read
 
 
-def default_held_out_path() -> Path:
-    return traces.measured_bundle_path().with_name("measured.held-out.toml")
+def default_held_out_path(bundle: str = "measured") -> Path | None:
+    """The held-out file shipped beside a shipped bundle (`<name>.held-out.toml`), None for any other."""
+    if bundle not in traces.NAMED_BUNDLES:
+        return None
+    path = traces.resolve_bundle(bundle)
+    held_out = path.with_name(f"{path.name}.held-out.toml")
+    return held_out if held_out.is_file() else None
 
 
 def _string_list(path: Path, document: dict, table: str, key: str, required: bool) -> tuple[str, ...] | None:

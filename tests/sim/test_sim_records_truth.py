@@ -74,9 +74,10 @@ def test_the_old_codec_figure_is_gone_where_the_link_is_the_bottleneck(records: 
     by_key = {(r.dtype, r.gpus, r.system): r for r in records}
     ciera = by_key[("bf16", 64, "ciera")]
     assert ciera.codec_busy_s > 0
-    # Most codec work is hidden; what remains on the path is what removing the codec would save, at most.
-    assert ciera.codec_off_critical_path_s > 0
-    assert ciera.codec_removal_saving_s <= ciera.breakdown_s["codec_critical"] * (1 + 1e-9)
+    # With CCP most codec work is hidden: little of it is on the path, and removing all of it saves a
+    # small share of its time (a little more than the path's share: earlier transfers share the link).
+    assert ciera.codec_off_critical_path_s > 0.9 * ciera.codec_busy_s
+    assert ciera.codec_removal_saving_s < 0.1 * ciera.codec_busy_s
     assert ciera.breakdown_s["exposed_allgather"] > 10 * ciera.breakdown_s["codec_critical"]
 
 

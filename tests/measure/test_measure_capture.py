@@ -126,12 +126,19 @@ def test_measured_timeline_is_a_chrome_trace(captured: Path, tmp_path: Path) -> 
 
 @pytest.mark.heavy
 def test_simulator_loads_the_measured_bundle(captured: Path) -> None:
-    label = traces.read_bundle(captured / "bundle").runs["model"].iloc[0]
-    done = ciera(
+    """A fresh capture replays on its own cluster; under a GPU preset its CPU compute is refused in one
+    line that names that cluster (no compute model moves it to another device)."""
+    bundle = traces.read_bundle(captured / "bundle")
+    label, cluster = bundle.runs["model"].iloc[0], bundle.runs["cluster"].iloc[0]
+    done = ciera("simulate", "--bundle", str(captured / "bundle"), "--models", label, "--cluster", cluster)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert label in done.stdout and "replay" in done.stdout
+    refused = ciera(
         "simulate", "--bundle", str(captured / "bundle"), "--models", label, "--gpus", "4", "--dtype", "bf16"
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert label in done.stdout
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
+    assert "no compute model is built" in lines[-1] and f"--cluster {cluster}" in lines[-1]
 
 
 @pytest.mark.slow  # a whole capture of its own: run with -m slow

@@ -105,7 +105,7 @@ def main() -> None:
             "simpy_seconds": simulator.simpy_seconds,
             "events_per_s_in_simpy": simulator.simulated_events / simulator.simpy_seconds,
             "events_per_s_end_to_end": simulator.simulated_events / sweep_s,
-            "monte_carlo_samples": preset.simulation.samples,
+            "iterations_per_record": sorted({record.iterations for record in records}),
         },
         "report": {
             "seconds": report_s,

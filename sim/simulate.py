@@ -142,6 +142,8 @@ class _Outcome:
     plan: CieraPlan | None
     anchor_run: str
     selection: str  # benefit | all | none (CIERA systems with BSC)
+    rewrite: str  # the system rewrite applied to the anchor's graphs ("zero3": none)
+    representative: int  # index of the iteration nearest the median
     notes: tuple[str, ...] = ()
 
 
@@ -479,6 +481,8 @@ class Simulator:
             plan=plan,
             anchor_run=str(anchor["run_id"]),
             selection=selection,
+            rewrite=rewrite,
+            representative=nearest,
             notes=plan_notes,
         )
         self._outcomes[key] = outcome
@@ -489,10 +493,10 @@ class Simulator:
         anchor = self.anchor(model, dtype, world_size, system)
         anchor_cluster = self.anchor_cluster(anchor)
         graphs = self.graphs(anchor, self.target_layers(model, dtype))
-        times = outcome.times_s
-        nearest = int(np.argmin(np.abs(times - np.median(times))))
+        nearest = outcome.representative
+        # The rewrite the outcome was made with: a system traced in the bundle is its own graph.
         free = system_graph(
-            system,
+            outcome.rewrite,
             graphs[nearest],
             dtype,
             self.preset,

@@ -185,6 +185,7 @@ class CompressedAllGather:
         self._shards: dict[int, _ShardState] = {}
         self._send_buffer_bytes = 0  # size of each kept send buffer: the largest compressed payload
         self._free_buffers: list[np.ndarray] = []
+        self._bucket_path = None  # ciera_runtime.bucket.BucketGather, made on the first bucket gather
 
     # ----------------------------------------------------------------- registration and the budget
 
@@ -290,6 +291,27 @@ class CompressedAllGather:
             return self._free_buffers.pop()
         except IndexError:
             return np.empty(self._send_buffer_bytes, dtype=np.uint8)
+
+    def _scratch_for(self, state: _ShardState) -> np.ndarray:
+        """A kept buffer a payload of ``state`` can be encoded into (the bucket path copies it out)."""
+        size = state.encoder.layout.max_payload_bytes
+        scratch = getattr(self, "_encode_scratch", None)
+        if scratch is None or scratch.size < size:
+            scratch = self._encode_scratch = np.empty(max(size, self._send_buffer_bytes), dtype=np.uint8)
+        return scratch
+
+    def all_gather_bucket(self, shards, shard_ids, outputs=None):
+        """Gather a bucket of shards in one collective (one round in steady state): see
+        :mod:`ciera_runtime.bucket`. Returns a handle whose ``wait()`` gives the gathered tensors."""
+        if self._bucket_path is None:
+            from ciera_runtime.bucket import BucketGather
+
+            self._bucket_path = BucketGather(self)
+        return self._bucket_path.all_gather(shards, shard_ids, outputs)
+
+    @property
+    def bucket_stats(self):
+        return None if self._bucket_path is None else self._bucket_path.stats
 
     def release(self, prepared: PreparedShard) -> None:
         """Return a prepared shard's send buffer without gathering it (a gather does this itself)."""

@@ -277,6 +277,7 @@ class ShardEncoder:
             self._last_exp = np.zeros(numel, dtype=np.uint8)
         self._changed = np.zeros(n_blocks, dtype=np.uint8)
         self.last_changed_blocks = 0
+        self._full_next = False  # the next payload carries every exponent (after a failed or raw gather)
 
     @staticmethod
     def state_bytes_for(numel: int, block_size: int, detector: str) -> int:
@@ -302,7 +303,8 @@ class ShardEncoder:
         into the payload and checksums it; rANS writes straight after it."""
         bits, buffer = self._bits_and_buffer(shard, out)
         layout = self.layout
-        full = self.generation == 0
+        full = self.generation == 0 or self._full_next
+        self._full_next = False
         shift, mask = _EXP_LAYOUT[self.dtype]
         block_size = self.config.block_size
         is_fp16 = self.dtype == DType.FP16
@@ -337,6 +339,11 @@ class ShardEncoder:
         return self._finish_payload(
             buffer, bits, flags, self._changed, changed_blocks.size, exp_bytes, sm_checksum, self.generation
         )
+
+    def force_full(self) -> None:
+        """Make the next payload full (every block's exponents, at the next generation), so it decodes
+        against any cache: used when receivers may not hold the last payload (a failed or raw gather)."""
+        self._full_next = True
 
     def encode_resync(
         self, shard, generation: int | None = None, out: np.ndarray | None = None

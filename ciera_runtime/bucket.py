@@ -1,0 +1,593 @@
+"""One compressed collective per engine all-gather: a *bucket* of shards, one round in steady state.
+
+An engine (DeepSpeed's coalesced fetch, FSDP2's parameter group) gathers several shards at once. Here
+the whole bucket travels in one all-gather of one row per rank::
+
+    row = header | entry table (one int64 per shard: message kind and length) | message area (C bytes)
+
+Every shard's *message* — its codec payload, or its raw 16-bit values when the payload would not be
+smaller — is packed, 8-aligned, into the area; whatever does not fit goes into an **overflow round**
+(one more all-gather, sized from the headers every rank received). The area size C is **replicated
+state**: every rank computes it from the same received headers (the largest message total of the last
+gathers of this bucket, plus a margin), so no round is spent agreeing on sizes.
+
+A bucket's first gather is preceded by a fixed-size **registration round** that checks every rank
+gathers the same shards the same way (ids, sizes, dtypes, codec settings, budget, compressed or raw);
+only then does any size depend on state.
+
+Failures (docs/runtime.md, "When a failure surfaces"):
+
+- a rank's own bad input or encode error travels in its header: every rank raises the same
+  :class:`GatherError` **in this gather**;
+- a rank that cannot rebuild a received message raises in this gather; the others, whose weights are
+  exact, raise the same error at **their next CIERA call** (the notice travels in that rank's next
+  header); no caller receives a wrong weight;
+- after any error every encoder of the engine sends full exponents next, so caches are rebuilt.
+
+Every decision that sizes a collective is made from the received rows only (the rank's own row
+included), so every rank takes it alike. Sizes never depend on a field a single rank could read
+differently: the transport delivers the bytes that were sent (gloo over TCP, NCCL), and what CRCs guard
+against is a sender's corrupted row, which every rank sees the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ciera_runtime import protocol
+from ciera_runtime.codec import dtype_from_name, shard_bits
+from ciera_runtime.errors import CieraError, ConfigMismatchError, GatherError
+
+if TYPE_CHECKING:
+    from ciera_runtime.allgather import CompressedAllGather
+
+BUCKET_MAGIC = 0x4349455242 << 8 | 1  # "CIERB" + version
+KIND_PAYLOAD, KIND_RAW = 1, 2
+_HEADER_FIELDS = ("magic", "fingerprint", "call", "failed", "notice_shard", "overflow_bytes", "message_bytes")
+_HEADER_FIXED_BYTES = 8 * len(_HEADER_FIELDS) + protocol.REASON_BYTES
+_REGISTRATION_FIELDS = ("magic", "fingerprint", "shards", "failed")
+REGISTRATION_ROW_BYTES = 8 * len(_REGISTRATION_FIELDS) + protocol.REASON_BYTES + 8
+# The area is sized from the largest message total of this many recent gathers of the bucket, times
+# (1 + margin) plus a few bytes: ZeRO-3 gathers a layer up to three times per iteration and only the first
+# gather after an optimizer step carries changed exponents, so the window must span an iteration.
+CAPACITY_WINDOW = 8
+CAPACITY_MARGIN = 0.03
+CAPACITY_SLACK_BYTES = 64
+# First gather of a bucket: full payloads, about half the raw bytes plus the exponents' entropy.
+_INITIAL_PAYLOAD_RATIO = 0.75
+# A notice says "rank r could not rebuild a gather": the same summary on the failing rank and the others.
+NOTICE_SUMMARY = "a rank could not rebuild its gathered weights, no rank returns them"
+
+
+def _align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def header_bytes(n_shards: int) -> int:
+    return _HEADER_FIXED_BYTES + 8 * n_shards + 8
+
+
+@dataclass
+class _Header:
+    fingerprint: int
+    call: int
+    failed: int
+    notice_shard: int
+    overflow_bytes: int
+    message_bytes: int
+    reason: str
+    entries: tuple[int, ...]  # kind | length << 2, per shard
+
+
+def _pack_header(values: dict, reason: str, entries: list[int], out: np.ndarray) -> None:
+    body = (
+        struct.pack(f"<{len(_HEADER_FIELDS)}q", BUCKET_MAGIC, *(int(values[n]) for n in _HEADER_FIELDS[1:]))
+        + protocol._encode_reason(reason)
+        + struct.pack(f"<{len(entries)}q", *entries)
+    )
+    out[: len(body)] = np.frombuffer(body, dtype=np.uint8)
+    out[len(body) : len(body) + 8] = np.frombuffer(struct.pack("<II", zlib.crc32(body), 0), dtype=np.uint8)
+
+
+def _unpack_header(row: np.ndarray, n_shards: int) -> _Header | None:
+    """The header of one received row, or None when its CRC or magic is wrong."""
+    size = header_bytes(n_shards)
+    data = row[:size].tobytes()
+    body, (crc, _) = data[:-8], struct.unpack("<II", data[-8:])
+    if zlib.crc32(body) != crc:
+        return None
+    fields = struct.unpack_from(f"<{len(_HEADER_FIELDS)}q", body)
+    if fields[0] != BUCKET_MAGIC:
+        return None
+    reason = protocol._decode_reason(body[8 * len(_HEADER_FIELDS) : _HEADER_FIXED_BYTES])
+    entries = struct.unpack_from(f"<{n_shards}q", body, _HEADER_FIXED_BYTES)
+    return _Header(*fields[1:], reason=reason, entries=entries)
+
+
+@dataclass
+class Bucket:
+    """Replicated state of one bucket (the same on every rank): its shards and its message area size."""
+
+    shard_ids: tuple[int, ...]
+    numels: tuple[int, ...]
+    fingerprint: int
+    capacity_bytes: int
+    max_capacity_bytes: int
+    recent_totals: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=CAPACITY_WINDOW)
+    )
+    gathers: int = 0
+    overflows: int = 0
+
+    @property
+    def row_bytes(self) -> int:
+        return header_bytes(len(self.shard_ids)) + self.capacity_bytes
+
+    def update_capacity(self, largest_total_bytes: int) -> None:
+        """The area size for the next gather, from the largest message total every rank saw."""
+        self.recent_totals.append(largest_total_bytes)
+        planned = _align8(int(max(self.recent_totals) * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES)
+        self.capacity_bytes = min(self.max_capacity_bytes, planned)
+
+
+@dataclass
+class BucketStats:
+    calls: int = 0
+    registrations: int = 0
+    overflow_rounds: int = 0
+    raw_messages: int = 0
+    payload_messages: int = 0
+    failed_calls: int = 0
+
+
+class BucketHandle:
+    """Async result of a bucket gather: the row is in flight; ``wait()`` decodes and returns the outputs."""
+
+    def __init__(self, finish) -> None:
+        self._finish = finish
+        self._result: list[torch.Tensor] | None = None
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._result is None:
+            finish, self._finish = self._finish, None
+            if finish is None:
+                raise CieraError("this gather already failed; its handle has no result")
+            self._result = finish()
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._result is not None
+
+
+def _entry(kind: int, length: int) -> int:
+    return kind | (length << 2)
+
+
+def _entry_kind(entry: int) -> int:
+    return entry & 3
+
+
+def _entry_length(entry: int) -> int:
+    return entry >> 2
+
+
+class BucketGather:
+    """The bucket path of one :class:`~ciera_runtime.allgather.CompressedAllGather` (same group, same
+    shards' codec state, same stats)."""
+
+    def __init__(self, engine: CompressedAllGather) -> None:
+        self.engine = engine
+        self.buckets: dict[tuple[int, ...], Bucket] = {}
+        self.stats = BucketStats()
+        self._call = 0
+        self._notice: tuple[int, str] | None = None  # (shard, reason) of this rank's last local failure
+
+    # ----------------------------------------------------------------- registration
+
+    def _fingerprint(self, shard_ids, numels, dtypes, compressed) -> int:
+        engine = self.engine
+        facts = repr(
+            (
+                engine.world_size,
+                engine.config.fingerprint,
+                engine.cache_budget_bytes,
+                tuple(zip(shard_ids, numels, dtypes, compressed, strict=True)),
+            )
+        )
+        return int.from_bytes(hashlib.blake2b(facts.encode(), digest_size=8).digest(), "little") >> 1
+
+    def _register(self, shard_ids: tuple[int, ...], shards: list, error: str | None) -> Bucket:
+        """Register the bucket on every rank alike (one fixed-size round), or raise the same error."""
+        engine = self.engine
+        registered_here: list[int] = []
+        numels: list[int] = []
+        fingerprint = 0
+        if error is None:
+            try:
+                dtypes, compressed = [], []
+                for shard_id, shard in zip(shard_ids, shards, strict=True):
+                    if shard_id not in engine._shards:
+                        engine.register(shard_id, shard.numel(), shard.dtype)
+                        registered_here.append(shard_id)
+                    state = engine._shards[shard_id]
+                    numels.append(state.numel)
+                    dtypes.append(int(state.dtype))
+                    compressed.append(state.compressed)
+                fingerprint = self._fingerprint(shard_ids, numels, dtypes, compressed)
+            except (ValueError, CieraError) as failure:
+                error = str(failure)
+        body = struct.pack(
+            f"<{len(_REGISTRATION_FIELDS)}q",
+            BUCKET_MAGIC,
+            fingerprint,
+            len(shard_ids),
+            int(error is not None),
+        ) + protocol._encode_reason(error or "")
+        send = np.frombuffer(body + struct.pack("<II", zlib.crc32(body), 0), dtype=np.uint8).copy()
+        if engine.fault_injector is not None:
+            engine.fault_injector("control", shard_ids[0], send)
+        received = self._exchange(send, "registration", shard_ids[0])
+        self.stats.registrations += 1
+        rows = [self._unpack_registration(row) for row in received]
+        problem = self._registration_problem(rows, shard_ids[0])
+        if problem is not None:
+            for shard_id in registered_here:
+                engine._unregister(shard_id)
+            raise problem
+        states = [engine._shards[shard_id] for shard_id in shard_ids]
+        initial, largest = 0, 0
+        for state in states:
+            raw_bytes = _align8(2 * state.numel)
+            if state.compressed:
+                layout = state.encoder.layout
+                initial += min(
+                    raw_bytes, _align8(layout.fixed_bytes + int(_INITIAL_PAYLOAD_RATIO * state.numel))
+                )
+            else:
+                initial += raw_bytes
+            largest += raw_bytes
+        bucket = Bucket(shard_ids, tuple(numels), fingerprint, initial, largest)
+        self.buckets[shard_ids] = bucket
+        return bucket
+
+    @staticmethod
+    def _unpack_registration(row: np.ndarray):
+        data = row.tobytes()
+        body, (crc, _) = data[:-8], struct.unpack("<II", data[-8:])
+        if zlib.crc32(body) != crc:
+            return None
+        fields = struct.unpack_from(f"<{len(_REGISTRATION_FIELDS)}q", body)
+        if fields[0] != BUCKET_MAGIC:
+            return None
+        return fields[1:], protocol._decode_reason(body[8 * len(_REGISTRATION_FIELDS) :])
+
+    @staticmethod
+    def _registration_problem(rows, shard_id: int) -> GatherError | None:
+        unreadable = {
+            rank: "registration row unreadable (corrupted)" for rank, row in enumerate(rows) if row is None
+        }
+        if unreadable:
+            return GatherError(shard_id, unreadable, "bucket registration aborted")
+        failed = {rank: reason or "failed locally" for rank, ((_, _, bad), reason) in enumerate(rows) if bad}
+        if failed:
+            return GatherError(shard_id, failed, "gather aborted on every rank")
+        prints = [fingerprint for (fingerprint, _, _), _ in rows]
+        if len(set(prints)) > 1:
+            per_rank = {
+                rank: f"bucket of {shards} shards, fingerprint {fingerprint:#018x}"
+                for rank, ((fingerprint, shards, _), _) in enumerate(rows)
+            }
+            return ConfigMismatchError(
+                shard_id,
+                per_rank,
+                "ranks disagree on the bucket (shard ids, sizes, dtypes, codec settings, budget or mode)",
+            )
+        return None
+
+    # ----------------------------------------------------------------- collectives
+
+    def _exchange(self, send: np.ndarray, round_name: str, shard_id: int) -> np.ndarray:
+        from ciera_runtime.allgather import _all_gather_single
+
+        engine = self.engine
+        recv = torch.empty(engine.world_size * send.size, dtype=torch.uint8)
+        work = _all_gather_single(recv, torch.from_numpy(send), group=engine.group, async_op=True)
+        engine.stats.rounds += 1
+        engine.stats.bytes_sent += send.size
+        engine._wait(work, round_name, shard_id)
+        return recv.numpy().reshape(engine.world_size, send.size)
+
+    # ----------------------------------------------------------------- the gather
+
+    def _validate(self, shards, shard_ids, outputs) -> str | None:
+        engine = self.engine
+        if len(shards) != len(shard_ids) or (outputs is not None and len(outputs) != len(shards)):
+            return f"{len(shards)} shards, {len(shard_ids)} ids, {len(outputs or ())} outputs: expected equal counts"
+        for index, shard in enumerate(shards):
+            if not isinstance(shard, torch.Tensor):
+                return f"shard {shard_ids[index]} is {type(shard).__name__}, expected a torch.Tensor"
+            if shard.dtype not in (torch.bfloat16, torch.float16):
+                return f"shard {shard_ids[index]} has dtype {shard.dtype}, expected bfloat16 or float16"
+            state = engine._shards.get(shard_ids[index])
+            if state is not None and (shard.numel(), dtype_from_name(shard.dtype)) != (
+                state.numel,
+                state.dtype,
+            ):
+                return (
+                    f"shard {shard_ids[index]} has {shard.numel()} x {shard.dtype}, registered as "
+                    f"{state.numel} x {state.dtype.name.lower()}"
+                )
+            if outputs is not None:
+                output = outputs[index]
+                if not isinstance(output, torch.Tensor) or output.dtype != shard.dtype:
+                    return f"output of shard {shard_ids[index]} is not a {shard.dtype} tensor"
+                if output.device.type != "cpu":
+                    return (
+                        f"output is on {output.device}: the codec backends in this build work on CPU tensors"
+                    )
+                if output.numel() != engine.world_size * shard.numel():
+                    return (
+                        f"output of shard {shard_ids[index]} has {output.numel()} elements, expected "
+                        f"world_size x numel = {engine.world_size * shard.numel()}"
+                    )
+        return None
+
+    def all_gather(self, shards: list, shard_ids: list[int], outputs: list | None = None) -> BucketHandle:
+        """Start gathering every shard of the bucket (one row in flight on return); ``wait()`` on the
+        handle returns the gathered tensors, bit for bit ``all_gather_into_tensor`` of each shard, or
+        raises (see the module's docstring for which gather raises)."""
+        engine = self.engine
+        shards, shard_ids = list(shards), tuple(shard_ids)
+        if not shard_ids or len(set(shard_ids)) != len(shard_ids):
+            raise ValueError(f"shard_ids={shard_ids!r}: expected distinct ids, at least one")
+        for shard_id in shard_ids:
+            if isinstance(shard_id, bool) or not isinstance(shard_id, int) or not 0 <= shard_id < 1 << 32:
+                raise ValueError(f"shard_id={shard_id!r}: expected an integer in [0, 2**32)")
+        outputs = list(outputs) if outputs is not None else None
+        error = self._validate(shards, shard_ids, outputs)
+        if engine.world_size == 1:
+            if error is not None:
+                raise GatherError(shard_ids[0], {0: error}, "gather aborted")
+            results = outputs or [torch.empty_like(shard.reshape(-1)) for shard in shards]
+            for shard, result in zip(shards, results, strict=True):
+                result.view(-1).copy_(shard.reshape(-1)) if result.is_contiguous() else result.copy_(
+                    shard.reshape(result.shape)
+                )
+            return BucketHandle(lambda: results)
+        bucket = self.buckets.get(shard_ids)
+        if bucket is None:
+            bucket = self._register(shard_ids, shards, error)
+        return self._start(bucket, shards, outputs, error)
+
+    def _start(self, bucket: Bucket, shards, outputs, error: str | None) -> BucketHandle:
+        engine, stats = self.engine, self.stats
+        self._call += 1
+        stats.calls += 1
+        encode_start_s = time.perf_counter()
+        n = len(bucket.shard_ids)
+        head = header_bytes(n)
+        send = np.zeros(bucket.row_bytes, dtype=np.uint8)
+        area = send[head:]
+        overflow = bytearray()
+        entries = [0] * n
+        bits_of: list[np.ndarray | None] = [None] * n
+        position = 0
+        if error is None:
+            try:
+                for index, (shard_id, shard) in enumerate(zip(bucket.shard_ids, shards, strict=True)):
+                    state = engine._shards[shard_id]
+                    bits = shard_bits(shard, state.dtype, f"shard {shard_id}")
+                    bits_of[index] = bits
+                    message = bits.view(np.uint8)
+                    kind = KIND_RAW
+                    if state.compressed:
+                        payload = state.encoder.encode(bits, out=engine._scratch_for(state))
+                        if payload.size < message.size:
+                            message, kind = payload, KIND_PAYLOAD
+                        else:  # not smaller than raw: raw in its slot; receivers' caches skip it
+                            state.encoder.force_full()
+                    stats.payload_messages += kind == KIND_PAYLOAD
+                    stats.raw_messages += kind == KIND_RAW
+                    entries[index] = _entry(kind, message.size)
+                    fits = max(0, min(message.size, area.size - position))
+                    area[position : position + fits] = message[:fits]
+                    if fits < message.size:
+                        overflow += message[fits:].tobytes()
+                        overflow += bytes(_align8(message.size) - message.size)
+                    position = min(area.size, _align8(position + message.size))
+            except (ValueError, CieraError) as failure:
+                error = str(failure)
+        message_bytes = sum(_align8(_entry_length(e)) for e in entries)
+        notice_shard, reason = -1, error or ""
+        if error is None and self._notice is not None:
+            notice_shard, reason = self._notice
+        if error is not None:
+            entries, overflow, message_bytes = [0] * n, bytearray(), 0
+            area[:] = 0
+        header_values = {
+            "fingerprint": bucket.fingerprint,
+            "call": self._call,
+            "failed": int(error is not None),
+            "notice_shard": notice_shard,
+            "overflow_bytes": len(overflow),
+            "message_bytes": message_bytes,
+        }
+        _pack_header(header_values, reason, entries, send)
+        encode_end_s = time.perf_counter()
+        engine.stats.encode_s += encode_end_s - encode_start_s
+        if engine.codec_timer is not None and error is None:
+            engine.codec_timer("codec_send", bucket.shard_ids[0], encode_start_s, encode_end_s, 0)
+        if engine.fault_injector is not None:
+            engine.fault_injector("send", bucket.shard_ids[0], send)
+        from ciera_runtime.allgather import _all_gather_single
+
+        recv = torch.empty(engine.world_size * send.size, dtype=torch.uint8)
+        work = _all_gather_single(recv, torch.from_numpy(send), group=engine.group, async_op=True)
+        engine.stats.rounds += 1
+        engine.stats.bytes_sent += send.size
+        engine.stats.gathers += 1
+        engine.stats.raw_bytes_equivalent += sum(2 * numel for numel in bucket.numels)
+
+        def finish() -> list[torch.Tensor]:
+            try:
+                return self._finish(bucket, work, recv, bytes(overflow), bits_of, shards, outputs)
+            except GatherError:
+                stats.failed_calls += 1
+                engine.stats.failed_gathers += 1
+                raise
+
+        return BucketHandle(finish)
+
+    def _finish(
+        self, bucket: Bucket, work, recv, overflow: bytes, bits_of, shards, outputs
+    ) -> list[torch.Tensor]:
+        engine = self.engine
+        world_size, rank, n = engine.world_size, engine.rank, len(bucket.shard_ids)
+        first = bucket.shard_ids[0]
+        engine._wait(work, "bucket", first)
+        head = header_bytes(n)
+        received = recv.numpy().reshape(world_size, bucket.row_bytes)
+        headers = [_unpack_header(row, n) for row in received]
+        # The overflow round: sized from the headers every rank received, so every rank runs it alike.
+        limit = bucket.max_capacity_bytes + 8 * n
+        overflow_bytes = max(
+            (h.overflow_bytes for h in headers if h is not None and 0 <= h.overflow_bytes <= limit), default=0
+        )
+        overflow_rows = None
+        if overflow_bytes:
+            send = np.zeros(overflow_bytes, dtype=np.uint8)
+            send[: len(overflow)] = np.frombuffer(overflow, dtype=np.uint8)[:overflow_bytes]
+            overflow_rows = self._exchange(send, "overflow", first)
+            self.stats.overflow_rounds += 1
+            bucket.overflows += 1
+        bucket.gathers += 1
+        problem = self._problem(headers, bucket, limit)
+        if problem is not None:
+            self._reset_after_error()
+            raise problem
+        bucket.update_capacity(max(h.message_bytes for h in headers))
+        if self.engine.fault_injector is not None:
+            self.engine.fault_injector("receive", first, received[:, head:])
+        decode_start_s = time.perf_counter()
+        results = []
+        failure: tuple[int, str] | None = None
+        for index, shard_id in enumerate(bucket.shard_ids):
+            state = engine._shards[shard_id]
+            numel = state.numel
+            output = outputs[index] if outputs is not None else None
+            contiguous = output is not None and output.is_contiguous()
+            result = output if contiguous else torch.empty(world_size * numel, dtype=state.torch_dtype)
+            out_bits = result.view(-1).view(torch.int16).numpy().view(np.uint16)
+            out_bits[rank * numel : (rank + 1) * numel] = bits_of[index]
+            if failure is None:
+                failure = self._decode_sources(
+                    index, shard_id, state, headers, received, overflow_rows, head, out_bits
+                )
+            if output is not None and not contiguous:
+                output.copy_(result.view(output.shape))
+            results.append(output if output is not None else result)
+        decode_end_s = time.perf_counter()
+        engine.stats.decode_s += decode_end_s - decode_start_s
+        if engine.codec_timer is not None:
+            engine.codec_timer(
+                "codec_recv", first, decode_start_s, decode_end_s, 2 * sum(bucket.numels) * world_size
+            )
+        if failure is not None:
+            self._notice = failure
+            raise GatherError(failure[0], {rank: failure[1]}, NOTICE_SUMMARY)
+        return results
+
+    def _problem(self, headers: list[_Header | None], bucket: Bucket, limit: int) -> GatherError | None:
+        """The error every rank raises for this gather, derived from the received headers only."""
+        first = bucket.shard_ids[0]
+        n = len(bucket.shard_ids)
+        unreadable = {}
+        for rank, header in enumerate(headers):
+            if header is None:
+                unreadable[rank] = "bucket header unreadable (corrupted, or another CIERA version)"
+            elif not 0 <= header.overflow_bytes <= limit or not 0 <= header.message_bytes <= limit:
+                unreadable[rank] = (
+                    f"header sizes out of bounds ({header.message_bytes}, {header.overflow_bytes})"
+                )
+        if unreadable:
+            return GatherError(first, unreadable, "gather aborted")
+        calls = {h.call for h in headers}
+        if len(calls) > 1:
+            per_rank = {rank: f"CIERA call {h.call}" for rank, h in enumerate(headers)}
+            return GatherError(
+                first, per_rank, "ranks are at different CIERA calls (a rank skipped or repeated one)"
+            )
+        prints = {h.fingerprint for h in headers}
+        if len(prints) > 1:
+            per_rank = {rank: f"bucket fingerprint {h.fingerprint:#018x}" for rank, h in enumerate(headers)}
+            return ConfigMismatchError(first, per_rank, "ranks gather different buckets in the same call")
+        failed = {rank: h.reason or "failed locally" for rank, h in enumerate(headers) if h.failed}
+        if failed:
+            return GatherError(first, failed, "gather aborted on every rank")
+        notices = {rank: h for rank, h in enumerate(headers) if h.notice_shard >= 0}
+        if notices:
+            shard = min(h.notice_shard for h in notices.values())
+            return GatherError(shard, {rank: h.reason for rank, h in notices.items()}, NOTICE_SUMMARY)
+        for rank, header in enumerate(headers):
+            total = 0
+            for entry in header.entries:
+                if _entry_kind(entry) not in (KIND_PAYLOAD, KIND_RAW):
+                    return GatherError(first, {rank: f"message kind {_entry_kind(entry)}"}, "gather aborted")
+                total += _align8(_entry_length(entry))
+            if total != header.message_bytes or len(header.entries) != n:
+                return GatherError(first, {rank: "entry table does not add up"}, "gather aborted")
+        return None
+
+    def _decode_sources(self, index, shard_id, state, headers, received, overflow_rows, head, out_bits):
+        """Rebuild every other rank's part of shard ``index``; (shard, reason) of the first failure."""
+        engine = self.engine
+        numel = state.numel
+        for source in range(engine.world_size):
+            if source == engine.rank:
+                continue
+            entries = headers[source].entries
+            offset = sum(_align8(_entry_length(e)) for e in entries[:index])
+            entry = entries[index]
+            kind, length = _entry_kind(entry), _entry_length(entry)
+            area = received[source, head:]
+            if offset + length <= area.size:
+                message = area[offset : offset + length]
+            else:
+                spill = overflow_rows[source] if overflow_rows is not None else np.zeros(0, dtype=np.uint8)
+                inside = area[min(offset, area.size) :]
+                start_in_spill = max(0, offset - area.size)
+                message = np.concatenate(
+                    [inside, spill[start_in_spill : start_in_spill + length - inside.size]]
+                )
+                if message.size != length:
+                    return shard_id, f"rebuilding rank {source}'s shard: message truncated"
+            target = out_bits[source * numel : (source + 1) * numel]
+            try:
+                if kind == KIND_RAW:
+                    if length != 2 * numel:
+                        raise CieraError(f"raw message of {length} bytes, expected {2 * numel}")
+                    # A compressed shard's cache skips it: the sender's next payload is full.
+                    target[:] = message.view(np.uint16)
+                else:
+                    if not state.compressed:
+                        raise CieraError("payload for a shard registered raw")
+                    state.decoders[source].decode(message, out=target)
+            except (CieraError, ValueError) as error:
+                return shard_id, f"rebuilding rank {source}'s shard: {error}"
+        return None
+
+    def _reset_after_error(self) -> None:
+        """Every rank reaches this at the same gather: every encoder sends full exponents next."""
+        self._notice = None
+        for state in self.engine._shards.values():
+            if state.compressed:
+                state.encoder.force_full()

@@ -434,7 +434,7 @@ class BucketGather:
         work = _all_gather_single(recv, torch.from_numpy(send), group=engine.group, async_op=True)
         engine.stats.rounds += 1
         engine.stats.bytes_sent += send.size
-        engine.stats.gathers += 1
+        engine.stats.gathers += n  # shard gathers, as on the per-shard path
         engine.stats.raw_bytes_equivalent += sum(2 * numel for numel in bucket.numels)
 
         def finish() -> list[torch.Tensor]:

@@ -6,7 +6,8 @@ FSDP2 gathers one parameter group (the parameters one ``fully_shard`` call owns)
 ``AllGather`` comm with ``(output, input = output[r·n:(r+1)·n], group, async_op)``.
 ``FSDPModule.set_custom_all_gather(comm)`` replaces that comm. :func:`enable_ciera` installs a
 :class:`CieraAllGather` on every FSDP module of a model; each one sends its group's flat input through one
-:class:`~ciera_runtime.CompressedAllGather` engine per process group, as one shard (one shard id per
+:class:`~ciera_runtime.CompressedAllGather` engine per process group, as a bucket of one shard — one
+collective per FSDP2 all-gather, one round in steady state (one shard id per
 parameter group, numbered in ``model.named_modules()`` order and registered on its first gather, which is
 the same on every rank). The result is bit for bit what ``all_gather_into_tensor`` gives, or every rank
 raises the same :class:`~ciera_runtime.GatherError`, unchanged.
@@ -16,7 +17,7 @@ the result is waited on only if it is a ``dist.Work`` (``isinstance(work, dist.d
 and any non-``None`` value marks the gather as asynchronous. So with ``async_op=False`` (FSDP2's default
 for its pre-forward / pre-backward unshard and its implicit prefetch) the gather is finished before the
 call returns and ``None`` is returned; with ``async_op=True`` (``FSDPModule.unshard(async_op=True)``,
-``_set_unshard_async_op(True)``) the engine's control round is in flight on return and a ``dist.Work``
+``_set_unshard_async_op(True)``) the engine's bucket row is in flight on return and a ``dist.Work``
 subclass finishes the protocol in ``wait()`` — any other object would never be waited on, and FSDP2
 would read an unfinished buffer.
 
@@ -63,7 +64,7 @@ _HISTORY = 64
 class ModuleGatherStats:
     """All-gathers of one FSDP parameter group on this rank. Bytes are what this rank sends: ``raw_bytes``
     its shard as the plain all-gather sends it, ``wire_bytes`` what actually went out (the compressed
-    protocol's control, bulk and status rows; the shard itself for a plain gather)."""
+    protocol's rows: registration, bucket and overflow rows; the shard itself for a plain gather)."""
 
     module: str
     shard_id: int
@@ -187,7 +188,8 @@ class CieraFSDP2:
             stats.dtype, stats.numel = str(input_tensor.dtype).removeprefix("torch."), input_tensor.numel()
         start_s = time.perf_counter()
         sent_before = engine.stats.bytes_sent
-        handle = engine.all_gather(input_tensor, stats.shard_id, output=output)  # control round in flight
+        # One collective for the group's flat shard, in flight on return (one round in steady state).
+        handle = engine.all_gather_bucket([input_tensor], [stats.shard_id], [output])
         stats.wire_bytes += engine.stats.bytes_sent - sent_before
         if stats.compressed is None and stats.shard_id in engine.registrations:
             registration = engine.registrations[stats.shard_id]

@@ -138,11 +138,12 @@ def category_from_name(name: str) -> str:
 
 @dataclass
 class _Job:
-    """One CIERA gather in flight (started, not yet finished)."""
+    """One CIERA bucket gather in flight (started, not yet finished): the parameters of one coalesced call
+    that share a process group, gathered in one collective."""
 
-    param: Any
-    handle: Any  # ciera_runtime.allgather.AllGatherHandle
-    output: Any  # torch.Tensor of world_size * partition numel
+    params: list
+    handle: Any  # ciera_runtime.bucket.BucketHandle
+    outputs: list  # torch.Tensor of world_size * partition numel, per parameter
     done: bool = False
     error: BaseException | None = None
 
@@ -161,7 +162,8 @@ class CieraGatherHandle:
     def wait(self, handle_dependency: bool = True, **kwargs) -> None:
         if self.complete:
             return
-        self._owner._finish_through(self._jobs[-1])
+        if self._jobs:
+            self._owner._finish_through(self._jobs[-1])
         for job in self._jobs:
             self._owner._publish(job)
         self._jobs = []
@@ -281,6 +283,14 @@ class CieraZero3:
         status rounds) plus the raw bytes of the gathers left on DeepSpeed's path."""
         ciera = collections.Counter()
         for engine in self.gathers.values():
+            buckets = engine.bucket_stats
+            if buckets is not None:
+                ciera.update(
+                    calls=buckets.calls,
+                    registrations=buckets.registrations,
+                    overflow_rounds=buckets.overflow_rounds,
+                    raw_messages=buckets.raw_messages,
+                )
             s = engine.stats
             ciera.update(
                 gathers=s.gathers,
@@ -297,6 +307,10 @@ class CieraZero3:
             "ciera_resyncs": ciera["resyncs"],
             "ciera_failed_gathers": ciera["failed_gathers"],
             "ciera_rounds": ciera["rounds"],
+            "ciera_calls": ciera["calls"],  # bucket collectives: one per coalesced DeepSpeed call
+            "ciera_registrations": ciera["registrations"],
+            "ciera_overflow_rounds": ciera["overflow_rounds"],
+            "ciera_raw_messages": ciera["raw_messages"],
             "ciera_bytes_sent": ciera["bytes_sent"],
             "ciera_raw_bytes_equivalent": ciera["raw_bytes_equivalent"],
             "deepspeed_gathers": self._ds_gathers,
@@ -342,16 +356,27 @@ class CieraZero3:
         # hpZ secondary partitions and quantised partitions travel on DeepSpeed's path.
         return param.ds_secondary_tensor is None and not hasattr(param.ds_tensor, "ds_quant_scale")
 
-    def _start(self, param) -> _Job:
+    def _start(self, params: list) -> list[_Job]:
+        """Start one bucket gather per process group for ``params`` (one, in practice): the row is in
+        flight on return, so DeepSpeed's prefetch overlaps its transfer with compute."""
         import torch
 
-        engine = self._engine_of[param.ds_id]
-        shard = param.ds_tensor
-        output = torch.empty(engine.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
-        handle = engine.all_gather(shard.data, param.ds_id, output=output)
-        job = _Job(param, handle, output)
-        self._pending.append(job)
-        return job
+        by_engine: dict[int, list] = {}
+        for param in params:
+            by_engine.setdefault(id(self._engine_of[param.ds_id]), []).append(param)
+        jobs = []
+        for group_params in by_engine.values():
+            engine = self._engine_of[group_params[0].ds_id]
+            shards = [param.ds_tensor.data for param in group_params]
+            outputs = [
+                torch.empty(engine.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+                for shard in shards
+            ]
+            handle = engine.all_gather_bucket(shards, [param.ds_id for param in group_params], outputs)
+            job = _Job(group_params, handle, outputs)
+            self._pending.append(job)
+            jobs.append(job)
+        return jobs
 
     def _finish_through(self, target: _Job) -> None:
         """Finish every started CIERA gather up to ``target``, in start order. On a failure, finish every
@@ -382,12 +407,12 @@ class CieraZero3:
         """Point the parameter at its gathered values and mark it AVAILABLE, as DeepSpeed's handles do."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-        param = job.param
-        if param.ds_status != ZeroParamStatus.INFLIGHT:
-            raise RuntimeError(f"expected param {param.ds_summary()} to be inflight")
-        param.data = job.output.narrow(0, 0, param.ds_numel).view(param.ds_shape)
-        param.ds_status = ZeroParamStatus.AVAILABLE
-        job.output = None
+        for param, output in zip(job.params, job.outputs, strict=True):
+            if param.ds_status != ZeroParamStatus.INFLIGHT:
+                raise RuntimeError(f"expected param {param.ds_summary()} to be inflight")
+            param.data = output.narrow(0, 0, param.ds_numel).view(param.ds_shape)
+            param.ds_status = ZeroParamStatus.AVAILABLE
+        job.outputs = []
 
     def _all_gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False):
         """Replacement of every parameter's ``all_gather_coalesced`` (DeepSpeed's coordinator calls it on
@@ -403,10 +428,9 @@ class CieraZero3:
                 if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
                     raise RuntimeError(param.ds_summary())
             self._count(params, sync=False)
-            jobs = []
             for param in mine:
                 param.ds_status = ZeroParamStatus.INFLIGHT
-                jobs.append(self._start(param))
+            jobs = self._start(mine) if mine else []
             ds_handle = None
             if rest or not mine:
                 self._count_ds_path(rest)
@@ -447,10 +471,9 @@ class CieraZero3:
             chosen = {id(p) for p in mine}
             rest = [p for p in param_list if id(p) not in chosen]
             self._count(to_gather, sync=True)
-            jobs = []
             for param in mine:
                 param.ds_status = ZeroParamStatus.INFLIGHT
-                jobs.append(self._start(param))
+            jobs = self._start(mine) if mine else []
             if jobs:
                 self._finish_through(jobs[-1])
                 for job in jobs:

@@ -273,6 +273,8 @@ def count_worker(rank: int, world_size: int, port: int, iterations: int, results
     """Gathers per parameter per iteration, plain ZeRO-3 (DeepSpeed's functions counted) against CIERA
     (the integration's own counts), under several engine knobs; then BSC on the measured link and on a
     given slow-link profile."""
+    import torch.distributed as dist
+
     from ciera_runtime.selection import CommProfile
     from ciera_runtime.zero3 import enable_ciera
 
@@ -326,7 +328,8 @@ def count_worker(rank: int, world_size: int, port: int, iterations: int, results
     measured.disable()
     sizes = tuple(4**k for k in range(4, 12))
     slow = CommProfile(sizes, tuple(50e-6 + size / 2e6 for size in sizes))
-    given = enable_ciera(engine, comm_profile=slow)
+    # A short timeout: after the fault below, the rank that failed leaves the step (see docs/runtime.md).
+    given = enable_ciera(engine, comm_profile=slow, timeout_s=10.0)
     given_table = [row.as_dict() for row in given.decisions]
     given_routes = {
         route.name: (route.path, route.partition_numel, route.category) for route in given.routes.values()
@@ -335,7 +338,8 @@ def count_worker(rank: int, world_size: int, port: int, iterations: int, results
     logging.getLogger("ciera_runtime").removeHandler(handler)
     given_stats = given.stats()
 
-    # A corrupted payload on one receiver: every rank's step raises the same GatherError, unchanged.
+    # A corrupted payload on one receiver: that rank raises the GatherError now; the other raises at its
+    # next CIERA call — the same error if the failed rank calls again, a timeout when it has left the step.
     (gather_engine,) = given.gathers.values()
     victim = min(ds_id for ds_id, route in given.routes.items() if route.path == "ciera")
 
@@ -344,6 +348,19 @@ def count_worker(rank: int, world_size: int, port: int, iterations: int, results
             array[0, 100] ^= 0x10  # a byte of rank 0's payload, as rank 1 received it
 
     gather_engine.fault_injector = corrupt
+    payload = {
+        "rank": rank,
+        "counts": found,
+        "measured_table": measured_table,
+        "measured_routes": measured_routes,
+        "given_table": given_table,
+        "given_routes": given_routes,
+        "given_stats": given_stats,
+        "losses": losses,
+        "log": records,
+    }
+    dist.barrier()  # everything above is in; the fault run below ends the group
+    started_fault = time.perf_counter()
     try:
         train_step(engine, 3, rank)
         fault = {"raised": None}
@@ -353,22 +370,13 @@ def count_worker(rank: int, world_size: int, port: int, iterations: int, results
         fault = {"raised": type(error).__name__, "is_gather_error": isinstance(error, GatherError)}
         fault.update(message=str(error), shard_id=getattr(error, "shard_id", None), victim=victim)
     fault["failed_gathers"] = given.stats()["ciera_failed_gathers"]
-    finish(
-        results,
-        {
-            "rank": rank,
-            "counts": found,
-            "measured_table": measured_table,
-            "measured_routes": measured_routes,
-            "given_table": given_table,
-            "given_routes": given_routes,
-            "given_stats": given_stats,
-            "losses": losses,
-            "log": records,
-            "fault": fault,
-            "seconds": time.perf_counter() - started,
-        },
-    )
+    fault["seconds"] = time.perf_counter() - started_fault
+    payload.update(fault=fault, seconds=time.perf_counter() - started)
+    results.put(payload)
+    results.close()
+    results.join_thread()
+    # As torchrun would: a rank whose step raised exits; the other ranks' next collective then fails.
+    os._exit(0)
 
 
 def dying_rank_worker(rank: int, world_size: int, port: int, timeout_s: float, results) -> None:

@@ -199,15 +199,17 @@ def test_bsc_applies_rank_zeros_table(counted) -> None:
     assert any("per-category priors" in line and "expert_ffn q=0.22" in line for line in rank0["log"])
 
 
-def test_a_failed_gather_raises_the_same_gather_error_on_every_rank(counted) -> None:
+def test_a_failed_gather_raises_on_the_failing_rank_and_at_the_others_next_call(counted) -> None:
     rank0, rank1 = counted
-    for result in counted:
-        fault = result["fault"]
-        assert fault["is_gather_error"] and fault["shard_id"] == fault["victim"]
-    assert rank0["fault"]["raised"] == rank1["fault"]["raised"]
-    assert rank0["fault"]["message"] == rank1["fault"]["message"]
-    assert "rank 1" in rank0["fault"]["message"]
-    assert rank0["fault"]["failed_gathers"] == rank1["fault"]["failed_gathers"] == 1
+    # Rank 1 could not rebuild rank 0's payload: it raises in that gather, naming the shard and itself.
+    fault = rank1["fault"]
+    assert fault["is_gather_error"] and fault["shard_id"] == fault["victim"]
+    assert "could not rebuild" in fault["message"] and "rank 1" in fault["message"]
+    # Rank 0's weights were exact; rank 1 left the step and exited, as torchrun's workers do: rank 0's
+    # next collective (CIERA's or DeepSpeed's) fails at once, never a hang.
+    assert rank0["fault"]["raised"] is not None, rank0["fault"]
+    assert rank0["fault"]["seconds"] < 60, rank0["fault"]
+    print(f"rank 0 after rank 1's failure: {rank0['fault']['raised']}: {rank0['fault']['message'][:120]}")
 
 
 def test_a_rank_that_dies_does_not_hang_the_other() -> None:

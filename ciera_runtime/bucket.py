@@ -18,10 +18,12 @@ only then does any size depend on state.
 Failures (docs/runtime.md, "When a failure surfaces"):
 
 - a rank's own bad input or encode error travels in its header: every rank raises the same
-  :class:`GatherError` **in this gather**;
-- a rank that cannot rebuild a received message raises in this gather; the others, whose weights are
-  exact, raise the same error at **their next CIERA call** (the notice travels in that rank's next
-  header); no caller receives a wrong weight;
+  :class:`GatherError` **in this gather**, and the group stays in step;
+- a rank that cannot rebuild a received message raises in this gather and posts the error in the
+  group's store; the others, whose weights are exact, raise the same error at their next CIERA call
+  (they find it in the store while they wait for that rank's row, which never comes). No caller receives
+  a wrong weight. The CIERA groups are then out of step: every rank's next call re-creates them (a
+  rendezvous), re-registers its buckets and sends full exponents;
 - after any error every encoder of the engine sends full exponents next, so caches are rebuilt.
 
 Every decision that sizes a collective is made from the received rows only (the rank's own row
@@ -38,6 +40,7 @@ import struct
 import time
 import zlib
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,14 +48,14 @@ import torch
 
 from ciera_runtime import protocol
 from ciera_runtime.codec import dtype_from_name, shard_bits
-from ciera_runtime.errors import CieraError, ConfigMismatchError, GatherError
+from ciera_runtime.errors import CieraError, ConfigMismatchError, GatherError, GatherTimeoutError
 
 if TYPE_CHECKING:
     from ciera_runtime.allgather import CompressedAllGather
 
 BUCKET_MAGIC = 0x4349455242 << 8 | 1  # "CIERB" + version
 KIND_PAYLOAD, KIND_RAW = 1, 2
-_HEADER_FIELDS = ("magic", "fingerprint", "call", "failed", "notice_shard", "overflow_bytes", "message_bytes")
+_HEADER_FIELDS = ("magic", "fingerprint", "call", "failed", "overflow_bytes", "message_bytes")
 _HEADER_FIXED_BYTES = 8 * len(_HEADER_FIELDS) + protocol.REASON_BYTES
 _REGISTRATION_FIELDS = ("magic", "fingerprint", "shards", "failed")
 REGISTRATION_ROW_BYTES = 8 * len(_REGISTRATION_FIELDS) + protocol.REASON_BYTES + 8
@@ -62,10 +65,16 @@ REGISTRATION_ROW_BYTES = 8 * len(_REGISTRATION_FIELDS) + protocol.REASON_BYTES +
 CAPACITY_WINDOW = 8
 CAPACITY_MARGIN = 0.03
 CAPACITY_SLACK_BYTES = 64
+# The area of call m is sized from the gathers of its bucket among calls 1..m-CALL_LAG, which every rank
+# has finished by then (starting call m finishes them first, in order): ranks may interleave starts and
+# waits differently (DeepSpeed's prefetch, FSDP2's async unshard), and no size may depend on that.
+CALL_LAG = 4
 # First gather of a bucket: full payloads, about half the raw bytes plus the exponents' entropy.
 _INITIAL_PAYLOAD_RATIO = 0.75
-# A notice says "rank r could not rebuild a gather": the same summary on the failing rank and the others.
+# A rank that could not rebuild a gather: the same summary on that rank and, later, on the others.
 NOTICE_SUMMARY = "a rank could not rebuild its gathered weights, no rank returns them"
+# Waits are cut into slices; between two, the group's store is checked for another rank's failure.
+WAIT_SLICE_S = 0.1
 
 
 def _align8(n: int) -> int:
@@ -81,7 +90,6 @@ class _Header:
     fingerprint: int
     call: int
     failed: int
-    notice_shard: int
     overflow_bytes: int
     message_bytes: int
     reason: str
@@ -120,23 +128,24 @@ class Bucket:
     shard_ids: tuple[int, ...]
     numels: tuple[int, ...]
     fingerprint: int
-    capacity_bytes: int
+    initial_capacity_bytes: int
     max_capacity_bytes: int
-    recent_totals: collections.deque = field(
-        default_factory=lambda: collections.deque(maxlen=CAPACITY_WINDOW)
-    )
+    # (call number, largest message total every rank saw) of this bucket's finished gathers, in call order.
+    totals: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4 * CAPACITY_WINDOW))
     gathers: int = 0
     overflows: int = 0
 
-    @property
-    def row_bytes(self) -> int:
-        return header_bytes(len(self.shard_ids)) + self.capacity_bytes
+    def capacity_for(self, call: int) -> int:
+        """The message area of this bucket's gather at engine call ``call``: from its gathers among calls
+        1..call-CALL_LAG only (finished on every rank by then), so every rank computes the same size."""
+        seen = [total for number, total in self.totals if number <= call - CALL_LAG][-CAPACITY_WINDOW:]
+        if not seen:
+            return self.initial_capacity_bytes
+        planned = _align8(int(max(seen) * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES)
+        return min(self.max_capacity_bytes, planned)
 
-    def update_capacity(self, largest_total_bytes: int) -> None:
-        """The area size for the next gather, from the largest message total every rank saw."""
-        self.recent_totals.append(largest_total_bytes)
-        planned = _align8(int(max(self.recent_totals) * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES)
-        self.capacity_bytes = min(self.max_capacity_bytes, planned)
+    def record(self, call: int, largest_total_bytes: int) -> None:
+        self.totals.append((call, largest_total_bytes))
 
 
 @dataclass
@@ -152,16 +161,26 @@ class BucketStats:
 class BucketHandle:
     """Async result of a bucket gather: the row is in flight; ``wait()`` decodes and returns the outputs."""
 
-    def __init__(self, finish) -> None:
+    def __init__(self, finish, owner: BucketGather | None = None) -> None:
         self._finish = finish
+        self._owner = owner
         self._result: list[torch.Tensor] | None = None
+        self._error: CieraError | None = None
 
     def wait(self) -> list[torch.Tensor]:
+        if self._result is None and self._owner is not None:
+            self._owner._finish_before(self)
         if self._result is None:
+            if self._error is not None:
+                raise self._error
             finish, self._finish = self._finish, None
             if finish is None:
                 raise CieraError("this gather already failed; its handle has no result")
-            self._result = finish()
+            try:
+                self._result = finish()
+            except CieraError as error:
+                self._error = error
+                raise
         return self._result
 
     def is_completed(self) -> bool:
@@ -189,7 +208,55 @@ class BucketGather:
         self.buckets: dict[tuple[int, ...], Bucket] = {}
         self.stats = BucketStats()
         self._call = 0
-        self._notice: tuple[int, str] | None = None  # (shard, reason) of this rank's last local failure
+        # Set when this engine's CIERA groups are out of step (a failure on one rank, a timeout): every
+        # pending call raises it, and the next call re-creates the groups first.
+        self._poison: GatherError | None = None
+        # This rank failed first (one call before the others learn of it): its next call raises the same
+        # error again, without posting, so every rank's call after that one is the rendezvous.
+        self._raise_again = False
+        self.recoveries = 0
+        # Calls started and not finished, oldest first: they are finished in this order on every rank.
+        self._pending: collections.deque = collections.deque()
+        # CIERA's rows run on their own groups: an abandoned row (a failure on one rank) then never pairs
+        # with the engine's own collectives. Overflow rounds have a second group: they are issued when a
+        # call is finished, and ranks may interleave finishes with other calls' starts differently.
+        self.row_group = self.overflow_group = None
+        self._store = None
+        self._notice_key = ""
+        if engine.world_size > 1:
+            self._make_groups()
+
+    def _make_groups(self) -> None:
+        """New CIERA groups over the engine's ranks; every member calls this at the same point (the
+        first bucket gather; the first call after a failure), which is the rendezvous."""
+        import torch.distributed as dist
+
+        engine = self.engine
+        ranks = dist.get_process_group_ranks(engine.group) if engine.group is not None else None
+        ranks = ranks or list(range(dist.get_world_size()))
+        self.row_group = dist.new_group(ranks, use_local_synchronization=True)
+        self.overflow_group = dist.new_group(ranks, use_local_synchronization=True)
+        try:  # the store every rank of the job shares (private in torch 2.13; without it: timeouts)
+            self._store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            self._store = None
+        self._notice_key = f"ciera/failure/{self.row_group.group_name}"
+
+    def _recover(self) -> None:
+        """After a failure that left the groups out of step: new groups, no buckets, full exponents."""
+        # The old groups are dropped, not destroyed: destroying one renames later groups on this rank only
+        # (names count the groups a process has), and the rendezvous of the new ones would not meet.
+        self._make_groups()
+        self.buckets.clear()
+        self._pending.clear()
+        self._call = 0  # call numbers count on the new groups
+        self._poison = None
+        self.recoveries += 1
+        self._reset_after_error()
+
+    def _poisoned(self, error: GatherError) -> GatherError:
+        self._poison = error
+        return error
 
     # ----------------------------------------------------------------- registration
 
@@ -295,16 +362,69 @@ class BucketGather:
 
     # ----------------------------------------------------------------- collectives
 
-    def _exchange(self, send: np.ndarray, round_name: str, shard_id: int) -> np.ndarray:
+    def _exchange(self, send: np.ndarray, round_name: str, shard_id: int, group=None) -> np.ndarray:
         from ciera_runtime.allgather import _all_gather_single
 
         engine = self.engine
         recv = torch.empty(engine.world_size * send.size, dtype=torch.uint8)
-        work = _all_gather_single(recv, torch.from_numpy(send), group=engine.group, async_op=True)
+        group = self.row_group if group is None else group
+        work = _all_gather_single(recv, torch.from_numpy(send), group=group, async_op=True)
         engine.stats.rounds += 1
         engine.stats.bytes_sent += send.size
-        engine._wait(work, round_name, shard_id)
+        self._wait(work, round_name, shard_id)
         return recv.numpy().reshape(engine.world_size, send.size)
+
+    def _wait(self, work, round_name: str, shard_id: int) -> None:
+        """Wait for a round in slices; between slices, look for another rank's failure in the store. A
+        timeout or a failed round leaves the groups out of step (poison)."""
+        engine = self.engine
+        start_s = time.perf_counter()
+        deadline_s = start_s + engine.timeout_s
+        try:
+            while True:
+                left_s = deadline_s - time.perf_counter()
+                try:
+                    work.wait(timeout=timedelta(seconds=max(1e-3, min(WAIT_SLICE_S, left_s))))
+                    return
+                except RuntimeError as error:
+                    text = str(error)
+                    if "timed out" not in text.lower() and "timeout" not in text.lower():
+                        raise self._poisoned(
+                            GatherError(
+                                shard_id, {engine.rank: f"{round_name} round failed: {text.splitlines()[0]}"}
+                            )
+                        ) from error
+                notice = self._read_notice()
+                if notice is not None:
+                    raise self._poisoned(notice)
+                if time.perf_counter() >= deadline_s:
+                    raise self._poisoned(
+                        GatherTimeoutError(
+                            shard_id,
+                            {engine.rank: f"waited {engine.timeout_s:g} s in the {round_name} round"},
+                            "a rank did not reach the gather (crashed, restarted, or gathering another shard)",
+                        )
+                    )
+        finally:
+            engine.stats.wait_s += time.perf_counter() - start_s
+
+    def _read_notice(self) -> GatherError | None:
+        if self._store is None:
+            return None
+        try:
+            if not self._store.check([self._notice_key]):
+                return None
+            shard, rank, reason = self._store.get(self._notice_key).decode().split("|", 2)
+        except (RuntimeError, ValueError):
+            return None
+        return GatherError(int(shard), {int(rank): reason}, NOTICE_SUMMARY)
+
+    def _post_notice(self, shard_id: int, reason: str) -> None:
+        if self._store is not None:
+            try:
+                self._store.set(self._notice_key, f"{shard_id}|{self.engine.rank}|{reason}")
+            except RuntimeError:
+                pass
 
     # ----------------------------------------------------------------- the gather
 
@@ -363,19 +483,45 @@ class BucketGather:
                     shard.reshape(result.shape)
                 )
             return BucketHandle(lambda: results)
+        if self._poison is not None and self._raise_again:
+            self._raise_again = False
+            raise self._poison
+        if self._poison is not None:
+            self._recover()
         bucket = self.buckets.get(shard_ids)
         if bucket is None:
             bucket = self._register(shard_ids, shards, error)
         return self._start(bucket, shards, outputs, error)
 
+    def _finish_before(self, handle: BucketHandle) -> None:
+        """Finish every pending call started before ``handle``'s, oldest first: finishing order (and so
+        the overflow rounds' order) is start order on every rank, whatever order the caller waits in."""
+        while self._pending and self._pending[0][1] is not handle:
+            try:
+                self._pending[0][1].wait()
+            except CieraError:
+                pass
+
+    def _finish_older(self, call: int) -> None:
+        """Finish every pending call numbered call-CALL_LAG or lower, oldest first (usually long arrived).
+        Their errors stay with their handles."""
+        while self._pending and self._pending[0][0] <= call - CALL_LAG:
+            try:
+                self._pending[0][1].wait()
+            except CieraError:
+                pass
+
     def _start(self, bucket: Bucket, shards, outputs, error: str | None) -> BucketHandle:
         engine, stats = self.engine, self.stats
         self._call += 1
+        call = self._call
+        self._finish_older(call)
+        capacity_bytes = bucket.capacity_for(call)
         stats.calls += 1
         encode_start_s = time.perf_counter()
         n = len(bucket.shard_ids)
         head = header_bytes(n)
-        send = np.zeros(bucket.row_bytes, dtype=np.uint8)
+        send = np.zeros(head + capacity_bytes, dtype=np.uint8)
         area = send[head:]
         overflow = bytearray()
         entries = [0] * n
@@ -407,17 +553,14 @@ class BucketGather:
             except (ValueError, CieraError) as failure:
                 error = str(failure)
         message_bytes = sum(_align8(_entry_length(e)) for e in entries)
-        notice_shard, reason = -1, error or ""
-        if error is None and self._notice is not None:
-            notice_shard, reason = self._notice
+        reason = error or ""
         if error is not None:
             entries, overflow, message_bytes = [0] * n, bytearray(), 0
             area[:] = 0
         header_values = {
             "fingerprint": bucket.fingerprint,
-            "call": self._call,
+            "call": call,
             "failed": int(error is not None),
-            "notice_shard": notice_shard,
             "overflow_bytes": len(overflow),
             "message_bytes": message_bytes,
         }
@@ -431,7 +574,7 @@ class BucketGather:
         from ciera_runtime.allgather import _all_gather_single
 
         recv = torch.empty(engine.world_size * send.size, dtype=torch.uint8)
-        work = _all_gather_single(recv, torch.from_numpy(send), group=engine.group, async_op=True)
+        work = _all_gather_single(recv, torch.from_numpy(send), group=self.row_group, async_op=True)
         engine.stats.rounds += 1
         engine.stats.bytes_sent += send.size
         engine.stats.gathers += n  # shard gathers, as on the per-shard path
@@ -439,23 +582,32 @@ class BucketGather:
 
         def finish() -> list[torch.Tensor]:
             try:
-                return self._finish(bucket, work, recv, bytes(overflow), bits_of, shards, outputs)
+                if self._poison is not None:
+                    raise self._poison
+                return self._finish(
+                    bucket, call, work, recv, capacity_bytes, bytes(overflow), bits_of, outputs
+                )
             except GatherError:
                 stats.failed_calls += 1
                 engine.stats.failed_gathers += 1
                 raise
+            finally:
+                if self._pending and self._pending[0][1] is handle:
+                    self._pending.popleft()
 
-        return BucketHandle(finish)
+        handle = BucketHandle(finish, self)
+        self._pending.append((call, handle))
+        return handle
 
     def _finish(
-        self, bucket: Bucket, work, recv, overflow: bytes, bits_of, shards, outputs
+        self, bucket: Bucket, call: int, work, recv, capacity_bytes: int, overflow: bytes, bits_of, outputs
     ) -> list[torch.Tensor]:
         engine = self.engine
         world_size, rank, n = engine.world_size, engine.rank, len(bucket.shard_ids)
         first = bucket.shard_ids[0]
-        engine._wait(work, "bucket", first)
+        self._wait(work, "bucket", first)
         head = header_bytes(n)
-        received = recv.numpy().reshape(world_size, bucket.row_bytes)
+        received = recv.numpy().reshape(world_size, head + capacity_bytes)
         headers = [_unpack_header(row, n) for row in received]
         # The overflow round: sized from the headers every rank received, so every rank runs it alike.
         limit = bucket.max_capacity_bytes + 8 * n
@@ -466,7 +618,7 @@ class BucketGather:
         if overflow_bytes:
             send = np.zeros(overflow_bytes, dtype=np.uint8)
             send[: len(overflow)] = np.frombuffer(overflow, dtype=np.uint8)[:overflow_bytes]
-            overflow_rows = self._exchange(send, "overflow", first)
+            overflow_rows = self._exchange(send, "overflow", first, self.overflow_group)
             self.stats.overflow_rounds += 1
             bucket.overflows += 1
         bucket.gathers += 1
@@ -474,7 +626,7 @@ class BucketGather:
         if problem is not None:
             self._reset_after_error()
             raise problem
-        bucket.update_capacity(max(h.message_bytes for h in headers))
+        bucket.record(call, max(h.message_bytes for h in headers))
         if self.engine.fault_injector is not None:
             self.engine.fault_injector("receive", first, received[:, head:])
         decode_start_s = time.perf_counter()
@@ -502,8 +654,10 @@ class BucketGather:
                 "codec_recv", first, decode_start_s, decode_end_s, 2 * sum(bucket.numels) * world_size
             )
         if failure is not None:
-            self._notice = failure
-            raise GatherError(failure[0], {rank: failure[1]}, NOTICE_SUMMARY)
+            # The others' weights are exact; they learn of this from the store at their next call.
+            self._post_notice(*failure)
+            self._raise_again = True
+            raise self._poisoned(GatherError(failure[0], {rank: failure[1]}, NOTICE_SUMMARY))
         return results
 
     def _problem(self, headers: list[_Header | None], bucket: Bucket, limit: int) -> GatherError | None:
@@ -533,10 +687,6 @@ class BucketGather:
         failed = {rank: h.reason or "failed locally" for rank, h in enumerate(headers) if h.failed}
         if failed:
             return GatherError(first, failed, "gather aborted on every rank")
-        notices = {rank: h for rank, h in enumerate(headers) if h.notice_shard >= 0}
-        if notices:
-            shard = min(h.notice_shard for h in notices.values())
-            return GatherError(shard, {rank: h.reason for rank, h in notices.items()}, NOTICE_SUMMARY)
         for rank, header in enumerate(headers):
             total = 0
             for entry in header.entries:
@@ -587,7 +737,6 @@ class BucketGather:
 
     def _reset_after_error(self) -> None:
         """Every rank reaches this at the same gather: every encoder sends full exponents next."""
-        self._notice = None
         for state in self.engine._shards.values():
             if state.compressed:
                 state.encoder.force_full()

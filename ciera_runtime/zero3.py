@@ -19,13 +19,14 @@ the gathered tensor is laid out as DeepSpeed's (rank-major, the first ``ds_numel
 ``ds_shape``) and the parameter's ``ds_status`` goes NOT_AVAILABLE -> INFLIGHT at the call and -> AVAILABLE
 at ``wait()``, exactly as DeepSpeed's handles do, so the coordinator cannot tell the difference.
 
-Collective order. A compressed gather issues its control round when it is started and its bulk and status
-rounds when it is finished; DeepSpeed waits on in-flight handles in the iteration order of a Python set,
-which differs between ranks. So gathers are finished strictly in the order they were started (a FIFO):
-waiting on any handle first finishes every earlier CIERA gather. Start points are the same on every rank
-(DeepSpeed's own collectives rely on that), so every rank issues the same rounds in the same order. If a
-gather fails, every pending gather is finished before the error is raised, so the group stays in step and
-every rank raises the same :class:`~ciera_runtime.errors.GatherError` (unchanged, from ``wait()``).
+Collective order. Each coalesced call's CIERA parameters are gathered as one bucket
+(:mod:`ciera_runtime.bucket`): one all-gather, issued inside the call so DeepSpeed's prefetch overlaps it
+with compute, decoded at ``wait()`` (plus, rarely, an overflow round issued there). DeepSpeed waits on
+in-flight handles in the iteration order of a Python set, which differs between ranks, so calls are
+finished strictly in the order they were started (a FIFO): waiting on any handle first finishes every
+earlier CIERA call. Start points are the same on every rank (DeepSpeed's own collectives rely on that). If
+a call fails, every pending call is finished before the error is raised; which ranks raise in that call
+and which at their next one is in docs/runtime.md, "When a failure surfaces".
 
 Supported: DeepSpeed 0.19.x, CPU tensors (DeepSpeed's CPU accelerator with gloo; the codec backends in this
 build are CPU-only). See docs/engines.md for the gather counts per parameter and iteration.

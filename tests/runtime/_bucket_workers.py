@@ -74,38 +74,48 @@ def bucket_steady_worker(rank: int, world_size: int, port: int, iterations: int,
         dist.destroy_process_group()
 
 
+def _all_weights(seed: int, world_size: int, step: int) -> list[list[torch.Tensor]]:
+    """Every rank's weights at ``step``, computable on any rank: expected results need no collective (a
+    rank that failed must not run collectives the others do not)."""
+    result = []
+    for rank in range(world_size):
+        generator = torch.Generator().manual_seed(seed * 100 + rank)
+        weights = [(torch.randn(4000, generator=generator) * 0.02).to(torch.bfloat16) for _ in range(2)]
+        for past in range(step + 1):
+            weights[0][past] = weights[0][past] * 1.5
+        result.append(weights)
+    return result
+
+
 def bucket_failure_worker(rank: int, world_size: int, port: int, result_queue) -> None:
-    """A decode failure on one rank (a received message corrupted): that rank raises now, the others
-    return exact weights now and raise the same error at their next call; then every gather is exact."""
+    """A decode failure on rank 1 (a received message corrupted): it raises now; the others return exact
+    weights now and raise the same error at their next call (from the group's store); then every rank's
+    next call re-creates the CIERA groups and every gather is exact again."""
     from ciera_runtime import CieraError, CodecConfig, CompressedAllGather
 
     init_gloo(rank, world_size, port)
     try:
-        generator = torch.Generator().manual_seed(3 + rank)
         engine = CompressedAllGather(config=CodecConfig(block_size=64), timeout_s=30)
-        weights = [(torch.randn(4000, generator=generator) * 0.02).to(torch.bfloat16) for _ in range(2)]
-        ids = (0, 1)
-        log = []
+        armed = [False]
 
         def corrupt(point: str, shard_id: int, data: np.ndarray) -> None:
             if point == "receive" and rank == 1 and armed[0]:
                 data[0, 100] ^= 0x40  # a byte inside rank 0's first message
 
-        armed = [False]
         engine.fault_injector = corrupt
-        for call in range(6):
+        log = []
+        for call in range(7):
             armed[0] = call == 2
-            weights[0][call] = weights[0][call] * 1.5
+            everyone = _all_weights(3, world_size, call)
             try:
-                got = engine.all_gather_bucket(weights, ids).wait()
+                got = engine.all_gather_bucket(everyone[rank], (0, 1)).wait()
                 exact = all(
-                    same_bits(g, raw_gather(w, world_size)) for g, w in zip(got, weights, strict=True)
+                    same_bits(got[i], torch.cat([everyone[r][i] for r in range(world_size)]))
+                    for i in range(2)
                 )
                 log.append((call, "exact" if exact else "wrong", ""))
             except CieraError as error:
-                for w in weights:  # keep the raw gathers in step with the other ranks
-                    raw_gather(w, world_size)
                 log.append((call, "error", str(error)))
-        result_queue.put((rank, log))
+        result_queue.put((rank, log, engine._bucket_path.recoveries))
     finally:
         dist.destroy_process_group()

@@ -65,12 +65,16 @@ REGISTRATION_ROW_BYTES = 8 * len(_REGISTRATION_FIELDS) + protocol.REASON_BYTES +
 CAPACITY_WINDOW = 8
 CAPACITY_MARGIN = 0.03
 CAPACITY_SLACK_BYTES = 64
+# What one overflow round is worth in padding bytes when the area size is predicted: about one small
+# round's latency at 200 Mbit (1.3 ms); small buckets are padded rather than overflow, large ones are not.
+OVERFLOW_PENALTY_BYTES = 32 << 10
 # The area of call m is sized from the gathers of its bucket among calls 1..m-CALL_LAG, which every rank
 # has finished by then (starting call m finishes them first, in order): ranks may interleave starts and
 # waits differently (DeepSpeed's prefetch, FSDP2's async unshard), and no size may depend on that.
 CALL_LAG = 4
-# First gather of a bucket: full payloads, about half the raw bytes plus the exponents' entropy.
-_INITIAL_PAYLOAD_RATIO = 0.75
+# First gathers of a bucket (no history yet): the fixed part plus ~3.6 bits per value of exponents (a
+# full payload: every exponent rANS-coded at 2.5-3 bits, as the method measures); a larger one overflows once.
+_INITIAL_PAYLOAD_RATIO = 0.45
 # A rank that could not rebuild a gather: the same summary on that rank and, later, on the others.
 NOTICE_SUMMARY = "a rank could not rebuild its gathered weights, no rank returns them"
 # Waits are cut into slices; between two, the group's store is checked for another rank's failure.
@@ -130,22 +134,53 @@ class Bucket:
     fingerprint: int
     initial_capacity_bytes: int
     max_capacity_bytes: int
-    # (call number, largest message total every rank saw) of this bucket's finished gathers, in call order.
-    totals: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4 * CAPACITY_WINDOW))
+    # (call number, gather index, largest message total every rank saw) of this bucket's finished gathers.
+    totals: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+    started: int = 0  # gathers of this bucket started (the next one's index)
     gathers: int = 0
     overflows: int = 0
 
-    def capacity_for(self, call: int) -> int:
-        """The message area of this bucket's gather at engine call ``call``: from its gathers among calls
-        1..call-CALL_LAG only (finished on every rank by then), so every rank computes the same size."""
-        seen = [total for number, total in self.totals if number <= call - CALL_LAG][-CAPACITY_WINDOW:]
-        if not seen:
-            return self.initial_capacity_bytes
-        planned = _align8(int(max(seen) * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES)
-        return min(self.max_capacity_bytes, planned)
+    def capacity_for(self, call: int, index: int) -> int:
+        """The message area of this bucket's gather number ``index``, at engine call ``call``: predicted
+        from its gathers among calls 1..call-CALL_LAG only (finished on every rank by then), so every rank
+        computes the same size.
 
-    def record(self, call: int, largest_total_bytes: int) -> None:
-        self.totals.append((call, largest_total_bytes))
+        Engines gather a bucket in a cycle — FSDP2 forward then backward, ZeRO-3 forward, recompute,
+        backward — and only the first gather after an optimizer step carries changed exponents. The
+        prediction for gather ``index`` is the largest of the same-phase gathers one and two cycles back,
+        for the cycle length P that would have fitted the recent gathers best, counting each overflow
+        as OVERFLOW_PENALTY_BYTES of padding (P = 0: the largest of the last 8, whatever the phase)."""
+        known = {gather: total for number, gather, total in self.totals if number <= call - CALL_LAG}
+        if not known:
+            return self.initial_capacity_bytes
+        recent = sorted(known)[-12:]
+
+        def predict(target: int, period: int) -> int | None:
+            if period == 0:
+                seen = [known[g] for g in sorted(known) if g < target][-CAPACITY_WINDOW:]
+            else:
+                seen = [known[g] for g in (target - period, target - 2 * period) if g in known]
+            if not seen:
+                return None
+            planned = _align8(int(max(seen) * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES)
+            return min(self.max_capacity_bytes, planned)
+
+        best, best_score = 0, None
+        for period in range(7):
+            overflows, used = 0, 0
+            for gather in recent:
+                planned = predict(gather, period)
+                if planned is None:
+                    continue
+                overflows += known[gather] > planned
+                used += planned
+            score = used + overflows * OVERFLOW_PENALTY_BYTES if used else float("inf")
+            if best_score is None or score < best_score:
+                best, best_score = period, score
+        return predict(index, best) or predict(index, 0) or self.initial_capacity_bytes
+
+    def record(self, call: int, index: int, largest_total_bytes: int) -> None:
+        self.totals.append((call, index, largest_total_bytes))
 
 
 @dataclass
@@ -516,7 +551,9 @@ class BucketGather:
         self._call += 1
         call = self._call
         self._finish_older(call)
-        capacity_bytes = bucket.capacity_for(call)
+        gather_index = bucket.started
+        bucket.started += 1
+        capacity_bytes = bucket.capacity_for(call, gather_index)
         stats.calls += 1
         encode_start_s = time.perf_counter()
         n = len(bucket.shard_ids)
@@ -585,7 +622,7 @@ class BucketGather:
                 if self._poison is not None:
                     raise self._poison
                 return self._finish(
-                    bucket, call, work, recv, capacity_bytes, bytes(overflow), bits_of, outputs
+                    bucket, call, gather_index, work, recv, capacity_bytes, bytes(overflow), bits_of, outputs
                 )
             except GatherError:
                 stats.failed_calls += 1
@@ -600,7 +637,16 @@ class BucketGather:
         return handle
 
     def _finish(
-        self, bucket: Bucket, call: int, work, recv, capacity_bytes: int, overflow: bytes, bits_of, outputs
+        self,
+        bucket: Bucket,
+        call: int,
+        gather_index: int,
+        work,
+        recv,
+        capacity_bytes: int,
+        overflow: bytes,
+        bits_of,
+        outputs,
     ) -> list[torch.Tensor]:
         engine = self.engine
         world_size, rank, n = engine.world_size, engine.rank, len(bucket.shard_ids)
@@ -626,7 +672,7 @@ class BucketGather:
         if problem is not None:
             self._reset_after_error()
             raise problem
-        bucket.record(call, max(h.message_bytes for h in headers))
+        bucket.record(call, gather_index, max(h.message_bytes for h in headers))
         if self.engine.fault_injector is not None:
             self.engine.fault_injector("receive", first, received[:, head:])
         decode_start_s = time.perf_counter()

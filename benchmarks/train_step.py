@@ -2,7 +2,7 @@
 
     python benchmarks/train_step.py --json out/train_step.json [--link loopback|netns] [--rate 1gbit]
         [--steps 5] [--warmup 2] [--rounds 3] [--layers 2] [--seq-len 64] [--global-batch 4]
-        [--systems zero3,zero3+ciera,fsdp,fsdp+ciera] [--probe-mib 8] [--timeout-s 1800]
+        [--systems zero3,zero3+ciera,fsdp,fsdp+ciera] [--select] [--probe-mib 8] [--timeout-s 1800]
 
 Each rank runs the real ``measure.train.run_rank`` (the code behind ``ciera train``) on ``small-moe``:
 every system trains from the same seed on the same batches, ``--warmup`` unmeasured steps then
@@ -89,6 +89,7 @@ def _system_config(args, system: str, steps: int):
         model=MODEL,
         engine=engine,
         ciera=bool(ciera),
+        select=bool(ciera) and args.select,
         world_size=2,
         steps=steps,
         layers=args.layers,
@@ -365,6 +366,11 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
                 "overlap_only_speedup": round(overlap_only, 3),
                 "bytes_share_of_bound": round(bound / overlap_only, 3),
             }
+            # The step with the same overlap as the plain engine and (1 - r) of its all-gather time
+            # saved: what CIERA's bytes alone allow, and how much of that gain the measured step kept.
+            bytes_bound = t_base / (t_base - (1 - r) * t_ag)
+            comparison["bytes_bound_speedup"] = round(bytes_bound, 3)
+            comparison["share_of_bytes_gain"] = round((t_base / t_ciera - 1) / (bytes_bound - 1), 3)
         comparisons[f"{plain} vs {twin}"] = comparison
 
     return {
@@ -378,6 +384,7 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
             "warmup_steps": args.warmup,
             "timed_steps": args.steps,
             "rounds": args.rounds,
+            "select": args.select,
             "threads_per_rank": ranks[0]["threads"],
             "systems": systems,
             "train_config": dataclasses.asdict(_system_config(args, systems[0], args.warmup + args.steps)),
@@ -520,6 +527,19 @@ def _main(args) -> int:
     finally:
         link.close()
     emit_json(result, args.json)
+    for name, comparison in result["comparisons"].items():  # the answer, last, where the eye lands
+        plain = name.split(" vs ")[0]
+        line = (
+            f"{plain}: {result['systems'][plain]['step_ms']['median']:.0f} ms plain, "
+            f"{result['systems'][plain + '+ciera']['step_ms']['median']:.0f} ms with CIERA: "
+            f"{comparison['measured_step_speedup']:.3f}x, r = {comparison['r']:.3f}"
+        )
+        if "bytes_bound_speedup" in comparison:
+            line += (
+                f", bytes bound {comparison['bytes_bound_speedup']:.3f}x "
+                f"({100 * comparison['share_of_bytes_gain']:.0f} % of that gain kept)"
+            )
+        print(line)
     broken = [
         name
         for name, comparison in result["comparisons"].items()
@@ -549,6 +569,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--global-batch", type=int, default=4, help="sequences per step, both ranks")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument(
+        "--select",
+        action="store_true",
+        help="CIERA with BSC: compress only the shards whose measured benefit pays on this link (ZeRO-3)",
+    )
     parser.add_argument("--probe-mib", type=float, default=8.0, help="raw all-gather probe, MiB per rank")
     parser.add_argument("--timeout-s", type=int, default=1800, help="whole run")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)

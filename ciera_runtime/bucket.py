@@ -57,7 +57,7 @@ BUCKET_MAGIC = 0x4349455242 << 8 | 1  # "CIERB" + version
 KIND_PAYLOAD, KIND_RAW = 1, 2
 _HEADER_FIELDS = ("magic", "fingerprint", "call", "failed", "overflow_bytes", "message_bytes")
 _HEADER_FIXED_BYTES = 8 * len(_HEADER_FIELDS) + protocol.REASON_BYTES
-_REGISTRATION_FIELDS = ("magic", "fingerprint", "shards", "failed")
+_REGISTRATION_FIELDS = ("magic", "fingerprint", "shards", "first_shard", "failed")
 REGISTRATION_ROW_BYTES = 8 * len(_REGISTRATION_FIELDS) + protocol.REASON_BYTES + 8
 # The area is sized from the largest message total of this many recent gathers of the bucket, times
 # (1 + margin) plus a few bytes: ZeRO-3 gathers a layer up to three times per iteration and only the first
@@ -137,6 +137,8 @@ class Bucket:
     # (call number, gather index, largest message total every rank saw) of this bucket's finished gathers.
     totals: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
     started: int = 0  # gathers of this bucket started (the next one's index)
+    _period: int | None = None  # the cycle length capacity_for predicts with
+    _period_chosen_at: int = -1
     gathers: int = 0
     overflows: int = 0
 
@@ -153,31 +155,37 @@ class Bucket:
         known = {gather: total for number, gather, total in self.totals if number <= call - CALL_LAG}
         if not known:
             return self.initial_capacity_bytes
-        recent = sorted(known)[-12:]
+        gathers = sorted(known)
+        position = {gather: at for at, gather in enumerate(gathers)}
+
+        def planned(seen: list[int]) -> int:
+            size = _align8(int(max(seen) * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES)
+            return min(self.max_capacity_bytes, size)
 
         def predict(target: int, period: int) -> int | None:
-            if period == 0:
-                seen = [known[g] for g in sorted(known) if g < target][-CAPACITY_WINDOW:]
+            if period == 0:  # the last CAPACITY_WINDOW known gathers before target
+                end = position.get(target, len(gathers))
+                seen = [known[g] for g in gathers[max(0, end - CAPACITY_WINDOW) : end]]
             else:
                 seen = [known[g] for g in (target - period, target - 2 * period) if g in known]
-            if not seen:
-                return None
-            planned = _align8(int(max(seen) * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES)
-            return min(self.max_capacity_bytes, planned)
+            return planned(seen) if seen else None
 
-        best, best_score = 0, None
-        for period in range(7):
-            overflows, used = 0, 0
-            for gather in recent:
-                planned = predict(gather, period)
-                if planned is None:
-                    continue
-                overflows += known[gather] > planned
-                used += planned
-            score = used + overflows * OVERFLOW_PENALTY_BYTES if used else float("inf")
-            if best_score is None or score < best_score:
-                best, best_score = period, score
-        return predict(index, best) or predict(index, 0) or self.initial_capacity_bytes
+        # The cycle length is re-chosen when the newest known gather index passes a multiple of 4 (the same
+        # count on every rank), not at every call: choosing it scores 7 candidates over 12 gathers.
+        if self._period is None or gathers[-1] // 4 != self._period_chosen_at:
+            best, best_score = 0, float("inf")
+            for period in range(7):
+                overflows, used = 0, 0
+                for gather in gathers[-12:]:
+                    size = predict(gather, period)
+                    if size is not None:
+                        overflows += known[gather] > size
+                        used += size
+                score = used + overflows * OVERFLOW_PENALTY_BYTES if used else float("inf")
+                if score < best_score:
+                    best, best_score = period, score
+            self._period, self._period_chosen_at = best, gathers[-1] // 4
+        return predict(index, self._period) or predict(index, 0) or self.initial_capacity_bytes
 
     def record(self, call: int, index: int, largest_total_bytes: int) -> None:
         self.totals.append((call, index, largest_total_bytes))
@@ -332,6 +340,7 @@ class BucketGather:
             BUCKET_MAGIC,
             fingerprint,
             len(shard_ids),
+            shard_ids[0],
             int(error is not None),
         ) + protocol._encode_reason(error or "")
         send = np.frombuffer(body + struct.pack("<II", zlib.crc32(body), 0), dtype=np.uint8).copy()
@@ -374,22 +383,23 @@ class BucketGather:
 
     @staticmethod
     def _registration_problem(rows, shard_id: int) -> GatherError | None:
+        """The same error on every rank, from the received rows only (rank 0's first shard names it)."""
         unreadable = {
             rank: "registration row unreadable (corrupted)" for rank, row in enumerate(rows) if row is None
         }
         if unreadable:
-            return GatherError(shard_id, unreadable, "bucket registration aborted")
-        failed = {rank: reason or "failed locally" for rank, ((_, _, bad), reason) in enumerate(rows) if bad}
+            return GatherError(None, unreadable, "bucket registration aborted")
+        named = rows[0][0][2]
+        failed = {rank: reason or "failed locally" for rank, ((*_, bad), reason) in enumerate(rows) if bad}
         if failed:
-            return GatherError(shard_id, failed, "gather aborted on every rank")
-        prints = [fingerprint for (fingerprint, _, _), _ in rows]
-        if len(set(prints)) > 1:
+            return GatherError(named, failed, "gather aborted on every rank")
+        if len({fingerprint for (fingerprint, *_), _ in rows}) > 1:
             per_rank = {
-                rank: f"bucket of {shards} shards, fingerprint {fingerprint:#018x}"
-                for rank, ((fingerprint, shards, _), _) in enumerate(rows)
+                rank: f"bucket of {shards} shards from shard {first}, fingerprint {fingerprint:#018x}"
+                for rank, ((fingerprint, shards, first, _), _) in enumerate(rows)
             }
             return ConfigMismatchError(
-                shard_id,
+                named,
                 per_rank,
                 "ranks disagree on the bucket (shard ids, sizes, dtypes, codec settings, budget or mode)",
             )

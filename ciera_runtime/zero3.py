@@ -662,7 +662,6 @@ def _comm_sizes(max_bytes: int) -> tuple[int, ...]:
 
 def _select(routes, candidates, group, world_size, config, budget, categories_q, comm_profile):
     """BSC for one group's candidates: rank 0's decision table, applied by every rank."""
-    from ciera_runtime.protocol import control_row_bytes, status_row_bytes
     from ciera_runtime.selection import (
         CodecTimes,
         ShardInfo,
@@ -685,12 +684,9 @@ def _select(routes, candidates, group, world_size, config, budget, categories_q,
     if comm_profile is None:
         comm_profile = profile_comm(group, _comm_sizes(2 * max(s.numel for s in shards)))
     measured: dict[tuple, CodecTimes] = {}
-    # The gather protocol adds two small rounds (control, status) to every compressed gather; they are on
-    # the critical path like the decode, so they are charged with it.
-    extra_rounds_s = comm_profile.comm_s(control_row_bytes(world_size)) + comm_profile.comm_s(
-        status_row_bytes()
-    )
 
+    # A compressed parameter travels in its bucket's one collective (ciera_runtime.bucket): no round of its
+    # own, so only its bytes and its codec work are weighed (the latency term cancels in the gain).
     def codec_times(shard: ShardInfo) -> CodecTimes:
         numel = max(1, min(shard.numel, _MEASURE_MAX_NUMEL))
         key = (numel, shard.dtype, shard.block_change_rate)
@@ -703,7 +699,7 @@ def _select(routes, candidates, group, world_size, config, budget, categories_q,
         return CodecTimes(
             times.hash_s * scale,
             times.compress_s * scale,
-            times.decompress_s * scale + extra_rounds_s,
+            times.decompress_s * scale,
             times.exponent_bits,
         )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -119,3 +121,142 @@ def bucket_failure_worker(rank: int, world_size: int, port: int, result_queue) -
         result_queue.put((rank, log, engine._bucket_path.recoveries))
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- fault injection
+
+BUCKET_FAULTS = (
+    "send_flip",
+    "send_truncate",
+    "send_garbage",
+    "send_replay",
+    "recv_flip",
+    "recv_truncate",
+    "recv_garbage",
+    "recv_replay",
+    "recv_swap_rows",
+    "control_flip",
+    "output_float32",
+    "output_short",
+    "output_noncontiguous",
+    "output_2d",
+    "shard_float32",
+    "shard_wrong_numel",
+    "shard_not_tensor",
+    "shard_noncontiguous",
+    "numel_mismatch",
+    "dtype_mismatch",
+    "different_bucket",
+    "churn_burst",
+    "none",
+)
+FAULT_SHAPES = ((3000, torch.bfloat16), (1537, torch.float16), (40, torch.bfloat16))
+
+
+def bucket_fault_worker(
+    rank: int, world_size: int, port: int, injections: int, seed: int, result_queue
+) -> None:
+    """Each injection: one gather of the bucket under one fault (drawn from the same plan on every rank,
+    injected by one rank), then two clean gathers. Every rank records (outcome, message) of all three.
+    Expected results are computed locally (every rank replays every rank's weights), so a rank that
+    failed runs no collective the others do not."""
+    from _fault_workers import Injector
+
+    from ciera_runtime import CieraError, CodecConfig, CompressedAllGather
+
+    init_gloo(rank, world_size, port)
+    try:
+        plan_rng = np.random.default_rng(seed)
+        config = CodecConfig(block_size=64, detector="hash", verify_every=5)
+        engine = CompressedAllGather(config=config, timeout_s=20.0)
+        injector = Injector(rank, world_size, np.random.default_rng(seed * 1000 + rank))
+        engine.fault_injector = injector
+        generators = [torch.Generator().manual_seed(seed * 100 + r) for r in range(world_size)]
+        weights = [
+            [(torch.randn(n, generator=generators[r]) * 0.02).to(dt) for n, dt in FAULT_SHAPES]
+            for r in range(world_size)
+        ]
+        ids = tuple(range(len(FAULT_SHAPES)))
+        records = []
+        fresh = 1000
+
+        def step(fraction: float) -> None:
+            for r in range(world_size):
+                for weight in weights[r]:
+                    picked = torch.rand(weight.numel(), generator=generators[r]) < fraction
+                    weight[picked] = weight[picked] * 1.9
+
+        def gather(shards, gather_ids, outputs=None):
+            try:
+                got = engine.all_gather_bucket(shards, gather_ids, outputs).wait()
+            except CieraError as error:
+                return "error", str(error)
+            return "got", got
+
+        def check(result, expected_ids) -> tuple[str, str]:
+            kind, value = result
+            if kind == "error":
+                return kind, value
+            exact = all(
+                same_bits(got, torch.cat([weights[r][i] for r in range(world_size)]))
+                for got, i in zip(value, expected_ids, strict=True)
+            )
+            return ("exact" if exact else "wrong"), ""
+
+        order: list[int] = []
+        for index in range(injections):
+            if not order:
+                order = list(plan_rng.permutation(len(BUCKET_FAULTS)))
+            fault = BUCKET_FAULTS[order.pop()]
+            target = int(plan_rng.integers(0, world_size))
+            step(float(plan_rng.choice([0.0, 0.001, 0.01])))
+            me = rank == target
+            shards = list(weights[rank])
+            gather_ids, outputs, expected_ids = ids, None, list(range(len(ids)))
+            injector.fault = fault if me else None
+            if fault == "churn_burst":  # every rank: far more changed blocks than the area was sized for
+                step(0.5)
+                shards = list(weights[rank])
+            elif fault == "control_flip" or fault in ("numel_mismatch", "dtype_mismatch", "different_bucket"):
+                fresh += 10  # a new bucket: its first gather registers it
+                gather_ids = (fresh, fresh + 1)
+                shards, expected_ids = shards[:2], [0, 1]
+                if me and fault == "numel_mismatch":
+                    shards[0] = shards[0][:-1].clone()
+                elif me and fault == "dtype_mismatch":
+                    shards[0] = shards[0].to(torch.float16)
+                elif me and fault == "different_bucket":
+                    gather_ids = (fresh + 2, fresh + 1)
+            elif me and fault.startswith(("output_", "shard_")):
+                n = [s.numel() for s in shards]
+                outputs = [torch.empty(world_size * k, dtype=s.dtype) for k, s in zip(n, shards, strict=True)]
+                if fault == "output_float32":
+                    outputs[0] = torch.empty(world_size * n[0])
+                elif fault == "output_short":
+                    outputs[0] = torch.empty(world_size * n[0] - 1, dtype=shards[0].dtype)
+                elif fault == "output_noncontiguous":
+                    outputs[0] = torch.empty(2 * world_size * n[0], dtype=shards[0].dtype)[::2]
+                elif fault == "output_2d":
+                    outputs[0] = torch.empty(world_size, n[0], dtype=shards[0].dtype)
+                elif fault == "shard_float32":
+                    shards[0] = shards[0].float()
+                elif fault == "shard_wrong_numel":
+                    shards[0] = shards[0][:-3]
+                elif fault == "shard_not_tensor":
+                    shards[0] = shards[0].tolist()
+                elif fault == "shard_noncontiguous":
+                    doubled = torch.empty(2 * n[0], dtype=shards[0].dtype)
+                    doubled[::2] = shards[0]
+                    shards[0] = doubled[::2]
+            start_s = time.perf_counter()
+            outcomes = [check(gather(shards, gather_ids, outputs), expected_ids)]
+            injector.fault = None
+            for _ in range(2):
+                outcomes.append(check(gather(list(weights[rank]), ids), list(range(len(ids)))))
+            records.append((index, fault, target, outcomes, time.perf_counter() - start_s))
+        stats = engine.bucket_stats
+        result_queue.put((rank, records, stats.overflow_rounds, stats.calls, engine._bucket_path.recoveries))
+    finally:
+        # No destroy_process_group: after a recovery the abandoned CIERA groups keep a round that never
+        # completes, and destroying them waits on it (docs/runtime.md). The process just ends.
+        pass

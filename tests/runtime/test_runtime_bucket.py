@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,98 @@ def test_a_decode_failure_surfaces_here_on_that_rank_and_at_the_next_call_on_the
     message = messages.pop()
     assert "could not rebuild" in message and "rank 1" in message and "\n" not in message
     assert all(recoveries == 1 for _, recoveries in results.values())
+
+
+def _check_faults(world_size: int, injections: int, seed: int) -> collections.Counter:
+    """Per injection, every rank's (faulted, clean, clean) outcomes must be one of:
+    all exact; the same error on every rank in the faulted gather, then exact; or a one-sided failure —
+    the ranks that could not rebuild raise in the faulted gather and again in the next, where every other
+    rank (exact in the faulted gather) raises that error too, then exact everywhere. Never wrong weights,
+    never a hang (every run has a deadline)."""
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    processes = mp.start_processes(
+        workers.bucket_fault_worker,
+        args=(world_size, _free_port(), injections, seed, results),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + 200 + 2.0 * injections
+    collected = []
+    while len(collected) < world_size:
+        if not results.empty():
+            collected.append(results.get())
+            continue
+        if time.monotonic() > deadline:
+            for process in processes.processes:
+                process.kill()
+            pytest.fail(f"ranks still running after the deadline: a hang ({len(collected)} results in)")
+        processes.join(timeout=0.2)
+    for process in processes.processes:  # results are in; abandoned rounds may keep a rank waiting
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+    by_injection = collections.defaultdict(dict)
+    for rank, records, *_ in collected:
+        for index, fault, target, outcomes, _ in records:
+            by_injection[index][rank] = (fault, target, outcomes)
+    counts: collections.Counter = collections.Counter()
+    for index, per_rank in sorted(by_injection.items()):
+        fault = next(iter(per_rank.values()))[0]
+        where = f"injection {index} ({fault} on rank {next(iter(per_rank.values()))[1]})"
+        rows = {rank: outcomes for rank, (_, _, outcomes) in per_rank.items()}
+        flat = [o for outcomes in rows.values() for o, _ in outcomes]
+        assert "wrong" not in flat, f"{where}: silently wrong weights: {rows}"
+        assert all(outcomes[2][0] == "exact" for outcomes in rows.values()), (
+            f"{where}: not exact after: {rows}"
+        )
+        first = {outcomes[0] for outcomes in rows.values()}
+        if first == {("exact", "")}:
+            assert all(outcomes[1][0] == "exact" for outcomes in rows.values()), f"{where}: {rows}"
+            kind = "exact"
+        elif len(first) == 1:  # the same error on every rank, in the same gather
+            assert all(outcomes[1][0] == "exact" for outcomes in rows.values()), f"{where}: {rows}"
+            kind = "error"
+        else:  # one-sided: the failing ranks now, everybody in the next gather, with a failing rank's error
+            failing = {rank for rank, outcomes in rows.items() if outcomes[0][0] == "error"}
+            messages = {rows[rank][0][1] for rank in failing}
+            assert failing and len(failing) < world_size, f"{where}: {rows}"
+            for rank, outcomes in rows.items():
+                assert outcomes[1][0] == "error" and outcomes[1][1] in messages, f"{where}: {rows}"
+                if rank in failing:
+                    assert outcomes[1][1] == outcomes[0][1], f"{where}: {rows}"
+            assert all("could not rebuild" in m and "\n" not in m for m in messages), messages
+            kind = "next_call"
+        counts[(fault, kind)] += 1
+    summary = {f"{fault}:{kind}": n for (fault, kind), n in sorted(counts.items())}
+    overflows = [overflow for _, _, overflow, _, _ in collected]
+    print(
+        f"\nW={world_size}: {len(by_injection)} injections, overflow rounds {overflows[0]}, outcomes {summary}"
+    )
+    return counts
+
+
+MUST_ERROR_NOW = {"control_flip", "output_float32", "output_short", "shard_float32", "shard_wrong_numel"}
+MUST_ERROR_NOW |= {"shard_not_tensor", "numel_mismatch", "dtype_mismatch", "different_bucket"}
+MUST_BE_EXACT = {"output_noncontiguous", "output_2d", "shard_noncontiguous", "churn_burst", "none"}
+
+
+@pytest.mark.parametrize("world_size, injections", [(2, 70), (3, 46)])
+def test_every_fault_ends_exact_or_in_the_same_error_now_or_at_the_next_call(world_size, injections) -> None:
+    counts = _check_faults(world_size, injections, seed=world_size)
+    assert sum(counts.values()) == injections
+    for (fault, kind), _ in counts.items():
+        if fault in MUST_ERROR_NOW:
+            assert kind == "error", (fault, kind)
+        if fault in MUST_BE_EXACT:
+            assert kind == "exact", (fault, kind)
+    assert {fault for fault, _ in counts} == set(workers.BUCKET_FAULTS)
+    assert counts[("recv_flip", "next_call")] + counts[("recv_garbage", "next_call")] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size, injections", [(2, 1500), (3, 800)])
+def test_many_bucket_faults_slow(world_size: int, injections: int) -> None:
+    counts = _check_faults(world_size, injections, seed=100 + world_size)
+    assert sum(counts.values()) == injections

@@ -25,6 +25,7 @@ ZeRO-3's and FSDP2's per-parameter gathers), else to the layer the main thread i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import threading
@@ -81,6 +82,10 @@ class EventRecorder:
         # shard, attribute the rounds around them: the round before a decode (bulk) and the one after an
         # encode or a decode (control, status).
         self.shard_layers: dict[int, int] = {}
+        # CIERA bucket rows issued and not yet decoded, per the bucket's first shard: a bucket's calls
+        # finish in start order, so its decode belongs to the oldest (other rows may have been issued
+        # since: DeepSpeed's prefetch; the last collective is not the one being decoded).
+        self._awaiting_decode: dict[int, collections.deque] = {}
         self._lock = threading.Lock()
         self.iterations: list[_IterationLog] = []
 
@@ -145,6 +150,8 @@ class EventRecorder:
             issued_s = time.perf_counter()
             pending = getattr(recorder._last_collective, "pending_layer", None)
             recorder._last_collective.pending_layer = None
+            pending_shard = getattr(recorder._last_collective, "pending_shard", None)
+            recorder._last_collective.pending_shard = None
             event = Event(
                 recorder.current_layer() if pending is None else pending, recorder._phase_in_layer(), stream,
                 issued_s, issued_s, -1.0, raw_bytes, size_bytes,
@@ -152,6 +159,9 @@ class EventRecorder:
             with recorder._lock:
                 log.events.append(event)
             recorder._last_collective.event = event
+            if pending_shard is not None:  # a CIERA bucket row, issued right after its encode
+                with recorder._lock:
+                    recorder._awaiting_decode.setdefault(pending_shard, collections.deque()).append(event)
             if not async_op:
                 try:
                     return original(*args, **kwargs)
@@ -295,6 +305,13 @@ class EventRecorder:
             return
         layer = self.shard_layers.get(shard_id, self.current_layer())
         bulk = getattr(self._last_collective, "event", None)
+        if stream == "codec_recv":
+            with self._lock:
+                awaiting = self._awaiting_decode.get(shard_id)
+                if awaiting:
+                    bulk = awaiting.popleft()
+        if stream == "codec_send":
+            self._last_collective.pending_shard = shard_id
         if stream == "codec_recv" and bulk is not None:
             if bulk.raw_bytes == 0:
                 bulk.raw_bytes = raw_bytes

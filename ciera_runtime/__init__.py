@@ -4,7 +4,9 @@ Public surface (see docs/runtime.md):
 
 - ``CodecConfig``: block size, detector ('hash' | 'exact'), verify mode, backend name.
 - ``ShardEncoder`` / ``ShardDecoder``: the per-shard codec (sender HashCache, receiver ExpCache).
-- ``CompressedAllGather`` (engine per process group) and ``compressed_all_gather`` -> ``AllGatherHandle``.
+- ``CompressedAllGather`` (engine per process group) and ``compressed_all_gather`` -> ``AllGatherHandle``
+  (one shard, three rounds); ``CompressedAllGather.all_gather_bucket``: a bucket of shards in one
+  collective, one round in steady state (what the engine plug-ins use; ``ciera_runtime.bucket``).
 - ``gather_pipelined``: CCP, encode of gather i+1 overlapped with gather i.
 - ``profile_comm``, ``measure_codec_times``, ``select_shards``, ``broadcast_decisions``: benefit-driven
   selection (BSC); broadcast rank 0's table so every rank compresses the same shards.

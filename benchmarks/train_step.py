@@ -370,7 +370,10 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
             # saved: what CIERA's bytes alone allow, and how much of that gain the measured step kept.
             bytes_bound = t_base / (t_base - (1 - r) * t_ag)
             comparison["bytes_bound_speedup"] = round(bytes_bound, 3)
-            comparison["share_of_bytes_gain"] = round((t_base / t_ciera - 1) / (bytes_bound - 1), 3)
+            # r = 1 (BSC compressed nothing): the bytes allow no gain, there is no share to give.
+            comparison["share_of_bytes_gain"] = (
+                round((t_base / t_ciera - 1) / (bytes_bound - 1), 3) if bytes_bound > 1 else None
+            )
         comparisons[f"{plain} vs {twin}"] = comparison
 
     return {
@@ -416,7 +419,7 @@ def _rank_command(args, rank: int, result: Path, master_addr: str, port: int) ->
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
         "--layers", str(args.layers), "--seq-len", str(args.seq_len),
         "--global-batch", str(args.global_batch), "--probe-mib", str(args.probe_mib),
-        "--timeout-s", str(args.timeout_s),
+        "--timeout-s", str(args.timeout_s), *(["--select"] if args.select else []),
     ]  # fmt: skip
 
 
@@ -534,11 +537,13 @@ def _main(args) -> int:
             f"{result['systems'][plain + '+ciera']['step_ms']['median']:.0f} ms with CIERA: "
             f"{comparison['measured_step_speedup']:.3f}x, r = {comparison['r']:.3f}"
         )
-        if "bytes_bound_speedup" in comparison:
+        if comparison.get("share_of_bytes_gain") is not None:
             line += (
                 f", bytes bound {comparison['bytes_bound_speedup']:.3f}x "
                 f"({100 * comparison['share_of_bytes_gain']:.0f} % of that gain kept)"
             )
+        elif "bytes_bound_speedup" in comparison:
+            line += ", bytes bound 1.000x (nothing compressed)"
         print(line)
     broken = [
         name

@@ -8,8 +8,8 @@ the whole bucket travels in one all-gather of one row per rank::
 Every shard's *message* — its codec payload, or its raw 16-bit values when the payload would not be
 smaller — is packed, 8-aligned, into the area; whatever does not fit goes into an **overflow round**
 (one more all-gather, sized from the headers every rank received). The area size C is **replicated
-state**: every rank computes it from the same received headers (the largest message total of the last
-gathers of this bucket, plus a margin), so no round is spent agreeing on sizes.
+state**: every rank computes it from the same received headers (the same-phase gathers of this bucket's
+cycle, plus a margin: ``Bucket.capacity_for``), so no round is spent agreeing on sizes.
 
 A bucket's first gather is preceded by a fixed-size **registration round** that checks every rank
 gathers the same shards the same way (ids, sizes, dtypes, codec settings, budget, compressed or raw);
@@ -59,9 +59,9 @@ _HEADER_FIELDS = ("magic", "fingerprint", "call", "failed", "overflow_bytes", "m
 _HEADER_FIXED_BYTES = 8 * len(_HEADER_FIELDS) + protocol.REASON_BYTES
 _REGISTRATION_FIELDS = ("magic", "fingerprint", "shards", "first_shard", "failed")
 REGISTRATION_ROW_BYTES = 8 * len(_REGISTRATION_FIELDS) + protocol.REASON_BYTES + 8
-# The area is sized from the largest message total of this many recent gathers of the bucket, times
-# (1 + margin) plus a few bytes: ZeRO-3 gathers a layer up to three times per iteration and only the first
-# gather after an optimizer step carries changed exponents, so the window must span an iteration.
+# Without a cycle to predict from, the area is sized from the largest message total of this many recent
+# gathers of the bucket (an iteration's worth: ZeRO-3 gathers a layer up to three times), times (1 + margin)
+# plus a few bytes.
 CAPACITY_WINDOW = 8
 CAPACITY_MARGIN = 0.03
 CAPACITY_SLACK_BYTES = 64
@@ -139,8 +139,6 @@ class Bucket:
     started: int = 0  # gathers of this bucket started (the next one's index)
     _period: int | None = None  # the cycle length capacity_for predicts with
     _period_chosen_at: int = -1
-    gathers: int = 0
-    overflows: int = 0
 
     def capacity_for(self, call: int, index: int) -> int:
         """The message area of this bucket's gather number ``index``, at engine call ``call``: predicted
@@ -538,29 +536,26 @@ class BucketGather:
             bucket = self._register(shard_ids, shards, error)
         return self._start(bucket, shards, outputs, error)
 
-    def _finish_before(self, handle: BucketHandle) -> None:
-        """Finish every pending call started before ``handle``'s, oldest first: finishing order (and so
-        the overflow rounds' order) is start order on every rank, whatever order the caller waits in."""
-        while self._pending and self._pending[0][1] is not handle:
+    def _finish_pending(self, until) -> None:
+        """Finish pending calls, oldest first, while ``until(call number, handle)`` holds; their errors
+        stay with their handles. Finishing order (and so the overflow rounds' order) is start order on
+        every rank, whatever order the caller waits in."""
+        while self._pending and until(*self._pending[0]):
             try:
                 self._pending[0][1].wait()
             except CieraError:
                 pass
 
-    def _finish_older(self, call: int) -> None:
-        """Finish every pending call numbered call-CALL_LAG or lower, oldest first (usually long arrived).
-        Their errors stay with their handles."""
-        while self._pending and self._pending[0][0] <= call - CALL_LAG:
-            try:
-                self._pending[0][1].wait()
-            except CieraError:
-                pass
+    def _finish_before(self, handle: BucketHandle) -> None:
+        self._finish_pending(lambda _, pending: pending is not handle)
 
     def _start(self, bucket: Bucket, shards, outputs, error: str | None) -> BucketHandle:
         engine, stats = self.engine, self.stats
         self._call += 1
         call = self._call
-        self._finish_older(call)
+        # Calls numbered call-CALL_LAG or lower are finished now (usually long arrived): the area size of
+        # this call depends on them.
+        self._finish_pending(lambda number, _: number <= call - CALL_LAG)
         gather_index = bucket.started
         bucket.started += 1
         capacity_bytes = bucket.capacity_for(call, gather_index)
@@ -676,8 +671,6 @@ class BucketGather:
             send[: len(overflow)] = np.frombuffer(overflow, dtype=np.uint8)[:overflow_bytes]
             overflow_rows = self._exchange(send, "overflow", first, self.overflow_group)
             self.stats.overflow_rounds += 1
-            bucket.overflows += 1
-        bucket.gathers += 1
         problem = self._problem(headers, bucket, limit)
         if problem is not None:
             self._reset_after_error()

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from _dist_workers import init_gloo
+from _fault_workers import CALLER_FAULTS, CONTROL_FAULTS, RECEIVER_FAULTS, SENDER_FAULTS, Injector
 
 # Shards of one bucket: sizes that need padding, both dtypes, a tiny one (goes raw: payload > raw).
 BUCKET_SHAPES = {
@@ -125,25 +126,12 @@ def bucket_failure_worker(rank: int, world_size: int, port: int, result_queue) -
 
 # ----------------------------------------------------------------------------- fault injection
 
+# The per-shard suite's faults (a bucket has no other shard's row to swap in), and the bucket path's own.
 BUCKET_FAULTS = (
-    "send_flip",
-    "send_truncate",
-    "send_garbage",
-    "send_replay",
-    "recv_flip",
-    "recv_truncate",
-    "recv_garbage",
-    "recv_replay",
-    "recv_swap_rows",
-    "control_flip",
-    "output_float32",
-    "output_short",
-    "output_noncontiguous",
-    "output_2d",
-    "shard_float32",
-    "shard_wrong_numel",
-    "shard_not_tensor",
-    "shard_noncontiguous",
+    *(fault for fault in SENDER_FAULTS if fault != "send_swap_shard"),
+    *RECEIVER_FAULTS,
+    *CONTROL_FAULTS,
+    *CALLER_FAULTS,
     "numel_mismatch",
     "dtype_mismatch",
     "different_bucket",
@@ -160,8 +148,6 @@ def bucket_fault_worker(
     injected by one rank), then two clean gathers. Every rank records (outcome, message) of all three.
     Expected results are computed locally (every rank replays every rank's weights), so a rank that
     failed runs no collective the others do not."""
-    from _fault_workers import Injector
-
     from ciera_runtime import CieraError, CodecConfig, CompressedAllGather
 
     init_gloo(rank, world_size, port)

@@ -3,7 +3,7 @@
 An engine (DeepSpeed's coalesced fetch, FSDP2's parameter group) gathers several shards at once. Here
 the whole bucket travels in one all-gather of one row per rank::
 
-    row = header | entry table (one int64 per shard: message kind and length) | message area (C bytes)
+    row = header | entry table (per shard: message kind and length; CRC-32 of a raw message) | area (C bytes)
 
 Every shard's *message* — its codec payload, or its raw 16-bit values when the payload would not be
 smaller — is packed, 8-aligned, into the area; whatever does not fit goes into an **overflow round**
@@ -86,7 +86,7 @@ def _align8(n: int) -> int:
 
 
 def header_bytes(n_shards: int) -> int:
-    return _HEADER_FIXED_BYTES + 8 * n_shards + 8
+    return _HEADER_FIXED_BYTES + 16 * n_shards + 8
 
 
 @dataclass
@@ -98,13 +98,16 @@ class _Header:
     message_bytes: int
     reason: str
     entries: tuple[int, ...]  # kind | length << 2, per shard
+    # CRC-32 per shard of a raw message (a payload carries its own CRCs: 0): raw values are checked too.
+    crcs: tuple[int, ...]
 
 
-def _pack_header(values: dict, reason: str, entries: list[int], out: np.ndarray) -> None:
+def _pack_header(values: dict, reason: str, entries: list[int], crcs: list[int], out: np.ndarray) -> None:
     body = (
         struct.pack(f"<{len(_HEADER_FIELDS)}q", BUCKET_MAGIC, *(int(values[n]) for n in _HEADER_FIELDS[1:]))
         + protocol._encode_reason(reason)
         + struct.pack(f"<{len(entries)}q", *entries)
+        + struct.pack(f"<{len(crcs)}q", *crcs)
     )
     out[: len(body)] = np.frombuffer(body, dtype=np.uint8)
     out[len(body) : len(body) + 8] = np.frombuffer(struct.pack("<II", zlib.crc32(body), 0), dtype=np.uint8)
@@ -122,7 +125,8 @@ def _unpack_header(row: np.ndarray, n_shards: int) -> _Header | None:
         return None
     reason = protocol._decode_reason(body[8 * len(_HEADER_FIELDS) : _HEADER_FIXED_BYTES])
     entries = struct.unpack_from(f"<{n_shards}q", body, _HEADER_FIXED_BYTES)
-    return _Header(*fields[1:], reason=reason, entries=entries)
+    crcs = struct.unpack_from(f"<{n_shards}q", body, _HEADER_FIXED_BYTES + 8 * n_shards)
+    return _Header(*fields[1:], reason=reason, entries=entries, crcs=crcs)
 
 
 @dataclass
@@ -567,6 +571,7 @@ class BucketGather:
         area = send[head:]
         overflow = bytearray()
         entries = [0] * n
+        crcs = [0] * n
         bits_of: list[np.ndarray | None] = [None] * n
         position = 0
         if error is None:
@@ -586,6 +591,8 @@ class BucketGather:
                     stats.payload_messages += kind == KIND_PAYLOAD
                     stats.raw_messages += kind == KIND_RAW
                     entries[index] = _entry(kind, message.size)
+                    if kind == KIND_RAW:
+                        crcs[index] = zlib.crc32(message)
                     fits = max(0, min(message.size, area.size - position))
                     area[position : position + fits] = message[:fits]
                     if fits < message.size:
@@ -597,7 +604,7 @@ class BucketGather:
         message_bytes = sum(_align8(_entry_length(e)) for e in entries)
         reason = error or ""
         if error is not None:
-            entries, overflow, message_bytes = [0] * n, bytearray(), 0
+            entries, crcs, overflow, message_bytes = [0] * n, [0] * n, bytearray(), 0
             area[:] = 0
         header_values = {
             "fingerprint": bucket.fingerprint,
@@ -606,7 +613,7 @@ class BucketGather:
             "overflow_bytes": len(overflow),
             "message_bytes": message_bytes,
         }
-        _pack_header(header_values, reason, entries, send)
+        _pack_header(header_values, reason, entries, crcs, send)
         encode_end_s = time.perf_counter()
         engine.stats.encode_s += encode_end_s - encode_start_s
         if engine.codec_timer is not None and error is None:
@@ -774,6 +781,8 @@ class BucketGather:
                 if kind == KIND_RAW:
                     if length != 2 * numel:
                         raise CieraError(f"raw message of {length} bytes, expected {2 * numel}")
+                    if zlib.crc32(message) != headers[source].crcs[index]:
+                        raise CieraError("raw values CRC mismatch: corrupted in transit")
                     # A compressed shard's cache skips it: the sender's next payload is full.
                     target[:] = message.view(np.uint16)
                 else:

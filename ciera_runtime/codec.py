@@ -328,8 +328,11 @@ class ShardEncoder:
         exp_region = buffer[layout.fixed_bytes : layout.fixed_bytes + changed_values]
         exp_bytes = 0
         if changed_values:
-            packed_exp = np.empty(changed_values, dtype=np.uint8)
-            self.backend.gather_blocks(self._exp_scratch, changed_blocks, offsets, block_size, packed_exp)
+            if changed_values == self.numel:  # every block changed (a full payload; early training)
+                packed_exp = self._exp_scratch
+            else:
+                packed_exp = np.empty(changed_values, dtype=np.uint8)
+                self.backend.gather_blocks(self._exp_scratch, changed_blocks, offsets, block_size, packed_exp)
             # rANS straight into the payload; it must come out smaller than the raw exponents to be used.
             exp_bytes = self.backend.ans_encode_into(packed_exp, exp_region)
             if exp_bytes < 0 or exp_bytes >= changed_values:

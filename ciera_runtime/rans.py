@@ -46,23 +46,31 @@ class RansFormatError(ValueError):
 
 def normalize_frequencies(counts: np.ndarray) -> np.ndarray:
     """Scale symbol counts to integer frequencies summing to PROB_SCALE, every present symbol >= 1."""
-    total = int(counts.sum())
+    return _normalize_frequencies(np.ascontiguousarray(counts, dtype=np.int64))
+
+
+@njit(cache=True, nogil=True)
+def _normalize_frequencies(counts):
     freqs = np.zeros(256, dtype=np.int64)
-    present = np.flatnonzero(counts)
+    total = counts.sum()
     if total == 0:
         return freqs
+    present = np.flatnonzero(counts)
     scaled = counts[present].astype(np.float64) * PROB_SCALE / total
-    freqs[present] = np.maximum(1, np.floor(scaled).astype(np.int64))
-    # Hand the rounding remainder out by largest fractional loss (greedy, keeps every freq >= 1).
-    deficit = PROB_SCALE - int(freqs.sum())
+    floors = np.floor(scaled)
+    for k in range(present.size):
+        freqs[present[k]] = max(1, np.int64(floors[k]))
+    # Hand the rounding remainder out by largest fractional loss (greedy, keeps every freq >= 1); ties in
+    # symbol order (a stable sort).
+    deficit = PROB_SCALE - freqs.sum()
     if deficit > 0:
-        order = present[np.argsort(-(scaled - np.floor(scaled)), kind="stable")]
+        order = present[np.argsort(-(scaled - floors), kind="mergesort")]
         for k in range(deficit):
             freqs[order[k % order.size]] += 1
     while deficit < 0:
         # Too many symbols rounded up to 1: take from the symbol where it costs least (largest freq).
         donor = present[np.argmax(freqs[present])]
-        take = min(-deficit, int(freqs[donor]) - 1)
+        take = min(-deficit, freqs[donor] - 1)
         freqs[donor] -= take
         deficit += take
     return freqs
@@ -274,6 +282,20 @@ def _decode_chunks(words, word_starts, word_counts, states, table, chunk_symbols
 
 
 @njit(cache=True, nogil=True)
+def _decode_chunks_serial(words, word_starts, word_counts, states, table, chunk_symbols, out):
+    """``_decode_chunks`` on the calling thread only (no parallel region to enter for one chunk)."""
+    n = out.size
+    bad = 0
+    for chunk in range(word_counts.size):
+        start = chunk * chunk_symbols
+        stop = min(start + chunk_symbols, n)
+        pos = word_starts[chunk]
+        ok = _decode_chunk(words, pos, pos + word_counts[chunk], states[chunk], table, out, start, stop)
+        bad += 0 if ok else 1
+    return bad
+
+
+@njit(cache=True, nogil=True)
 def _histogram(data):
     """Byte counts; four interleaved counters so consecutive equal bytes do not wait on each other's
     increment. Serial: a parallel region costs more than the few hundred KB it counts (and, on a busy
@@ -326,13 +348,31 @@ def max_encoded_bytes(n: int, chunk_symbols: int | None = None) -> int:
     return 12 + 4 * 256 + n_chunks * (4 + 4 * LANES + 2) + 2 * n
 
 
-def _symbol_tables(freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+@njit(cache=True, nogil=True)
+def _symbol_tables(freqs):
     """Per-symbol encoder tables: renormalisation bound, 1/freq, cumulative freq, PROB_SCALE - freq."""
     cums = np.zeros(256, dtype=np.int64)
-    np.cumsum(freqs[:-1], out=cums[1:])
-    with np.errstate(divide="ignore"):
-        inv_freqs = np.where(freqs > 0, 1.0 / np.maximum(freqs, 1), 0.0)
+    inv_freqs = np.zeros(256, dtype=np.float64)
+    running = 0
+    for symbol in range(256):
+        cums[symbol] = running
+        running += freqs[symbol]
+        if freqs[symbol] > 0:
+            inv_freqs[symbol] = 1.0 / freqs[symbol]
     return _RENORM_BOUND * freqs, inv_freqs, cums, PROB_SCALE - freqs
+
+
+@njit(cache=True, nogil=True)
+def _decode_table(symbols, freqs_present):
+    """slot -> freq << 20 | (slot - cumfreq) << 8 | symbol, 4 B per slot (16 KiB: stays in L1)."""
+    table = np.empty(PROB_SCALE, dtype=np.uint32)
+    slot = 0
+    for k in range(symbols.size):
+        freq = freqs_present[k]
+        for bias in range(freq):
+            table[slot] = np.uint32((freq << 20) | (bias << 8) | symbols[k])
+            slot += 1
+    return table
 
 
 def encode_into(data: np.ndarray, out: np.ndarray, chunk_symbols: int | None = None) -> int:
@@ -399,24 +439,14 @@ def decode(stream: bytes | memoryview | np.ndarray, out: np.ndarray | None = Non
     table_end = offset + 4 * present_count + 4 * n_chunks
     if buf.size < table_end:
         raise RansFormatError("rANS stream truncated inside its frequency table")
-    table = buf[offset : offset + 4 * present_count].view(np.uint32)
-    symbols = (table >> 16).astype(np.int64)
-    freqs_present = (table & 0xFFFF).astype(np.int64)
+    listed = buf[offset : offset + 4 * present_count].view(np.uint32)
+    symbols = (listed >> 16).astype(np.int64)
+    freqs_present = (listed & 0xFFFF).astype(np.int64)
     if symbols.max() > 255 or freqs_present.min() < 1 or freqs_present.sum() != PROB_SCALE:
         raise RansFormatError("rANS frequency table does not sum to the probability scale")
     if present_count > 1 and (np.diff(symbols) <= 0).any():
         raise RansFormatError("rANS frequency table lists a symbol twice or out of order: corrupted data")
-    freqs = np.zeros(256, dtype=np.int64)
-    freqs[symbols] = freqs_present
-    cums = np.zeros(256, dtype=np.int64)
-    np.cumsum(freqs[:-1], out=cums[1:])
-    slot = np.arange(PROB_SCALE, dtype=np.int64)
-    # slot -> freq << 20 | (slot - cumfreq) << 8 | symbol, 4 B per slot (16 KiB: stays in L1).
-    table = (
-        (np.repeat(freqs, freqs) << 20)
-        | ((slot - np.repeat(cums, freqs)) << 8)
-        | np.repeat(np.arange(256, dtype=np.int64), freqs)
-    ).astype(np.uint32)
+    table = _decode_table(symbols, freqs_present)
     word_counts = buf[offset + 4 * present_count : table_end].view(np.uint32).astype(np.int64)
     # Chunk c: LANES states then its words, padded to 4 bytes; locate all in the 16-bit word view.
     states = np.empty((n_chunks, LANES), dtype=np.int64)
@@ -438,7 +468,12 @@ def decode(stream: bytes | memoryview | np.ndarray, out: np.ndarray | None = Non
         out[:] = symbols[0]
         return out
     words = buf.view(np.uint16)
-    bad_chunks = _decode_chunks(words, word_starts, word_counts, states, table, chunk_symbols, out)
+    parallel = n_chunks > 1 and kernels._choice.choose("ans_decode", n)
+    kernel = _decode_chunks if parallel else _decode_chunks_serial
+    start_s = time.perf_counter()
+    bad_chunks = kernel(words, word_starts, word_counts, states, table, chunk_symbols, out)
+    if n_chunks > 1:
+        kernels._choice.record("ans_decode", parallel, n, time.perf_counter() - start_s)
     if bad_chunks:
         raise RansFormatError(f"rANS stream inconsistent in {bad_chunks} chunk(s): corrupted data")
     return out

@@ -32,3 +32,50 @@ def test_random_change_sequences_round_trip(numel, block_size, dtype, detector, 
         bits = np.where(changed, bits ^ noise, bits).astype(np.uint16)
         np.testing.assert_array_equal(decoder.decode(encoder.encode(bits)), bits)
         assert decoder.generation == encoder.generation
+
+
+def _reference_frequencies(counts: np.ndarray) -> np.ndarray:
+    """The rANS stream's frequency rule, written plainly (the wire format depends on it): scale to 4096,
+    floor, at least 1 per present symbol; hand the remainder out by largest fractional loss, ties in symbol
+    order; if the floors of 1 overshoot, take from the largest frequency."""
+    total = int(counts.sum())
+    freqs = np.zeros(256, dtype=np.int64)
+    present = np.flatnonzero(counts)
+    if total == 0:
+        return freqs
+    scaled = counts[present].astype(np.float64) * 4096 / total
+    freqs[present] = np.maximum(1, np.floor(scaled).astype(np.int64))
+    deficit = 4096 - int(freqs.sum())
+    if deficit > 0:
+        order = present[np.argsort(-(scaled - np.floor(scaled)), kind="stable")]
+        for k in range(deficit):
+            freqs[order[k % order.size]] += 1
+    while deficit < 0:
+        donor = present[np.argmax(freqs[present])]
+        take = min(-deficit, int(freqs[donor]) - 1)
+        freqs[donor] -= take
+        deficit += take
+    return freqs
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    counts=st.dictionaries(
+        st.integers(0, 255),
+        st.one_of(st.integers(1, 3), st.integers(1, 10**9)),
+        min_size=0,
+        max_size=256,
+    )
+)
+def test_rans_frequencies_follow_the_stream_rule(counts) -> None:
+    from ciera_runtime import rans
+
+    histogram = np.zeros(256, dtype=np.int64)
+    for symbol, count in counts.items():
+        histogram[symbol] = count
+    freqs = rans.normalize_frequencies(histogram)
+    np.testing.assert_array_equal(freqs, _reference_frequencies(histogram))
+    if counts:
+        assert (
+            freqs.sum() == 4096 and (freqs[histogram > 0] >= 1).all() and (freqs[histogram == 0] == 0).all()
+        )

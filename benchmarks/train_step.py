@@ -577,7 +577,7 @@ def main() -> None:
     parser.add_argument(
         "--select",
         action="store_true",
-        help="CIERA with BSC: compress only the shards whose measured benefit pays on this link (ZeRO-3)",
+        help="CIERA with BSC (both engines): compress only the shards whose benefit pays on this link",
     )
     parser.add_argument("--probe-mib", type=float, default=8.0, help="raw all-gather probe, MiB per rank")
     parser.add_argument("--timeout-s", type=int, default=1800, help="whole run")

@@ -13,7 +13,8 @@ Public surface (see docs/runtime.md):
 - ``get_backend``, ``available_backends``, ``register_backend``, ``CodecBackend``: codec backends.
 - Errors: ``CieraError``, ``PayloadError``, ``OutOfStepError``, ``StalePayloadError``,
   ``ChecksumMismatchError``, ``BackendUnavailableError``; from a gather, on every rank alike:
-  ``GatherError``, ``ConfigMismatchError``, ``GatherTimeoutError``.
+  ``GatherError``, ``ConfigMismatchError``, ``GatherTimeoutError``; from an engine plug-in's first gather
+  after a selection decided for other sizes: ``SelectionMismatchError``.
 
 torch is imported only by the all-gather, CCP and comm-profiling parts.
 """
@@ -31,6 +32,7 @@ from ciera_runtime.errors import (
     GatherTimeoutError,
     OutOfStepError,
     PayloadError,
+    SelectionMismatchError,
     StalePayloadError,
 )
 from ciera_runtime.selection import (
@@ -64,6 +66,7 @@ __all__ = [
     "PayloadError",
     "ShardDecoder",
     "ShardEncoder",
+    "SelectionMismatchError",
     "ShardInfo",
     "available_backends",
     "compressed_all_gather",

@@ -51,3 +51,9 @@ class ConfigMismatchError(GatherError):
 
 class GatherTimeoutError(GatherError):
     """A round of the gather did not complete within the engine's timeout (a rank never arrived)."""
+
+
+class SelectionMismatchError(CieraError, RuntimeError):
+    """An engine plug-in's first gather of a parameter group does not have the size, dtype or process
+    group that benefit-driven selection was decided for at enable time (the model changed in between).
+    Raised on every rank alike (the sizes are the same on every rank), before any collective."""

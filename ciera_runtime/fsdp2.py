@@ -25,6 +25,15 @@ Inputs that are not BF16/FP16 (no ``param_dtype`` policy: FP32; or the uint8 vie
 dtypes / ``fsdp_pre_all_gather`` extensions) cannot be compressed: they go through the plain
 ``all_gather_single``, and that is logged once per module.
 
+``select=True`` (benefit-driven selection, BSC, as the ZeRO-3 plug-in does it): at enable time, per shard
+process group, each module's all-gather input (its parameters' padded shard sizes, in the
+``MixedPrecisionPolicy`` dtype) is weighed with :func:`~ciera_runtime.selection.select_for_group` — the
+link profiled (or ``comm_profile``), codec times measured, ``select_shards(overlap=False)`` (the encode
+runs on the training thread), rank 0's table applied by every rank. A module not selected goes through
+the plain all-gather with no CIERA work; its reason is in its stats and logged once (rank 0). The first
+gather of every module is checked against what was decided: a different size, dtype or group raises
+:class:`~ciera_runtime.errors.SelectionMismatchError` on every rank rather than run a wrong selection.
+
 See docs/fsdp2.md for the gather counts per iteration (activation checkpointing, reshard_after_forward).
 """
 
@@ -33,7 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -45,6 +54,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from ciera_runtime.allgather import CompressedAllGather
 from ciera_runtime.codec import CodecConfig
+from ciera_runtime.errors import SelectionMismatchError
+from ciera_runtime.selection import CommProfile, Decision, ShardInfo, select_for_group
+from ciera_runtime.zero3 import CATEGORIES, DEFAULT_PRIORS, PRIOR_SOURCE, _agree, category_from_name
 
 logger = logging.getLogger("ciera_runtime")
 
@@ -85,6 +97,84 @@ class ModuleGatherStats:
         row = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "phases"}
         row["phases"] = dict(self.phases)
         return row
+
+
+@dataclass
+class _Plan:
+    """What enable_ciera knows of a parameter group's all-gather input before its first gather."""
+
+    group: dist.ProcessGroup  # the shard process group (the post-forward group is another one)
+    numel: int | None  # per rank; None: known only at the gather (an fsdp_pre_all_gather extension)
+    dtype: torch.dtype | None
+    post_forward_group: bool  # reshard_after_forward=<int>: backward gathers over a smaller group
+    category: str  # the category with the most values in the group
+    q: float  # block change rate prior: the values-weighted mean of its parameters' category priors
+    reason: str  # why its gathers cannot be compressed; "" for a candidate
+    checked: bool = False  # the first gather matched
+
+
+def _all_gather_dtype(fsdp_param, mp_policy) -> torch.dtype:
+    """The dtype FSDP2 casts a parameter's shard to for the all-gather (FSDPParam.init_dtype_attrs, which
+    runs only at FSDP2's lazy init, i.e. at the first forward)."""
+    orig = fsdp_param.sharded_param.dtype
+    param_dtype = getattr(mp_policy, "param_dtype", None)
+    if param_dtype is None or param_dtype == orig or not orig.is_floating_point:
+        return orig
+    return param_dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _plan(param_group, names: dict[int, str], categories, q_by_category) -> _Plan:
+    """The all-gather input ``foreach_all_gather`` will build for ``param_group`` (torch 2.13,
+    ``_get_param_all_gather_inputs``): each parameter's padded shard, cast to its all-gather dtype, flat;
+    several dtypes make it a uint8 view of the bytes."""
+    fsdp_params = list(param_group.fsdp_params)
+    group = param_group.mesh_info.shard_process_group
+    post_forward = param_group.post_forward_mesh_info
+    post_forward_group = post_forward is not None and post_forward != param_group.mesh_info
+    values: Counter = Counter()
+    weighted_q = 0.0
+    for fsdp_param in fsdp_params:
+        numel = fsdp_param.padded_sharded_param_size.numel()
+        name = names.get(id(fsdp_param.sharded_param), "")
+        category = categories.get(name) or category_from_name(name)
+        values[category] += numel
+        weighted_q += numel * q_by_category[category]
+    total = sum(values.values())
+    category = values.most_common(1)[0][0] if values else ""
+    q = weighted_q / total if total else 0.0
+    dtypes = [_all_gather_dtype(fsdp_param, param_group.mp_policy) for fsdp_param in fsdp_params]
+    extension = [
+        fsdp_param
+        for fsdp_param in fsdp_params
+        if hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
+    ]
+    if extension:
+        reason = (
+            "an fsdp_pre_all_gather tensor extension makes the all-gather input (known only at the gather)"
+        )
+        return _Plan(group, None, None, post_forward_group, category, q, reason)
+    if not fsdp_params:
+        return _Plan(group, 0, None, post_forward_group, category, q, "no parameters")
+    if len(set(dtypes)) > 1:
+        numel = sum(
+            fsdp_param.padded_sharded_param_size.numel() * dtype.itemsize
+            for fsdp_param, dtype in zip(fsdp_params, dtypes, strict=True)
+        )
+        mixed = ", ".join(sorted({_dtype_name(dtype) for dtype in dtypes}))
+        reason = f"all-gather dtype uint8 is not BF16/FP16 (parameters of {mixed} gathered as bytes)"
+        return _Plan(group, numel, torch.uint8, post_forward_group, category, q, reason)
+    dtype = dtypes[0]
+    numel = sum(fsdp_param.padded_sharded_param_size.numel() for fsdp_param in fsdp_params)
+    reason = ""
+    if dtype not in _COMPRESSIBLE:
+        reason = f"all-gather dtype {_dtype_name(dtype)} is not BF16/FP16"
+    elif param_group.device.type != "cpu":
+        reason = f"all-gather on {param_group.device}: the codec backends in this build work on CPU"
+    return _Plan(group, numel, dtype, post_forward_group, category, q, reason)
 
 
 def _phase(param_group) -> str:
@@ -128,6 +218,8 @@ class CieraAllGather(AllGather):
         self._owner = owner
         self.stats = stats
         self._param_group = param_group
+        self.plan: _Plan | None = None  # set by enable_ciera(select=True)
+        self.selected: bool | None = None  # None: no selection (every BF16/FP16 gather is compressed)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -151,10 +243,14 @@ class CieraFSDP2:
         config: CodecConfig | None = None,
         cache_budget_bytes: int | None = None,
         timeout_s: float = 300.0,
+        select: bool = False,
     ) -> None:
         self.config = config or CodecConfig()
         self.cache_budget_bytes = cache_budget_bytes
         self.timeout_s = timeout_s
+        self.select = select
+        # The BSC table every rank applied (rank 0's), one row per candidate module, with its name.
+        self.selection: list[dict] = []
         self.engines: dict[dist.ProcessGroup, CompressedAllGather] = {}
         self.modules: dict[str, ModuleGatherStats] = {}
         self.iteration = 0
@@ -173,15 +269,33 @@ class CieraFSDP2:
             self.engines[group] = engine
         return engine
 
+    def _check_plan(self, comm: CieraAllGather, input_tensor, group) -> None:
+        """The first gather of a module selected at enable time must be the one selection weighed."""
+        plan = comm.plan
+        got = (input_tensor.numel(), input_tensor.dtype)
+        if group is plan.group and (plan.numel is None or got == (plan.numel, plan.dtype)):
+            plan.checked = True
+            return
+        planned = "known at the gather" if plan.numel is None else f"{plan.numel} {_dtype_name(plan.dtype)}"
+        raise SelectionMismatchError(
+            f"module {comm.stats.module!r}: enable_ciera(select=True) decided for an all-gather input of "
+            f"{planned} values per rank over a {plan.group.size()}-rank group, but FSDP2's first all-gather "
+            f"sends {got[0]} {_dtype_name(got[1])} values over a {group.size()}-rank group: the parameter "
+            "group changed after enable_ciera (call it after fully_shard and after any change to the "
+            "model's parameters, before the first forward)"
+        )
+
     def _gather(self, comm: CieraAllGather, output, input_tensor, group, async_op: bool):
         stats = comm.stats
+        if comm.plan is not None and not comm.plan.checked:
+            self._check_plan(comm, input_tensor, group)
         stats.gathers += 1
         stats.async_gathers += bool(async_op)
         stats.phases[_phase(comm._param_group)] += 1
         self._current[stats.module] += 1
         raw_bytes = input_tensor.numel() * input_tensor.element_size()
         stats.raw_bytes += raw_bytes
-        if input_tensor.dtype not in _COMPRESSIBLE or output.device.type != "cpu":
+        if comm.selected is False or input_tensor.dtype not in _COMPRESSIBLE or output.device.type != "cpu":
             return self._plain(comm, output, input_tensor, group, async_op, raw_bytes)
         engine = self.engine_for(group)
         if stats.compressed is None:
@@ -194,6 +308,8 @@ class CieraFSDP2:
         if stats.compressed is None and stats.shard_id in engine.registrations:
             registration = engine.registrations[stats.shard_id]
             stats.compressed, stats.reason = registration.compressed, registration.reason
+            if comm.selected and registration.compressed:
+                stats.reason = "selected by BSC"
         stats.time_s += time.perf_counter() - start_s
 
         def finish() -> None:
@@ -266,6 +382,8 @@ class CieraFSDP2:
             "wire_bytes": wire,
             "wire_ratio": wire / raw if raw else None,
             "iterations": self.iteration,
+            "select": self.select,
+            "selection": [dict(row) for row in self.selection],
             "engines": [
                 {
                     "world_size": engine.world_size,
@@ -285,19 +403,140 @@ def fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
     ]
 
 
+def _check_select_arguments(select, comm_profile, categories, priors) -> dict[str, float]:
+    """One-line errors for the selection arguments; the prior q per category."""
+    if not isinstance(select, bool):
+        raise TypeError(f"select is {select!r}: expected True or False")
+    if comm_profile is not None:
+        if not select:
+            raise ValueError("comm_profile is used only by benefit-driven selection: pass select=True too")
+        if not isinstance(comm_profile, CommProfile):
+            raise TypeError(
+                f"comm_profile is {type(comm_profile).__name__}, "
+                "expected a ciera_runtime.selection.CommProfile"
+            )
+        sizes, times = comm_profile.bytes_per_rank, comm_profile.time_s
+        if (
+            len(sizes) < 1
+            or len(sizes) != len(times)
+            or any(b <= a for a, b in zip(sizes, sizes[1:], strict=False))
+            or any(not (size > 0) for size in sizes)
+            or any(not (t > 0 and t < float("inf")) for t in times)
+        ):
+            raise ValueError(
+                "comm_profile: expected increasing positive bytes_per_rank and as many finite positive "
+                "time_s "
+                f"(got {len(sizes)} sizes, {len(times)} times)"
+            )
+    if not isinstance(categories, Mapping):
+        raise TypeError(f"categories is {type(categories).__name__}, expected {{parameter name: category}}")
+    for name, category in categories.items():
+        if category not in DEFAULT_PRIORS:
+            raise ValueError(f"categories[{name!r}] = {category!r}: expected one of {list(CATEGORIES)}")
+    if not isinstance(priors, Mapping):
+        raise TypeError(f"priors is {type(priors).__name__}, expected {{category: block change rate}}")
+    q_by_category = dict(DEFAULT_PRIORS)
+    for category, rate in priors.items():
+        if category not in DEFAULT_PRIORS:
+            raise ValueError(f"priors: {category!r} is not a category, expected one of {list(CATEGORIES)}")
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"priors[{category!r}] = {rate!r}: expected a block change rate in [0, 1]")
+        q_by_category[category] = float(rate)
+    return q_by_category
+
+
+def _not_selected_reason(row: Decision, world_size: int) -> str:
+    if world_size < 2:
+        return "not selected by BSC: world size 1"
+    if row.gain_s <= 0:
+        return (
+            f"not selected by BSC: its codec costs more than the bytes it saves on this link "
+            f"(gain {row.gain_s * 1e3:.3g} ms per gather, q = {row.q:.2f})"
+        )
+    return f"not selected by BSC: over the cache budget ({row.memory_bytes} bytes of cache)"
+
+
+def _apply_selection(
+    ciera: CieraFSDP2,
+    comms: list[CieraAllGather],
+    select: bool,
+    comm_profile: CommProfile | None,
+    q_by_category: dict[str, float],
+) -> None:
+    """Per shard process group (in order of its first module): agree on the candidates, then (select)
+    decide them all with rank 0's BSC table. Collective over each group with a candidate."""
+    by_group: dict[dist.ProcessGroup, list[CieraAllGather]] = {}
+    for comm in comms:
+        by_group.setdefault(comm.plan.group, []).append(comm)
+    for group, members in by_group.items():
+        candidates = [comm for comm in members if not comm.plan.reason]
+        if not candidates:
+            continue  # nothing CIERA would do over this group: no collective
+        world_size = dist.get_world_size(group)
+        # Same modules, sizes, dtypes and selection arguments on every rank before any collective of the
+        # selection (else the same ConfigMismatchError on all, not mismatched collectives).
+        description = ";".join(
+            f"{c.stats.shard_id}:{c.plan.numel}:{c.plan.dtype}:{c.plan.reason == ''}" for c in members
+        )
+        _agree(
+            f"{description}|{select}|{sorted(q_by_category.items())}|{ciera.cache_budget_bytes}|"
+            f"{ciera.config.fingerprint}|{comm_profile is not None}",
+            group,
+            world_size,
+        )
+        if not select:
+            continue
+        shards = [
+            ShardInfo(
+                comm.stats.shard_id,
+                comm.plan.numel,
+                "bf16" if comm.plan.dtype == torch.bfloat16 else "fp16",
+                comm.plan.category,
+                comm.plan.q,
+            )
+            for comm in candidates
+        ]
+        # The encode runs when FSDP2 issues the gather, on the training thread: no CCP overlap.
+        table = select_for_group(
+            shards, group, ciera.config, ciera.cache_budget_bytes, comm_profile, overlap=False
+        )
+        for comm, row in zip(candidates, table, strict=True):
+            if row.shard_id != comm.stats.shard_id:  # broadcast_decisions kept rank 0's order
+                raise RuntimeError(f"BSC table row {row.shard_id} for shard {comm.stats.shard_id}")
+            comm.selected = row.selected
+            ciera.selection.append({"module": comm.stats.module, "numel": comm.plan.numel, **row.as_dict()})
+            if not row.selected:
+                comm.stats.reason = _not_selected_reason(row, world_size)
+
+
 def enable_ciera(
     model: nn.Module,
     config: CodecConfig | None = None,
     cache_budget_bytes: int | None = None,
     timeout_s: float = 300.0,
+    select: bool = False,
+    comm_profile: CommProfile | None = None,
+    categories: Mapping[str, str] | None = None,
+    priors: Mapping[str, float] | None = None,
 ) -> CieraFSDP2:
     """Install the CIERA all-gather on every FSDP2 module of ``model`` (the root and every
     ``fully_shard``-ed submodule). Call after ``fully_shard`` and before the first forward, on every rank,
-    with the same arguments. Returns the :class:`CieraFSDP2` that holds the engines and the stats.
+    with the same arguments (collective: it all-gathers a small fingerprint per shard process group, and
+    with ``select`` profiles the link and broadcasts rank 0's decisions). Returns the :class:`CieraFSDP2`
+    that holds the engines and the stats.
 
     ``cache_budget_bytes`` bounds what each engine (one per process group) keeps between gathers; a
     parameter group that does not fit is gathered raw (logged). ``timeout_s`` bounds every wait of a
-    compressed gather: a rank that never arrives makes the others raise ``GatherTimeoutError``."""
+    compressed gather: a rank that never arrives makes the others raise ``GatherTimeoutError``.
+
+    ``select`` (default False: every BF16/FP16 group is compressed): benefit-driven selection per module
+    at enable time, from its all-gather input size and dtype and a block change rate prior — the
+    values-weighted mean of its parameters' category priors (``categories`` {parameter name: category},
+    else from the names; ``priors`` {category: q} over zero3.DEFAULT_PRIORS). ``comm_profile``: a
+    :class:`~ciera_runtime.selection.CommProfile` to use instead of profiling the link. A module not
+    selected gathers through the plain all-gather, with no CIERA work. Not with
+    ``reshard_after_forward=<int>`` (its backward gathers run over another group, which is not profiled).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"model is {type(model).__name__}, expected a torch.nn.Module sharded with fully_shard"
@@ -306,14 +545,22 @@ def enable_ciera(
         raise ValueError(
             f"CIERA is already enabled on this {type(model).__name__}: call enable_ciera once per model"
         )
+    categories = {} if categories is None else categories
+    q_by_category = _check_select_arguments(
+        select, comm_profile, categories, {} if priors is None else priors
+    )
     found = fsdp_modules(model)
     if not found:
         raise ValueError(
             f"model {type(model).__name__} has no FSDP2 module: apply torch.distributed.fsdp.fully_shard "
             "to its blocks and to the root before enable_ciera"
         )
-    ciera = CieraFSDP2(config, cache_budget_bytes, timeout_s)
-    shard_id = 0
+    names = {id(param): name for name, param in model.named_parameters()}
+    unknown = sorted(set(categories) - set(names.values()))
+    if unknown:
+        raise ValueError(f"categories: {unknown[0]!r} is not a parameter of the model")
+    ciera = CieraFSDP2(config, cache_budget_bytes, timeout_s, select)
+    comms: list[tuple[FSDPModule, CieraAllGather]] = []
     for name, module in found:
         param_groups = module._get_fsdp_state()._fsdp_param_groups
         if len(param_groups) > 1:
@@ -322,11 +569,64 @@ def enable_ciera(
                 "several meshes): FSDP2's custom all-gather supports one group per module"
             )
         for param_group in param_groups:
-            stats = ModuleGatherStats(name, shard_id)
-            ciera.modules[name] = stats
-            module.set_custom_all_gather(CieraAllGather(ciera, stats, param_group))
-            shard_id += 1
+            stats = ModuleGatherStats(name, len(comms))
+            comm = CieraAllGather(ciera, stats, param_group)
+            comm.plan = _plan(param_group, names, categories, q_by_category)
+            if select and comm.plan.post_forward_group:
+                raise ValueError(
+                    f"module {name!r} reshards after forward to a smaller group "
+                    "(reshard_after_forward=<int>): select=True weighs one link per module; use select=False "
+                    "or reshard_after_forward=True"
+                )
+            comms.append((module, comm))
+    _apply_selection(ciera, [comm for _, comm in comms], select, comm_profile, q_by_category)
+    for module, comm in comms:
+        stats = comm.stats
+        ciera.modules[stats.module] = stats
+        if select:
+            plan = comm.plan
+            stats.numel = plan.numel or 0
+            stats.dtype = _dtype_name(plan.dtype) if plan.dtype is not None else ""
+            if plan.reason or not comm.selected:
+                comm.selected = False
+                stats.compressed, stats.reason = False, stats.reason or plan.reason
+        else:
+            comm.plan = None  # decided at each module's first gather, as before selection existed
+        module.set_custom_all_gather(comm)
+    if select:
+        _log_selection(ciera, q_by_category, priors)
     # An iteration starts at each forward of the model (before FSDP2's own root pre-forward hook).
     model.register_forward_pre_hook(ciera._start_iteration, prepend=True)
     model._ciera_fsdp2 = ciera
     return ciera
+
+
+def _log_selection(ciera: CieraFSDP2, q_by_category: dict[str, float], priors) -> None:
+    """Rank 0 says once what selection used and decided (every rank applied the same table)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if ciera.selection:
+        logger.warning(
+            "ciera_runtime.fsdp2: no block change history at start-up; BSC uses per-category priors "
+            "(%s: %s), weighted by values per module",
+            PRIOR_SOURCE if not priors else "given priors over " + PRIOR_SOURCE,
+            ", ".join(f"{c} q={q_by_category[c]:g}" for c in CATEGORIES),
+        )
+    for stats in ciera.modules.values():
+        if stats.compressed is False:
+            # Not BF16/FP16 or not on CPU: a warning, as without selection; not selected: what BSC is for.
+            log = logger.info if stats.reason.startswith("not selected by BSC") else logger.warning
+            log(
+                "ciera_runtime.fsdp2: module %r (%d values) uses the plain all-gather: %s",
+                stats.module,
+                stats.numel,
+                stats.reason,
+            )
+    selected = [stats for stats in ciera.modules.values() if stats.compressed is not False]
+    logger.info(
+        "ciera_runtime.fsdp2: BSC selected %d of %d modules (%d of %d values per rank) for CIERA",
+        len(selected),
+        len(ciera.modules),
+        sum(stats.numel for stats in selected),
+        sum(stats.numel for stats in ciera.modules.values()),
+    )

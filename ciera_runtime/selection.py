@@ -191,6 +191,60 @@ def select_shards(
     ]
 
 
+# Codec timing is measured on at most this many values per distinct shard size and scaled linearly.
+MEASURE_MAX_NUMEL = 1 << 20
+
+
+def comm_profile_sizes(max_bytes: int) -> tuple[int, ...]:
+    """Per-rank sizes for :func:`profile_comm`: 1 KiB upward in powers of 4 until ``max_bytes`` is covered."""
+    sizes = [1024]
+    while sizes[-1] < max_bytes:
+        sizes.append(sizes[-1] * 4)
+    return tuple(sizes if len(sizes) > 1 else [256, 1024])
+
+
+def select_for_group(
+    shards: Sequence[ShardInfo],
+    group=None,
+    config: CodecConfig | None = None,
+    cache_budget_bytes: int | None = None,
+    comm_profile: CommProfile | None = None,
+    overlap: bool = False,
+) -> list[Decision]:
+    """BSC for the shards one engine gathers over ``group``: rank 0's decision table, which every rank of
+    the group must apply. Collective: every rank calls it at the same point with the same shards.
+
+    Without ``comm_profile`` the link is profiled (:func:`profile_comm`, up to twice the largest shard's
+    raw bytes). Codec times come from :func:`measure_codec_times` once per distinct (numel, dtype, q), on
+    at most MEASURE_MAX_NUMEL values, scaled linearly above that. A compressed shard travels in its
+    bucket's one collective (ciera_runtime.bucket): no round of its own, so only its bytes and its codec
+    work are weighed (the latency term cancels in the gain). ``overlap``: see :func:`select_shards`."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size(group)
+    if comm_profile is None:
+        comm_profile = profile_comm(group, comm_profile_sizes(2 * max(shard.numel for shard in shards)))
+    measured: dict[tuple, CodecTimes] = {}
+
+    def codec_times(shard: ShardInfo) -> CodecTimes:
+        numel = max(1, min(shard.numel, MEASURE_MAX_NUMEL))
+        key = (numel, shard.dtype, shard.block_change_rate)
+        if key not in measured:
+            measured[key] = measure_codec_times(
+                numel, shard.dtype, shard.block_change_rate, config, world_size
+            )
+        times = measured[key]
+        scale = shard.numel / numel
+        return CodecTimes(
+            times.hash_s * scale, times.compress_s * scale, times.decompress_s * scale, times.exponent_bits
+        )
+
+    table = select_shards(
+        shards, comm_profile.comm_s, world_size, cache_budget_bytes, codec_times, config, overlap=overlap
+    )
+    return broadcast_decisions(table, group)
+
+
 def broadcast_decisions(decisions: Sequence[Decision], group=None, src: int = 0) -> list[Decision]:
     """Make every rank of ``group`` use rank ``src``'s decision table.
 

@@ -65,8 +65,6 @@ PRIOR_SOURCE = "reference method, OLMoE medians at B=512"
 CATEGORIES = tuple(DEFAULT_PRIORS)
 
 PHASES = ("forward", "recompute", "backward", "outside_fetch", "unused")
-# Codec timing is measured on at most this many values per distinct shard size and scaled linearly.
-_MEASURE_MAX_NUMEL = 1 << 20
 
 _CONFIG_KEYS = {
     "enabled",
@@ -653,23 +651,9 @@ def _describe(routes: dict, members: list[int]) -> str:
     )
 
 
-def _comm_sizes(max_bytes: int) -> tuple[int, ...]:
-    sizes = [1024]
-    while sizes[-1] < max_bytes:
-        sizes.append(sizes[-1] * 4)
-    return tuple(sizes if len(sizes) > 1 else [256, 1024])
-
-
-def _select(routes, candidates, group, world_size, config, budget, categories_q, comm_profile):
+def _select(routes, candidates, group, config, budget, categories_q, comm_profile):
     """BSC for one group's candidates: rank 0's decision table, applied by every rank."""
-    from ciera_runtime.selection import (
-        CodecTimes,
-        ShardInfo,
-        broadcast_decisions,
-        measure_codec_times,
-        profile_comm,
-        select_shards,
-    )
+    from ciera_runtime.selection import ShardInfo, select_for_group
 
     shards = [
         ShardInfo(
@@ -681,31 +665,8 @@ def _select(routes, candidates, group, world_size, config, budget, categories_q,
         )
         for ds_id in candidates
     ]
-    if comm_profile is None:
-        comm_profile = profile_comm(group, _comm_sizes(2 * max(s.numel for s in shards)))
-    measured: dict[tuple, CodecTimes] = {}
-
-    # A compressed parameter travels in its bucket's one collective (ciera_runtime.bucket): no round of its
-    # own, so only its bytes and its codec work are weighed (the latency term cancels in the gain).
-    def codec_times(shard: ShardInfo) -> CodecTimes:
-        numel = max(1, min(shard.numel, _MEASURE_MAX_NUMEL))
-        key = (numel, shard.dtype, shard.block_change_rate)
-        if key not in measured:
-            measured[key] = measure_codec_times(
-                numel, shard.dtype, shard.block_change_rate, config, world_size
-            )
-        times = measured[key]
-        scale = shard.numel / numel
-        return CodecTimes(
-            times.hash_s * scale,
-            times.compress_s * scale,
-            times.decompress_s * scale,
-            times.exponent_bits,
-        )
-
     # Encode runs when DeepSpeed starts the gather, on its thread: no CCP overlap, so it is charged.
-    table = select_shards(shards, comm_profile.comm_s, world_size, budget, codec_times, config, overlap=False)
-    return broadcast_decisions(table, group)
+    return select_for_group(shards, group, config, budget, comm_profile, overlap=False)
 
 
 def enable_ciera(
@@ -830,7 +791,6 @@ def enable_ciera(
                 routes,
                 candidates,
                 group,
-                world_size,
                 config,
                 cache_budget_bytes,
                 q_by_category,

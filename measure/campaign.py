@@ -69,7 +69,7 @@ class CapturePlan:
     seq_len: int = 64
     seed: int = 0
     activation_checkpointing: bool = True
-    select: bool = False  # CIERA's BSC: compress only the shards whose measured benefit pays (ZeRO-3)
+    select: bool = False  # CIERA's BSC: compress only the shards whose measured benefit pays (both engines)
     # ZeRO-3 schedule, in blocks of the captured model (None: DeepSpeed's default in elements).
     prefetch_bucket_blocks: float | None = 1.0
     max_live_blocks: float | None = 1.0

@@ -152,7 +152,8 @@ def train_command(
     select: Annotated[
         bool,
         typer.Option(
-            "--select/--no-select", help="BSC: compress only the shards whose measured benefit pays (ZeRO-3)."
+            "--select/--no-select",
+            help="BSC: compress only the shards whose measured benefit pays (ZeRO-3 and FSDP2).",
         ),
     ] = False,
     checkpoint_dir: Annotated[

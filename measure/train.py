@@ -49,7 +49,7 @@ class TrainConfig:
     global_batch: int = 4  # sequences per step, split evenly over the ranks
     seq_len: int = 64
     activation_checkpointing: bool = True
-    select: bool = False  # BSC (benefit-driven selection); False: every BF16 parameter is compressed
+    select: bool = False  # BSC (benefit-driven selection, both engines); False: every BF16 shard compressed
     block_size: int = 512
     detector: str = "hash"
     cache_budget_bytes: int | None = None
@@ -340,6 +340,8 @@ class _FsdpRun(_EngineRun):
                 config=CodecConfig(block_size=cfg.block_size, detector=cfg.detector),
                 cache_budget_bytes=cfg.cache_budget_bytes,
                 timeout_s=cfg.timeout_s,
+                select=cfg.select,
+                categories=categories,
             )
 
     def forward(self, inputs, targets):

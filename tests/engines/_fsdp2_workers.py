@@ -343,6 +343,155 @@ def subgroup_reshard_worker(rank: int, world_size: int, port: int, result_queue)
                 "compressed": all(row["compressed"] for row in stats["modules"].values()),
                 "engine_world_sizes": sorted(engine["world_size"] for engine in stats["engines"]),
             }
+            if variant == "subgroup":  # selection weighs one link per module: refused, before any collective
+                del model._ciera_fsdp2
+                try:
+                    enable_ciera(model, select=True, comm_profile=slow_profile())
+                    out["subgroup"]["select_error"] = "no error"
+                except ValueError as error:
+                    out["subgroup"]["select_error"] = str(error)
     finally:
+        result_queue.put(out)
+        dist.destroy_process_group()
+
+
+SELECT_STEPS = 3
+# Link profiles given to enable_ciera(select=True), bytes per rank -> seconds: a slow link where every byte
+# costs (1 KB/s: a block's 16.7 KB raw shard takes 16 s, far above any codec time) and a fast one where
+# bytes cost nothing (the gain is minus the codec time: nothing pays).
+PROFILE_SIZES = (256, 1 << 16, 1 << 24)
+
+
+def slow_profile():
+    from ciera_runtime.selection import CommProfile
+
+    return CommProfile(PROFILE_SIZES, tuple(size / 1e3 for size in PROFILE_SIZES))
+
+
+def fast_profile():
+    from ciera_runtime.selection import CommProfile
+
+    return CommProfile(PROFILE_SIZES, (1e-9,) * len(PROFILE_SIZES))
+
+
+def select_worker(rank: int, world_size: int, port: int, result_queue) -> None:
+    """enable_ciera(select=True) against plain FSDP2 (same seed, same data): a slow-link profile, a
+    fast-link profile, codec timings that differ between the ranks, FP32 groups, a parameter group changed
+    after enable_ciera, and the argument checks that need an FSDP2 model."""
+    import logging
+
+    import ciera_runtime.selection as selection
+    from ciera_runtime import SelectionMismatchError
+    from ciera_runtime.fsdp2 import enable_ciera
+    from ciera_runtime.selection import CodecTimes
+
+    init_gloo(rank, world_size, port)
+    out: dict = {"rank": rank}
+    records: list[tuple[str, str]] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record) -> None:
+            records.append((record.levelname, record.getMessage()))
+
+    handler = _Collect()
+    ciera_logger = logging.getLogger("ciera_runtime")
+    ciera_logger.addHandler(handler)
+    ciera_logger.setLevel(logging.INFO)
+    try:
+        model, optimizer = build()
+        plain_losses = [train_step(model, optimizer, step, rank) for step in range(SELECT_STEPS)]
+        plain_params = full_params(model)
+        del model, optimizer
+
+        def run(label: str, **kwargs) -> None:
+            records.clear()
+            model, optimizer = build(param_dtype=kwargs.pop("param_dtype", torch.bfloat16))
+            ciera = enable_ciera(model, select=True, **kwargs)
+            losses = [train_step(model, optimizer, step, rank) for step in range(SELECT_STEPS)]
+            stats = ciera.stats()
+            out[label] = {
+                "losses_equal": losses == plain_losses,
+                "params_equal": all(same_bits(plain_params, full_params(model)).values()),
+                "modules": {
+                    name: {key: row[key] for key in ("compressed", "reason", "numel", "dtype", "gathers")}
+                    | {"plain_gathers": row["plain_gathers"]}
+                    for name, row in stats["modules"].items()
+                },
+                "selection": stats["selection"],
+                "wire_ratio": stats["wire_ratio"],
+                "engines": len(ciera.engines),
+                "engine_gathers": sum(engine.stats.gathers for engine in ciera.engines.values()),
+                "log": list(records),
+            }
+
+        run("slow", comm_profile=slow_profile())
+        run("fast", comm_profile=fast_profile())
+
+        # Codec timings that differ between the ranks: rank 0 measures a cheap codec, rank 1 one that costs
+        # more than any byte saved on a 1 MB/s link. Each rank's own table is kept; both must apply rank 0's.
+        local_tables: list = []
+        original_select, original_measure = selection.select_shards, selection.measure_codec_times
+
+        def recording_select(*args, **kwargs):
+            table = original_select(*args, **kwargs)
+            local_tables.append([row.as_dict() for row in table])
+            return table
+
+        def skewed_measure(numel, dtype, q, config=None, world_size=2, seed=0):
+            cost_s = 1e-6 if rank == 0 else 100.0
+            return CodecTimes(cost_s, cost_s, cost_s, 2.6)
+
+        selection.select_shards, selection.measure_codec_times = recording_select, skewed_measure
+        try:
+            from ciera_runtime.selection import CommProfile
+
+            run("skewed", comm_profile=CommProfile(PROFILE_SIZES, tuple(s / 1e6 for s in PROFILE_SIZES)))
+        finally:
+            selection.select_shards, selection.measure_codec_times = original_select, original_measure
+        out["skewed"]["local_selected"] = [row["selected"] for table in local_tables for row in table]
+
+        # FP32 all-gather inputs: never candidates, no selection collective, plain gathers.
+        records.clear()
+        model, optimizer = build(param_dtype=None)
+        ciera = enable_ciera(model, select=True, comm_profile=slow_profile())
+        for step in range(2):
+            train_step(model, optimizer, step, rank)
+        stats = ciera.stats()
+        out["fp32"] = {
+            "compressed": [row["compressed"] for row in stats["modules"].values()],
+            "reasons": [row["reason"] for row in stats["modules"].values()],
+            "plain_gathers": sum(row["plain_gathers"] for row in stats["modules"].values()),
+            "gathers": stats["gathers"],
+            "selection": stats["selection"],
+            "engines": len(ciera.engines),
+            "log": list(records),
+        }
+        del model, optimizer, ciera
+
+        # The parameter group changes after enable_ciera (blocks.1 gathered in FP16, decided for BF16):
+        # the first gather of that module raises on both ranks, before any collective.
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        model, optimizer = build()
+        enable_ciera(model, select=True, comm_profile=slow_profile())
+        model.blocks[1]._get_fsdp_state()._fsdp_param_groups[0].mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.float16, reduce_dtype=torch.float32
+        )
+        try:
+            train_step(model, optimizer, 0, rank)
+            out["mismatch"] = ("no error", "")
+        except SelectionMismatchError as error:
+            out["mismatch"] = (type(error).__name__, str(error))
+        del model, optimizer
+
+        # Argument checks that need an FSDP2 model.
+        model, _ = build()
+        try:
+            enable_ciera(model, select=True, categories={"blocks.9.fc1.weight": "attention"})
+            out["unknown_name"] = "no error"
+        except ValueError as error:
+            out["unknown_name"] = str(error)
+    finally:
+        ciera_logger.removeHandler(handler)
         result_queue.put(out)
         dist.destroy_process_group()

@@ -158,6 +158,9 @@ def test_reshard_to_a_subgroup_and_cpu_offload_on_four_ranks() -> None:
         assert subgroup["losses_equal"] and subgroup["compressed"]
         assert subgroup["gathers_per_iteration"] == dict.fromkeys(modules, 2)
         assert subgroup["engine_world_sizes"] == [2, 2, 2, 2, 4]
+        assert subgroup["select_error"].startswith(
+            "module '<root>' reshards after forward to a smaller group"
+        )
         assert offload["losses_equal"] and offload["compressed"]
         assert offload["gathers_per_iteration"] == {"<root>": 1, **dict.fromkeys(modules - {"<root>"}, 2)}
         assert offload["engine_world_sizes"] == [4]

@@ -46,6 +46,7 @@ def runs(tmp_path_factory) -> dict:
         ("zero3_on", dataclasses.replace(TINY, engine="zero3", ciera=True)),
         ("fsdp_off", dataclasses.replace(TINY, engine="fsdp", ciera=False)),
         ("fsdp_on", dataclasses.replace(TINY, engine="fsdp", ciera=True)),
+        ("fsdp_select", dataclasses.replace(TINY, engine="fsdp", ciera=True, select=True)),
         (
             "zero3_on_first_half",
             dataclasses.replace(TINY, steps=HALF, save_at=HALF, checkpoint_dir=checkpoint),
@@ -79,6 +80,16 @@ def test_ciera_trains_bit_identically_to_the_plain_engine(runs: dict, engine: st
     plain_sent = sum(step["allgather_bytes_sent"] for step in plain["steps"])
     assert raw == plain_sent  # the same gathers, counted raw
     assert sent < 0.8 * raw  # fewer bytes on the wire
+
+
+def test_select_reaches_the_fsdp2_plug_in(runs: dict) -> None:
+    """--select decides every FSDP2 module at start-up (what it picks depends on this machine's link and
+    codec timings); whatever it picks trains bit-identically."""
+    run = runs["fsdp_select"]
+    assert run["ciera"]["select"] is True
+    assert [row["module"] for row in run["ciera"]["selection"]] == ["<root>", "blocks.0"]
+    assert _losses(run) == _losses(runs["fsdp_off"])
+    assert run["parameter_digest"] == runs["fsdp_off"]["parameter_digest"]
 
 
 def test_zero3_gathers_each_parameter_as_often_as_deepspeed(runs: dict) -> None:

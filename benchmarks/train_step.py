@@ -25,6 +25,14 @@ includes waiting for the other rank to arrive. With r = CIERA's sent / raw bytes
 ``overlap_only = T_baseline / max(T_compute, T_allgather + T_other_comm)``, T_baseline the plain engine's
 timed median; 1/r bounds the all-gather's own speedup from bytes alone.
 
+Control plane, per system (``collective_calls_per_step``, ``host_ms_per_step``, ``host_us_per_allgather``;
+the comparison's ``control_plane``): every collective call of a timed step is counted at
+``torch.distributed`` (all ops; the two all-reduces ``run_rank`` adds per step included, in both systems
+alike); the training thread's time in the parameter gathers is, with CIERA, its whole bucket path with
+network waits left out (``GatherStats.host_s``: packing, encoding, issuing, unpacking, decoding), and for
+the plain engine the time spent inside ``all_gather_single`` calls (issuing them; the engine's own
+bookkeeping around them is not counted). Both are means of the ranks, medians of the timed steps.
+
 ``--link netns`` (root, iproute2): the two ranks run in two network namespaces joined by a veth pair with
 ``tc tbf`` at ``--rate`` on both ends — the namespace code of ``allgather_netns.py`` — and everything is
 removed on exit, error and SIGINT/SIGTERM/SIGHUP (and leftovers of killed runs at start). Not root:
@@ -116,6 +124,10 @@ class _CommTimer:
         self._local = threading.local()
         self.seconds = {"allgather": 0.0, "other": 0.0}
         self.calls: dict[str, int] = {}
+        # Off too: every collective call is counted, and the time the calling thread spends inside
+        # all_gather_single itself (issuing it; an async gather returns before its bytes move).
+        self.counts: dict[str, int] = {}
+        self.issue_s = 0.0
         for name, kind in [("all_gather_single", "allgather")] + [(n, "other") for n in _OTHER_COMM]:
             original = getattr(c10d, name, None)
             if original is None:
@@ -127,8 +139,19 @@ class _CommTimer:
 
     def _wrap(self, name: str, kind: str, original):
         def timed(*args, **kwargs):
-            if not self.on or getattr(self._local, "depth", 0):
+            if getattr(self._local, "depth", 0):
                 return original(*args, **kwargs)
+            self.counts[name] = self.counts.get(name, 0) + 1
+            if not self.on:
+                self._local.depth = 1
+                try:
+                    start_s = time.perf_counter()
+                    work = original(*args, **kwargs)
+                    if name == "all_gather_single":
+                        self.issue_s += time.perf_counter() - start_s
+                finally:
+                    self._local.depth = 0
+                return work
             self._local.depth = 1
             try:
                 start_s = time.perf_counter()
@@ -143,8 +166,8 @@ class _CommTimer:
 
         return timed
 
-    def snapshot(self) -> tuple[float, float]:
-        return self.seconds["allgather"], self.seconds["other"]
+    def snapshot(self) -> tuple[float, float, float, dict[str, int]]:
+        return self.seconds["allgather"], self.seconds["other"], self.issue_s, dict(self.counts)
 
 
 def _probe_link(probe_mib: float, repeats: int = 5) -> dict:
@@ -203,16 +226,19 @@ def _rank_main(args) -> None:
                 last = [timer.snapshot()]
 
                 def on_step(record, records=records, last=last, round_index=round_index):
-                    allgather_s, other_s = timer.snapshot()
+                    allgather_s, other_s, issue_s, counts = snapshot = timer.snapshot()
+                    calls = {name: n - last[0][3].get(name, 0) for name, n in counts.items()}
                     records.append(
                         record
                         | {
                             "round": round_index,
                             "allgather_s": allgather_s - last[0][0],
                             "other_comm_s": other_s - last[0][1],
+                            "allgather_issue_s": issue_s - last[0][2],
+                            "collective_calls": {name: n for name, n in calls.items() if n},
                         }
                     )
-                    last[0] = (allgather_s, other_s)
+                    last[0] = snapshot
 
                 timer.on, timer.calls = bool(profiled), {}
                 try:
@@ -267,7 +293,18 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
     digests: dict[str, set[str]] = {}
     for index, run0 in enumerate(rank_runs[0]):
         system = run0["system"]
-        entry = per_system.setdefault(system, {"step_s": [], "round_medians": [], "sent": [], "raw": []})
+        entry = per_system.setdefault(
+            system,
+            {
+                "step_s": [],
+                "round_medians": [],
+                "sent": [],
+                "raw": [],
+                "host_s": [],
+                "calls": [],
+                "gathers": [],
+            },
+        )
         timed = [step for step in run0["steps"] if step["step"] >= args.warmup]
         step_s = [step["step_s"] for step in timed]  # the slowest rank's, the same in every rank's record
         entry["step_s"] += step_s
@@ -276,6 +313,12 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
         for steps in zip(*rank_steps, strict=True):  # bytes: the mean of the ranks, per step
             entry["sent"].append(float(np.mean([s["allgather_bytes_sent"] for s in steps])))
             entry["raw"].append(float(np.mean([s["raw_bytes"] for s in steps])))
+            # The training thread's own time in the parameter gathers, mean of the ranks: CIERA's bucket
+            # path (network waits left out), or the plain engine's time issuing its all-gathers.
+            host_key = "ciera_host_s" if "+ciera" in system else "allgather_issue_s"
+            entry["host_s"].append(float(np.mean([s[host_key] for s in steps])))
+            entry["calls"].append(sum(steps[0]["collective_calls"].values()))
+            entry["gathers"].append(steps[0]["collective_calls"].get("all_gather_single", 0))
         losses.setdefault(system, []).append([step["loss_bits"] for step in run0["steps"]])
         digests.setdefault(system, set()).update(runs[index]["parameter_digest"] for runs in rank_runs)
 
@@ -290,6 +333,12 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
             "allgather_bytes_sent_per_step": round(sent),
             "raw_bytes_per_step": round(raw),
             "r": round(sent / raw, 4) if raw else None,
+            "collective_calls_per_step": float(np.median(entry["calls"])),
+            "allgather_calls_per_step": float(np.median(entry["gathers"])),
+            "host_ms_per_step": _ms(float(np.median(entry["host_s"]))),
+            "host_us_per_allgather": round(
+                1e6 * float(np.median(entry["host_s"])) / max(1.0, float(np.median(entry["gathers"]))), 1
+            ),
             "losses_repeat_across_rounds": all(bits == losses[system][0] for bits in losses[system]),
             "final_parameters_equal_across_ranks_and_rounds": len(digests[system]) == 1,
         }
@@ -315,6 +364,27 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
                 round(a / b, 3)
                 for a, b in zip(table[plain]["round_median_ms"], table[twin]["round_median_ms"], strict=True)
             ],
+        }
+        # Control plane: the training thread's time in the gathers and the collectives per step, CIERA next
+        # to the plain engine (host: CIERA's whole bucket path without network waits; plain: issuing).
+        comparison["control_plane"] = {
+            "host_ms_per_step": {
+                "plain": table[plain]["host_ms_per_step"],
+                "ciera": table[twin]["host_ms_per_step"],
+            },
+            "host_us_per_allgather": {
+                "plain": table[plain]["host_us_per_allgather"],
+                "ciera": table[twin]["host_us_per_allgather"],
+            },
+            "collective_calls_per_step": {
+                "plain": table[plain]["collective_calls_per_step"],
+                "ciera": table[twin]["collective_calls_per_step"],
+                "ratio": round(
+                    table[twin]["collective_calls_per_step"]
+                    / max(1.0, table[plain]["collective_calls_per_step"]),
+                    3,
+                ),
+            },
         }
         # What the saved bytes are worth on this link: (raw - sent) per step at the rate the probe measured,
         # next to what CIERA's step costs beyond the plain one.
@@ -544,6 +614,14 @@ def _main(args) -> int:
             )
         elif "bytes_bound_speedup" in comparison:
             line += ", bytes bound 1.000x (nothing compressed)"
+        control = comparison["control_plane"]
+        line += (
+            f"; training-thread time in gathers {control['host_ms_per_step']['ciera']:.1f} ms/step "
+            f"({control['host_us_per_allgather']['ciera']:.0f} us per all-gather) vs plain "
+            f"{control['host_ms_per_step']['plain']:.1f} ms ({control['host_us_per_allgather']['plain']:.0f} us); "
+            f"collectives per step {control['collective_calls_per_step']['ciera']:.0f} vs "
+            f"{control['collective_calls_per_step']['plain']:.0f}"
+        )
         print(line)
     broken = [
         name

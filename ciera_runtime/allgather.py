@@ -76,6 +76,9 @@ class GatherStats:
     encode_s: float = 0.0
     wait_s: float = 0.0
     decode_s: float = 0.0
+    # The bucket path's time on the calling thread, network waits left out: packing and encoding a row,
+    # issuing it, unpacking and decoding what arrived (the codec's share is encode_s + decode_s).
+    host_s: float = 0.0
     history: list[dict] = field(default_factory=list)
 
 

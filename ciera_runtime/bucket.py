@@ -560,6 +560,7 @@ class BucketGather:
         # Calls numbered call-CALL_LAG or lower are finished now (usually long arrived): the area size of
         # this call depends on them.
         self._finish_pending(lambda number, _: number <= call - CALL_LAG)
+        host_start_s = time.perf_counter()
         gather_index = bucket.started
         bucket.started += 1
         capacity_bytes = bucket.capacity_for(call, gather_index)
@@ -646,9 +647,32 @@ class BucketGather:
 
         handle = BucketHandle(finish, self)
         self._pending.append((call, handle))
+        engine.stats.host_s += time.perf_counter() - host_start_s
         return handle
 
     def _finish(
+        self,
+        bucket: Bucket,
+        call: int,
+        gather_index: int,
+        work,
+        recv,
+        capacity_bytes: int,
+        overflow: bytes,
+        bits_of,
+        outputs,
+    ) -> list[torch.Tensor]:
+        engine = self.engine
+        host_start_s, wait_before_s = time.perf_counter(), engine.stats.wait_s
+        try:
+            return self._rebuild(
+                bucket, call, gather_index, work, recv, capacity_bytes, overflow, bits_of, outputs
+            )
+        finally:
+            waited_s = engine.stats.wait_s - wait_before_s
+            engine.stats.host_s += time.perf_counter() - host_start_s - waited_s
+
+    def _rebuild(
         self,
         bucket: Bucket,
         call: int,

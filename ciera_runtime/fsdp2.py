@@ -389,6 +389,7 @@ class CieraFSDP2:
                     "world_size": engine.world_size,
                     "gathers": engine.stats.gathers,
                     "resyncs": engine.stats.resyncs,
+                    "host_s": engine.stats.host_s,  # on the training thread, network waits left out
                 }
                 for engine in self.engines.values()
             ],

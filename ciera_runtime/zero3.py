@@ -281,6 +281,7 @@ class CieraZero3:
         """Bytes this rank sent for parameter gathers since enable: CIERA's engine stats (control, bulk and
         status rounds) plus the raw bytes of the gathers left on DeepSpeed's path."""
         ciera = collections.Counter()
+        host_s = 0.0
         for engine in self.gathers.values():
             buckets = engine.bucket_stats
             if buckets is not None:
@@ -300,6 +301,7 @@ class CieraZero3:
                 bytes_sent=s.bytes_sent,
                 raw_bytes_equivalent=s.raw_bytes_equivalent,
             )
+            host_s += s.host_s
         return {
             "ciera_gathers": ciera["gathers"],
             "ciera_raw_gathers": ciera["raw_gathers"],
@@ -312,6 +314,7 @@ class CieraZero3:
             "ciera_raw_messages": ciera["raw_messages"],
             "ciera_bytes_sent": ciera["bytes_sent"],
             "ciera_raw_bytes_equivalent": ciera["raw_bytes_equivalent"],
+            "ciera_host_s": host_s,  # on the training thread, network waits left out
             "deepspeed_gathers": self._ds_gathers,
             "deepspeed_bytes_sent": self._ds_bytes_sent,
             "bytes_sent": ciera["bytes_sent"] + self._ds_bytes_sent,

@@ -127,6 +127,8 @@ class StepRecord:
     step_s: float
     allgather_bytes_sent: int
     raw_bytes: int  # what the parameter gathers would have sent uncompressed (= sent, without CIERA)
+    # CIERA's time on the training thread in this step, network waits left out (0 without CIERA)
+    ciera_host_s: float = 0.0
 
 
 @dataclass
@@ -487,6 +489,7 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
         inputs = inputs[rank * per_rank : (rank + 1) * per_rank]
         targets = targets[rank * per_rank : (rank + 1) * per_rank]
         sent_before, ciera_before = counter.bytes_sent, _ciera_bytes(run.engines())
+        host_before_s = sum(engine.stats.host_s for engine in run.engines())
         start_s = time.perf_counter()
         with lossy.during_step(step):
             loss = run.step(inputs, targets)
@@ -503,7 +506,13 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
         mean_loss = float(losses.item()) / world_size
         mean_loss_f32 = struct.unpack("<f", struct.pack("<f", mean_loss))[0]
         record = StepRecord(
-            step, mean_loss_f32, _float_bits(mean_loss_f32), float(slowest_s.item()), sent, raw
+            step,
+            mean_loss_f32,
+            _float_bits(mean_loss_f32),
+            float(slowest_s.item()),
+            sent,
+            raw,
+            sum(engine.stats.host_s for engine in run.engines()) - host_before_s,
         )
         result.steps.append(record)
         report(dataclasses.asdict(record))

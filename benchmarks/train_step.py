@@ -105,6 +105,7 @@ def _system_config(args, system: str, steps: int):
         seq_len=args.seq_len,
         threads_per_rank=1,
         timeout_s=300.0,
+        part_bytes=args.part_bytes,
     )
 
 
@@ -458,6 +459,7 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
             "timed_steps": args.steps,
             "rounds": args.rounds,
             "select": args.select,
+            "part_bytes": args.part_bytes,
             "threads_per_rank": ranks[0]["threads"],
             "systems": systems,
             "train_config": dataclasses.asdict(_system_config(args, systems[0], args.warmup + args.steps)),
@@ -490,6 +492,7 @@ def _rank_command(args, rank: int, result: Path, master_addr: str, port: int) ->
         "--layers", str(args.layers), "--seq-len", str(args.seq_len),
         "--global-batch", str(args.global_batch), "--probe-mib", str(args.probe_mib),
         "--timeout-s", str(args.timeout_s), *(["--select"] if args.select else []),
+        *(["--part-bytes", str(args.part_bytes)] if args.part_bytes is not None else []),
     ]  # fmt: skip
 
 
@@ -522,6 +525,8 @@ def _check_args(args) -> None:
         raise BadArgument(f"--probe-mib is {args.probe_mib}: expected a positive number")
     if args.timeout_s < 10:
         raise BadArgument(f"--timeout-s is {args.timeout_s}: expected at least 10")
+    if args.part_bytes is not None and args.part_bytes < 0:
+        raise BadArgument(f"--part-bytes is {args.part_bytes}: expected at least 0 (0: one bucket per call)")
     systems = args.systems.split(",")
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems or len(set(systems)) != len(systems):
@@ -656,6 +661,11 @@ def main() -> None:
         "--select",
         action="store_true",
         help="CIERA with BSC (both engines): compress only the shards whose benefit pays on this link",
+    )
+    parser.add_argument(
+        "--part-bytes",
+        type=int,
+        help="ZeRO-3 + CIERA: pipelined bucket size, raw bytes per rank (0: one per call)",
     )
     parser.add_argument("--probe-mib", type=float, default=8.0, help="raw all-gather probe, MiB per rank")
     parser.add_argument("--timeout-s", type=int, default=1800, help="whole run")

@@ -66,8 +66,14 @@ CATEGORIES = tuple(DEFAULT_PRIORS)
 
 PHASES = ("forward", "recompute", "backward", "outside_fetch", "unused")
 
+# A coalesced DeepSpeed call of at least twice this many raw bytes per rank is cut into buckets of about
+# this size (at most MAX_PARTS), pipelined: see CieraZero3.part_bytes and docs/engines.md.
+DEFAULT_PART_BYTES = 1 << 20
+MAX_PARTS = 8
+
 _CONFIG_KEYS = {
     "enabled",
+    "part_bytes",
     "block_size",
     "detector",
     "verify_every",
@@ -202,10 +208,16 @@ class CieraZero3:
     ``gathers``: the CompressedAllGather engine per process group; ``gathers_per_param()``,
     ``gather_table()``, ``stats()``, ``reset_counts()``; ``disable()`` restores DeepSpeed's functions."""
 
-    def __init__(self, module, coordinator, config: CodecConfig, timeout_s: float) -> None:
+    def __init__(
+        self, module, coordinator, config: CodecConfig, timeout_s: float, part_bytes: int = DEFAULT_PART_BYTES
+    ) -> None:
         self.module = module
         self.config = config
         self.timeout_s = timeout_s
+        # A coalesced call larger than this (raw bytes per rank) travels as several buckets, issued one
+        # after the other as each is encoded: the link carries one while the next is encoded, and at
+        # wait() one is decoded while the next arrives (0: one bucket per call).
+        self.part_bytes = part_bytes
         self.routes: dict[int, ParamRoute] = {}
         self.decisions: list = []
         self.gathers: dict[int, Any] = {}  # id(process group) -> CompressedAllGather
@@ -224,6 +236,7 @@ class CieraZero3:
         self._awaiting_use: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._ds_bytes_sent = 0
         self._ds_gathers = 0
+        self._pipelined_calls = 0  # coalesced calls cut into several buckets (part_bytes)
         self._module_params_cache: dict[int, tuple[frozenset, tuple[int, ...]]] = {}
         self._active = False
 
@@ -315,6 +328,7 @@ class CieraZero3:
             "ciera_bytes_sent": ciera["bytes_sent"],
             "ciera_raw_bytes_equivalent": ciera["raw_bytes_equivalent"],
             "ciera_host_s": host_s,  # on the training thread, network waits left out
+            "ciera_pipelined_calls": self._pipelined_calls,
             "deepspeed_gathers": self._ds_gathers,
             "deepspeed_bytes_sent": self._ds_bytes_sent,
             "bytes_sent": ciera["bytes_sent"] + self._ds_bytes_sent,
@@ -369,15 +383,18 @@ class CieraZero3:
         jobs = []
         for group_params in by_engine.values():
             engine = self._engine_of[group_params[0].ds_id]
-            shards = [param.ds_tensor.data for param in group_params]
-            outputs = [
-                torch.empty(engine.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
-                for shard in shards
-            ]
-            handle = engine.all_gather_bucket(shards, [param.ds_id for param in group_params], outputs)
-            job = _Job(group_params, handle, outputs)
-            self._pending.append(job)
-            jobs.append(job)
+            parts = _parts(group_params, self.part_bytes)
+            self._pipelined_calls += len(parts) > 1
+            for part in parts:
+                shards = [param.ds_tensor.data for param in part]
+                outputs = [
+                    torch.empty(engine.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+                    for shard in shards
+                ]
+                handle = engine.all_gather_bucket(shards, [param.ds_id for param in part], outputs)
+                job = _Job(part, handle, outputs)
+                self._pending.append(job)
+                jobs.append(job)
         return jobs
 
     def _finish_through(self, target: _Job) -> None:
@@ -643,7 +660,7 @@ def _agree(description: str, group, world_size: int) -> None:
             None,
             failures,
             "ranks disagree on which parameters go through CIERA (different models, dtypes, select, "
-            "categories, priors or budget); call enable_ciera with the same arguments on every rank",
+            "categories, priors, budget or part_bytes); call enable_ciera with the same arguments on every rank",
         )
 
 
@@ -652,6 +669,28 @@ def _describe(routes: dict, members: list[int]) -> str:
         f"{ds_id}:{routes[ds_id].partition_numel}:{routes[ds_id].dtype}:{routes[ds_id].path}"
         for ds_id in members
     )
+
+
+def _parts(params: list, part_bytes: int) -> list[list]:
+    """``params`` (ds_id order) cut into contiguous runs of at least ``part_bytes`` raw bytes per rank
+    (the last run takes the remainder; at most MAX_PARTS runs): the same cut on every rank."""
+    total = sum(param.ds_tensor.numel() * param.ds_tensor.element_size() for param in params)
+    if part_bytes <= 0 or total < 2 * part_bytes:
+        return [params]
+    target = max(part_bytes, -(-total // MAX_PARTS))
+    parts, current, size = [], [], 0
+    for param in params:
+        current.append(param)
+        size += param.ds_tensor.numel() * param.ds_tensor.element_size()
+        if size >= target:
+            parts.append(current)
+            current, size = [], 0
+    if current:
+        if parts and size < target // 2:
+            parts[-1].extend(current)
+        else:
+            parts.append(current)
+    return parts
 
 
 def _select(routes, candidates, group, config, budget, categories_q, comm_profile):
@@ -681,6 +720,7 @@ def enable_ciera(
     priors: Mapping[str, float] | None = None,
     timeout_s: float | None = None,
     comm_profile=None,
+    part_bytes: int | None = None,
 ) -> CieraZero3:
     """Route the ZeRO-3 parameter all-gathers of ``engine_or_model`` (a DeepSpeedEngine after
     ``deepspeed.initialize``, or a module built under ``deepspeed.zero.Init``) through CIERA.
@@ -695,6 +735,8 @@ def enable_ciera(
     :func:`category_from_name`), ``priors`` {category: q} over DEFAULT_PRIORS, ``timeout_s`` 300 (bounds
     every wait of a CIERA gather: a rank that never arrives makes the others raise GatherTimeoutError).
     ``comm_profile``: a :class:`~ciera_runtime.selection.CommProfile` to use instead of measuring one.
+    ``part_bytes`` (default DEFAULT_PART_BYTES, 1 MiB; 0: never): a coalesced call of at least twice this
+    many raw bytes per rank travels as several pipelined buckets of about this size.
     """
     require_deepspeed()
     import torch.distributed as dist
@@ -721,6 +763,12 @@ def enable_ciera(
         priors = section.get("priors", {})
     if timeout_s is None:
         timeout_s = float(section.get("timeout_s", 300.0))
+    if part_bytes is None:
+        part_bytes = section.get("part_bytes", DEFAULT_PART_BYTES)
+    if isinstance(part_bytes, bool) or not isinstance(part_bytes, int) or part_bytes < 0:
+        raise ValueError(
+            f"part_bytes={part_bytes!r}: expected an integer >= 0 (bytes per rank; 0: one bucket per call)"
+        )
     q_by_category = dict(DEFAULT_PRIORS)
     for category, rate in dict(priors).items():
         if category not in DEFAULT_PRIORS:
@@ -762,7 +810,7 @@ def enable_ciera(
             reason or "",
         )
 
-    integration = CieraZero3(module, coordinator, config, timeout_s)
+    integration = CieraZero3(module, coordinator, config, timeout_s, part_bytes)
     integration.routes = routes
     # One CompressedAllGather per process group, groups in order of their first parameter.
     by_group: dict[int, list[int]] = {}
@@ -811,7 +859,11 @@ def enable_ciera(
                 integration._engine_of[ds_id] = engine
             else:
                 route.path, route.reason = "deepspeed", engine.registrations[ds_id].reason
-        _agree(_describe(routes, members) + f"|{config.fingerprint}|{cache_budget_bytes}", group, world_size)
+        _agree(
+            _describe(routes, members) + f"|{config.fingerprint}|{cache_budget_bytes}|{part_bytes}",
+            group,
+            world_size,
+        )
         integration.gathers[key] = engine
     integration._install(params)
     if rank0_log:

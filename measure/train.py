@@ -51,6 +51,7 @@ class TrainConfig:
     activation_checkpointing: bool = True
     select: bool = False  # BSC (benefit-driven selection, both engines); False: every BF16 shard compressed
     block_size: int = 512
+    part_bytes: int | None = None  # ZeRO-3 + CIERA: pipelined bucket size (None: the plug-in's default)
     detector: str = "hash"
     cache_budget_bytes: int | None = None
     timeout_s: float = 300.0
@@ -258,6 +259,7 @@ class _Zero3Run(_EngineRun):
                 select=cfg.select,
                 categories=categories,
                 timeout_s=cfg.timeout_s,
+                part_bytes=cfg.part_bytes,
             )
 
     def forward(self, inputs, targets):

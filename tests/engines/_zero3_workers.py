@@ -206,7 +206,9 @@ def train_worker(rank: int, world_size: int, port: int, checkpoint_dir: str, ste
     plain_params = full_params(engine)
     del engine, counter
 
-    engine = make_engine(0, {**ds_config(), "ciera": {"enabled": True, "select": False}})  # the config key
+    # The config key; buckets of 1 KiB per rank, so every coalesced call of this small model is pipelined
+    # as several buckets (the resumed engine below keeps the default: one bucket per call here).
+    engine = make_engine(0, {**ds_config(), "ciera": {"enabled": True, "select": False, "part_bytes": 1024}})
     ciera = engine.ciera
     routes = {route.name: (route.path, route.reason, route.category) for route in ciera.routes.values()}
     losses = []

@@ -89,6 +89,15 @@ def test_losses_and_parameters_bit_identical_to_plain_zero3(trained) -> None:
     assert trained[0]["param_digest"] == trained[1]["param_digest"]
 
 
+def test_pipelined_buckets_cut_large_calls(trained) -> None:
+    for result in trained:
+        # 1 KiB parts: the larger coalesced calls travel as several buckets (bit-identity: the test above);
+        # the resumed engine's default part size cuts none of this small model's calls.
+        assert result["stats"]["ciera_pipelined_calls"] > 0
+        assert result["stats"]["ciera_calls"] > result["stats"]["ciera_pipelined_calls"]
+        assert result["resumed_stats"]["ciera_pipelined_calls"] == 0
+
+
 def test_every_bf16_parameter_goes_through_ciera_and_sends_fewer_bytes(trained) -> None:
     for result in trained:
         assert {path for path, _, _ in result["routes"].values()} == {"ciera"}
@@ -287,3 +296,31 @@ def test_config_section_is_validated() -> None:
         ciera_section(engine({"blocksize": 256}))
     with pytest.raises(ValueError, match="expected a table"):
         ciera_section(engine(True))
+
+
+def test_parts_cut_calls_alike_on_every_rank() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from ciera_runtime.zero3 import MAX_PARTS, _parts
+
+    def params(*numels):
+        return [
+            SimpleNamespace(ds_id=i, ds_tensor=torch.empty(n, dtype=torch.bfloat16))
+            for i, n in enumerate(numels)
+        ]
+
+    def sizes(parts):
+        return [sum(p.ds_tensor.numel() * 2 for p in part) for part in parts]
+
+    small = params(100, 200, 300)
+    assert _parts(small, 1 << 20) == [small]  # under twice the part size: one bucket
+    assert _parts(small, 0) == [small]  # 0: never cut
+    even = params(*[1024] * 16)  # 32 KiB in 2 KiB parameters
+    cut = _parts(even, 8 << 10)
+    assert sizes(cut) == [8 << 10] * 4 and [p for part in cut for p in part] == even  # order kept
+    many = params(*[512] * 1000)  # 1 MB: at most MAX_PARTS parts, however small part_bytes is
+    assert len(_parts(many, 1024)) == MAX_PARTS
+    lopsided = params(8192, 10, 10)  # a small remainder joins the last part
+    assert sizes(_parts(lopsided, 4096)) == [16384 + 40]

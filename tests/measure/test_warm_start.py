@@ -1,0 +1,159 @@
+"""Block size per run and warm start: `--block-size` and `--warm-steps` of `ciera train` are checked with
+one line before any rank starts; B reaches the codec's CodecConfig; warm steps train on batches 0..N-1 and
+leave nothing in the step records (a tiny one-rank run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from measure.train import BLOCK_SIZE_MAX, TrainConfig, TrainError, block_size_problem
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _ciera(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ciera_cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ | {"DS_ACCELERATOR": "cpu"},
+    )
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("value", [1, 2, 64, 512, 4096, BLOCK_SIZE_MAX])
+def test_powers_of_two_the_codec_takes_are_block_sizes(value: int) -> None:
+    assert block_size_problem(value) is None
+    TrainConfig(block_size=value).check()
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (0, "block_size is 0: expected a power of two from 1 to"),
+        (-512, "block_size is -512"),
+        (384, "block_size is 384: expected a power of two"),
+        (2 * BLOCK_SIZE_MAX, f"block_size is {2 * BLOCK_SIZE_MAX}"),
+        (True, "block_size is True"),
+        (512.0, "block_size is 512.0"),
+    ],
+)
+def test_other_block_sizes_are_one_line(value, words: str) -> None:
+    with pytest.raises(TrainError, match=words) as error:
+        TrainConfig(block_size=value).check()
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"warm_steps": -1}, "warm_steps is -1: expected an integer >= 0"),
+        ({"warm_steps": 21, "steps": 20}, "warm_steps is 21: expected at most steps (20)"),
+        (
+            {"warm_steps": 15, "steps": 40, "exponent_stats": True, "exponent_warmup_steps": 30},
+            "record more than that (25 steps after 15 warm steps)",
+        ),
+    ],
+)
+def test_bad_warm_steps_are_one_line(changes: dict, words: str) -> None:
+    with pytest.raises(TrainError) as error:
+        dataclasses.replace(TrainConfig(), **changes).check()
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_run_of_only_warm_steps_is_allowed() -> None:
+    TrainConfig(steps=5, warm_steps=5, checkpoint_dir="x", save_at=5).check()  # a warm checkpoint
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--block-size", "100"], "--block-size is 100: expected a power of two"),
+        (["--block-size", "0"], "--block-size is 0"),
+        (["--warm-steps", "-3"], "--warm-steps is -3: expected an integer >= 0"),
+        (["--steps", "0", "--warm-steps", "5"], "--steps is 0"),
+    ],
+)
+def test_train_options_are_one_line_and_exit_2(args: list[str], words: str, capsys, monkeypatch) -> None:
+    import ciera_cli.main as entry
+
+    monkeypatch.setattr(sys, "argv", ["ciera", "train", *args])
+    with pytest.raises(SystemExit) as exit_:
+        entry.main()
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2, captured
+    assert words in captured.err and "Traceback" not in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------- where B goes
+
+
+def test_block_size_reaches_the_codec_config_of_both_engines(monkeypatch) -> None:
+    """`_Zero3Run` and `_FsdpRun` hand TrainConfig.block_size to CIERA as CodecConfig.block_size (the
+    engines themselves stubbed: no process group needed)."""
+    pytest.importorskip("torch")
+    deepspeed = pytest.importorskip("deepspeed")
+    import torch.distributed.fsdp as fsdp
+
+    import ciera_runtime.fsdp2
+    import ciera_runtime.zero3
+    from measure.train import _FsdpRun, _Zero3Run
+    from measure.zoo import build_model
+
+    seen = {}
+    monkeypatch.setattr(deepspeed, "initialize", lambda model, **kwargs: (model, None, None, None))
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kwargs: module)
+    for module, name in ((ciera_runtime.zero3, "zero3"), (ciera_runtime.fsdp2, "fsdp")):
+
+        def enable(target, config, name=name, **kwargs):
+            seen[name] = config
+
+        monkeypatch.setattr(module, "enable_ciera", enable)
+    for engine, run in (("zero3", _Zero3Run), ("fsdp", _FsdpRun)):
+        cfg = TrainConfig(engine=engine, block_size=128, layers=1, width_scale=4)
+        run(cfg, build_model(cfg.model, 1, 4, 0), {})
+        assert seen[engine].block_size == 128, engine
+
+
+# ---------------------------------------------------------------------------------------- warm steps run
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_warm_steps_train_on_the_first_batches_and_are_not_recorded() -> None:
+    """One rank, FSDP2 without CIERA, 5 steps: with 3 warm steps the records are steps 3 and 4, with the
+    losses the same run records there without warm steps, and the warm run's last loss is step 2's."""
+    pytest.importorskip("torch")
+    import torch.multiprocessing as mp
+    from _train_workers import runs_worker
+
+    base = TrainConfig(
+        engine="fsdp", ciera=False, world_size=1, global_batch=1, steps=5, layers=1, width_scale=8,
+        seq_len=16, threads_per_rank=1, timeout_s=120,
+    )  # fmt: skip
+    runs = [("straight", base), ("warm", dataclasses.replace(base, warm_steps=3))]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(runs_worker, args=(1, _free_port(), runs, queue), nprocs=1, start_method="spawn")
+    _, results = queue.get()
+    straight, warm = results["straight"], results["warm"]
+    assert [step["step"] for step in warm["steps"]] == [3, 4]
+    assert [s["loss_bits"] for s in warm["steps"]] == [s["loss_bits"] for s in straight["steps"][3:]]
+    assert warm["warm_steps"] == 3 and straight["warm_steps"] == 0
+    assert warm["warm_final_loss"] == straight["steps"][2]["loss"]
+    assert straight["warm_final_loss"] is None
+    assert warm["parameter_digest"] == straight["parameter_digest"]

@@ -1,10 +1,12 @@
-"""Block size per run and warm start: `--block-size` and `--warm-steps` of `ciera train` are checked with
-one line before any rank starts; B reaches the codec's CodecConfig; warm steps train on batches 0..N-1 and
-leave nothing in the step records (a tiny one-rank run)."""
+"""Block size per run and warm start: `--block-size` and `--warm-steps` of `ciera train` and `ciera measure`
+are checked with one line before any rank starts; B reaches the codec's CodecConfig and the capture's jobs;
+warm steps train on batches 0..N-1 and leave nothing in the step records, the events or the recorder (tiny
+one-rank runs)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from measure.campaign import CapturePlan, _same_job, layer_jobs, plan_steps
+from measure.launch import CaptureError
 from measure.train import BLOCK_SIZE_MAX, TrainConfig, TrainError, block_size_problem
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -96,6 +100,27 @@ def test_train_options_are_one_line_and_exit_2(args: list[str], words: str, caps
     assert len(captured.err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--block-size", "3"], "--block-size is 3: expected a power of two"),
+        (["--warm-steps", "-1"], "--warm-steps is -1"),
+    ],
+)
+def test_measure_options_are_one_line_before_any_rank(tmp_path: Path, args: list[str], words: str) -> None:
+    done = _ciera("measure", "layers", "--out", str(tmp_path / "cap"), *args, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert words in done.stderr and done.stderr.count("\n") == 1
+    assert not (tmp_path / "cap" / "runs").exists()
+
+
+def test_capture_plan_checks_block_size_and_warm_steps() -> None:
+    with pytest.raises(CaptureError, match="--block-size is 768"):
+        CapturePlan(block_size=768).check()
+    with pytest.raises(CaptureError, match="--warm-steps is -2"):
+        CapturePlan(warm_steps=-2).check()
+
+
 # ---------------------------------------------------------------------------------------- where B goes
 
 
@@ -124,6 +149,36 @@ def test_block_size_reaches_the_codec_config_of_both_engines(monkeypatch) -> Non
         cfg = TrainConfig(engine=engine, block_size=128, layers=1, width_scale=4)
         run(cfg, build_model(cfg.model, 1, 4, 0), {})
         assert seen[engine].block_size == 128, engine
+
+
+def test_capture_jobs_carry_block_size_and_warm_steps() -> None:
+    plan = CapturePlan(
+        model="mixtral-8x7b", width_scale=64, layers=(1,), systems=("zero3", "ciera"),
+        warmup_iterations=2, iterations=3, exponent_steps=20, block_size=256, warm_steps=7,
+    )  # fmt: skip
+    jobs = [job for _, job in layer_jobs(plan)]
+    assert {job.train.block_size for job in jobs} == {256}
+    assert {job.warm_steps for job in jobs} == {7}
+    assert {job.train.warm_steps for job in jobs} == {0}  # the job's warm steps, not run_rank's
+    steps = {step.kind: step for step in plan_steps(plan)}
+    assert steps["layers"].iterations == 7 + 2 + 3  # the progress bar counts the warm steps
+    assert steps["exponents"].job["warm_steps"] == 7
+    assert steps["exponents"].job["train"]["block_size"] == 256
+    assert steps["exponents"].iterations == 7 + 20
+
+
+def test_a_run_finished_before_the_new_fields_is_kept(tmp_path: Path) -> None:
+    """A job.json written before `warm_steps` existed is the same job as today's with warm_steps 0."""
+    plan = CapturePlan(model="mixtral-8x7b", width_scale=64, layers=(1,), systems=("zero3",))
+    (step,) = [step for step in plan_steps(plan) if step.kind == "layers"]
+    old = json.loads(json.dumps(step.job))
+    del old["warm_steps"]
+    del old["train"]["warm_steps"]
+    (tmp_path / "job.json").write_text(json.dumps(old))
+    assert _same_job(tmp_path, step.job)
+    changed = dataclasses.replace(plan, warm_steps=3)
+    (new,) = [step for step in plan_steps(changed) if step.kind == "layers"]
+    assert not _same_job(tmp_path, new.job)
 
 
 # ---------------------------------------------------------------------------------------- warm steps run
@@ -157,3 +212,58 @@ def test_warm_steps_train_on_the_first_batches_and_are_not_recorded() -> None:
     assert warm["warm_final_loss"] == straight["steps"][2]["loss"]
     assert straight["warm_final_loss"] is None
     assert warm["parameter_digest"] == straight["parameter_digest"]
+
+
+_CAPTURE = [
+    "--model", "mixtral-8x7b", "--width-scale", "64", "--layers", "1", "--iterations", "2",
+    "--ranks-per-node", "1", "--systems", "fsdp", "--timeout-s", "120",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def warm_capture(tmp_path_factory) -> Path:
+    """A one-rank FSDP2 capture: 3 warm steps, 1 warm-up iteration, 2 timed, B = 128."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("warm-capture")
+    done = _ciera("measure", "layers", "--out", str(out / "cap"), *_CAPTURE, "--warmup", "1",
+                  "--warm-steps", "3", "--block-size", "128", "--json", str(out / "summary.json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "3 warm steps (trained, not recorded)" in done.stdout
+    return out
+
+
+def test_a_capture_with_warm_steps_records_only_its_iterations(warm_capture: Path) -> None:
+    """Events of exactly the 2 timed iterations (a warm step in the recorder would add iterations); the runs
+    row says B, the iterations before the first traced and how many of them were warm steps."""
+    import traces
+
+    bundle = traces.read_bundle(warm_capture / "cap" / "bundle")
+    assert sorted(bundle.events["iteration"].unique()) == [0, 1]
+    (run_dir,) = (warm_capture / "cap" / "runs").glob("*/")
+    assert len(json.loads((run_dir / "run.json").read_text())["iteration_s"]) == 2
+    row = bundle.runs.iloc[0]
+    assert row["block_size"] == 128 and row["warmup_iterations"] == 3 + 1
+    assert json.loads(row["versions"])["warm_steps"] == 3
+    summary = json.loads((warm_capture / "summary.json").read_text())
+    assert summary["plan"]["warm_steps"] == 3 and summary["plan"]["block_size"] == 128
+    assert summary["runs"][0]["warm_steps"] == 3 and summary["runs"][0]["block_size"] == 128
+    progress = [json.loads(line) for line in (run_dir / "progress.jsonl").read_text().splitlines()]
+    assert [entry.get("warm", False) for entry in progress] == [True] * 3 + [False] * 3
+
+
+@pytest.mark.heavy  # a second capture
+def test_a_capture_goes_on_with_the_batches_after_the_warm_steps(warm_capture: Path) -> None:
+    """4 warm-up iterations instead of 3 warm steps + 1: the same batches 0..3 before the 2 timed
+    iterations, so the same losses there, and the same events per iteration."""
+    import traces
+
+    plain = warm_capture / "plain"
+    done = _ciera("measure", "layers", "--out", str(plain), *_CAPTURE, "--warmup", "4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (warm_dir,) = (warm_capture / "cap" / "runs").glob("*/")
+    (plain_dir,) = (plain / "runs").glob("*/")
+    warm_run = json.loads((warm_dir / "run.json").read_text())
+    plain_run = json.loads((plain_dir / "run.json").read_text())
+    assert warm_run["mean_loss"] == plain_run["mean_loss"]
+    warm_events = traces.read_bundle(warm_capture / "cap" / "bundle").events
+    assert len(warm_events) == len(traces.read_bundle(plain / "bundle").events)

@@ -23,7 +23,7 @@ exponents changed, r = payload bytes / raw bytes (raw: 2 bytes per value), and e
 per MB of raw shard (numba's threads, all cores), next to a copy of the same shards timed in the same loop
 (the baseline). ``r_floor`` = 0.5 + 1/(16B) is r with no block changed (DESIGN.md's bound at q = 0);
 per category (experts, attention, router, norms, embedding) the same figures. Payloads are counted as the
-codec makes them: a tiny shard (a norm's 32 values) comes out larger than raw by its header, which the
+codec makes them: a tiny shard (a norm's 32..128 values) comes out larger than raw by its header, which the
 runtime would send raw instead — under 0.02 % of the bytes here. The stdout summary ends with the B of the
 smallest r in each window.
 """

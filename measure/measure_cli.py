@@ -234,7 +234,10 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
 def _run_summaries(bundle) -> list[dict]:
     import traces
 
-    summaries = traces.run_summaries(bundle).set_index("run_id")
+    summaries = traces.run_summaries(bundle)
+    if summaries.empty:  # no run with timed iterations (an exponent-statistics capture)
+        return []
+    summaries = summaries.set_index("run_id")
     runs = bundle.runs[bundle.runs["run_id"].isin(summaries.index)]
     return [
         {

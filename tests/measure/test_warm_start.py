@@ -267,3 +267,26 @@ def test_a_capture_goes_on_with_the_batches_after_the_warm_steps(warm_capture: P
     assert warm_run["mean_loss"] == plain_run["mean_loss"]
     warm_events = traces.read_bundle(warm_capture / "cap" / "bundle").events
     assert len(warm_events) == len(traces.read_bundle(plain / "bundle").events)
+
+
+@pytest.mark.heavy  # a capture of its own
+def test_an_exponent_capture_after_warm_steps_numbers_its_rows_by_step(tmp_path: Path) -> None:
+    """3 warm steps, then 12 steps whose statistics start after the 10-step warm-up: the rows are steps 14
+    and 15 (step t against t - 1), at the default block sizes and the run's own B; the command ends with
+    its summary (an exponent-only capture has no timed run to list)."""
+    pytest.importorskip("deepspeed")
+    import traces
+
+    done = _ciera(
+        "measure", "exponents", "--out", str(tmp_path / "cap"), "--model", "mixtral-8x7b", "--width-scale",
+        "64", "--exponent-steps", "12", "--warm-steps", "3", "--block-size", "32", "--ranks-per-node", "1",
+        "--timeout-s", "120", "--json", str(tmp_path / "summary.json"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    bundle = traces.read_bundle(tmp_path / "cap" / "bundle")
+    assert sorted(bundle.exponents["iteration"].unique()) == [14, 15]
+    assert sorted(bundle.exponents["block_size"].unique()) == [32, 64, 128, 256, 512, 1024]
+    row = bundle.runs.iloc[0]
+    assert row["block_size"] == 32 and row["warmup_iterations"] == 3 + 10
+    assert json.loads(row["versions"])["warm_steps"] == 3
+    assert json.loads((tmp_path / "summary.json").read_text())["runs"] == []

@@ -580,7 +580,12 @@ def _warm_start(args, env: dict, scratch: Path) -> dict | None:
     return {
         "link": "loopback",
         "steps": args.warm_steps,
-        "checkpoint": {"zero3": "DeepSpeed save_checkpoint", "fsdp": "torch.distributed.checkpoint (DCP)"},
+        "checkpoint": {
+            engine: {"zero3": "DeepSpeed save_checkpoint", "fsdp": "torch.distributed.checkpoint (DCP)"}[
+                engine
+            ]
+            for engine in engines
+        },
         "engines": engines,
         "wall_s": round(time.perf_counter() - start_s, 1),
     }

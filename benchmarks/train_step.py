@@ -1,13 +1,24 @@
 """Training step time and all-gather bytes: ZeRO-3 vs ZeRO-3 + CIERA, FSDP2 vs FSDP2 + CIERA, 2 gloo ranks.
 
     python benchmarks/train_step.py --json out/train_step.json [--link loopback|netns] [--rate 1gbit]
-        [--steps 5] [--warmup 2] [--rounds 3] [--layers 2] [--seq-len 64] [--global-batch 4]
-        [--systems zero3,zero3+ciera,fsdp,fsdp+ciera] [--select] [--probe-mib 8] [--timeout-s 1800]
+        [--steps 5] [--warmup 2] [--warm-steps 0] [--block-size 512] [--rounds 3] [--layers 2]
+        [--seq-len 64] [--global-batch 4] [--systems zero3,zero3+ciera,fsdp,fsdp+ciera] [--select]
+        [--probe-mib 8] [--timeout-s 1800]
 
 Each rank runs the real ``measure.train.run_rank`` (the code behind ``ciera train``) on ``small-moe``:
 every system trains from the same seed on the same batches, ``--warmup`` unmeasured steps then
 ``--steps`` timed ones. Step time is the slowest rank's (as run_rank records it); bytes are those a rank's
-all-gathers sent per step, counted at ``all_gather_single``, and what they would have sent raw.
+all-gathers sent per step, counted at ``all_gather_single``, and what they would have sent raw. CIERA
+runs with block size ``--block-size`` B.
+
+Warm start (``--warm-steps N``): the first steps of training change nearly every block's exponents; to time
+the steps of a run already under way, each engine's plain system first trains N steps once, on loopback
+whatever ``--link`` is (they are not timed), and saves a checkpoint (DeepSpeed's ``save_checkpoint`` for
+ZeRO-3, DCP for FSDP2) in a temporary directory removed at exit. Every timed system of that engine —
+plain, with CIERA, profiled — resumes from it (a plain engine's checkpoint loads into the engine with
+CIERA) and trains ``--warmup`` + ``--steps`` steps after it, on batches N, N+1, …; losses of plain and
+CIERA are compared bit for bit from there. The JSON records N, the loss each warm run ended with, and
+every recorded loss of the first round.
 
 Load: the machine is shared. The systems run in ``--rounds`` rounds, each round every system once, the
 order rotated from round to round, so each sees the same load over time; the load average is recorded
@@ -89,23 +100,40 @@ class BadArgument(Exception):
 # --------------------------------------------------------------------------------------------- rank side
 
 
-def _system_config(args, system: str, steps: int):
+def _engines(args) -> list[str]:
+    """The engines of the systems, in the order they are first named."""
+    return list(dict.fromkeys(system.partition("+")[0] for system in args.systems.split(",")))
+
+
+def _system_config(args, system: str, phase: str = "timed"):
+    """The TrainConfig of ``system``. Phase ``timed``: ``--warmup`` + ``--steps`` steps — with
+    ``--warm-steps N``, resumed from the engine's warm checkpoint at step N. Phase ``warm``: the engine's
+    plain system for N warm steps (nothing recorded), saving that checkpoint."""
     from measure.train import TrainConfig
 
     engine, _, ciera = system.partition("+")
+    warm = args.warm_steps
+    checkpoint = {"checkpoint_dir": str(Path(args.checkpoint_root) / engine)} if warm else {}
+    if phase == "warm":
+        checkpoint |= {"save_at": warm, "warm_steps": warm}
+        ciera = ""
+    elif warm:
+        checkpoint["resume"] = True
     return TrainConfig(
         model=MODEL,
         engine=engine,
         ciera=bool(ciera),
         select=bool(ciera) and args.select,
         world_size=2,
-        steps=steps,
+        steps=warm if phase == "warm" else warm + args.warmup + args.steps,
         layers=args.layers,
         global_batch=args.global_batch,
         seq_len=args.seq_len,
+        block_size=args.block_size,
         threads_per_rank=1,
         timeout_s=300.0,
         part_bytes=args.part_bytes,
+        **checkpoint,
     )
 
 
@@ -197,6 +225,42 @@ def _probe_link(probe_mib: float, repeats: int = 5) -> dict:
     }
 
 
+def _warm_rank_main(args) -> None:
+    """The warm phase on this rank: each engine's plain system for ``--warm-steps`` steps, its checkpoint
+    saved in ``--checkpoint-root``/ENGINE; what it ends with goes to the result file."""
+    rank = args.rank
+    os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import numba
+    import torch
+    import torch.distributed as dist
+
+    from measure.train import _float_bits, _init_group, run_rank
+
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    engines = _engines(args)
+    _init_group(rank, 2, _system_config(args, engines[0], "warm"))
+    out: dict = {"rank": rank, "engines": {}}
+    try:
+        for engine in engines:
+            start_s = time.perf_counter()
+            result = run_rank(rank, 2, _system_config(args, engine, "warm"), lambda record: None)
+            out["engines"][engine] = {
+                "system": engine,
+                "steps": args.warm_steps,
+                "final_loss": result.warm_final_loss,
+                "final_loss_bits": _float_bits(result.warm_final_loss),
+                "parameter_digest": result.parameter_digest,
+                "wall_s": round(time.perf_counter() - start_s, 1),
+            }
+        Path(args.result).write_text(json.dumps(out))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _rank_main(args) -> None:
     rank = args.rank
     os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.port))
@@ -211,8 +275,7 @@ def _rank_main(args) -> None:
     torch.set_num_threads(1)
     numba.set_num_threads(1)
     systems = args.systems.split(",")
-    total = args.warmup + args.steps
-    _init_group(rank, 2, _system_config(args, systems[0], total))
+    _init_group(rank, 2, _system_config(args, systems[0]))
     timer = _CommTimer()
     out: dict = {"rank": rank, "runs": [], "profiles": {}}
     try:
@@ -243,7 +306,7 @@ def _rank_main(args) -> None:
 
                 timer.on, timer.calls = bool(profiled), {}
                 try:
-                    result = run_rank(rank, 2, _system_config(args, system, total), on_step)
+                    result = run_rank(rank, 2, _system_config(args, system), on_step)
                 finally:
                     timer.on = False
                 if profiled:
@@ -284,10 +347,13 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 2)
 
 
-def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s: float) -> dict:
+def _report(
+    args, ranks: list[dict], link: dict, load_before, load_after, wall_s: float, warm: dict | None = None
+) -> dict:
     import numpy as np
 
     systems = args.systems.split(",")
+    first_timed = args.warm_steps + args.warmup  # step numbers go on from the warm checkpoint
     rank_runs = [r["runs"] for r in ranks]
     per_system: dict[str, dict] = {}
     losses: dict[str, list[list[str]]] = {}
@@ -306,11 +372,11 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
                 "gathers": [],
             },
         )
-        timed = [step for step in run0["steps"] if step["step"] >= args.warmup]
+        timed = [step for step in run0["steps"] if step["step"] >= first_timed]
         step_s = [step["step_s"] for step in timed]  # the slowest rank's, the same in every rank's record
         entry["step_s"] += step_s
         entry["round_medians"].append(float(np.median(step_s)))
-        rank_steps = [[s for s in runs[index]["steps"] if s["step"] >= args.warmup] for runs in rank_runs]
+        rank_steps = [[s for s in runs[index]["steps"] if s["step"] >= first_timed] for runs in rank_runs]
         for steps in zip(*rank_steps, strict=True):  # bytes: the mean of the ranks, per step
             entry["sent"].append(float(np.mean([s["allgather_bytes_sent"] for s in steps])))
             entry["raw"].append(float(np.mean([s["raw_bytes"] for s in steps])))
@@ -321,6 +387,7 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
             entry["calls"].append(sum(steps[0]["collective_calls"].values()))
             entry["gathers"].append(steps[0]["collective_calls"].get("all_gather_single", 0))
         losses.setdefault(system, []).append([step["loss_bits"] for step in run0["steps"]])
+        entry.setdefault("first_round_losses", [step["loss"] for step in run0["steps"]])
         digests.setdefault(system, set()).update(runs[index]["parameter_digest"] for runs in rank_runs)
 
     table: dict[str, dict] = {}
@@ -340,6 +407,8 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
             "host_us_per_allgather": round(
                 1e6 * float(np.median(entry["host_s"])) / max(1.0, float(np.median(entry["gathers"]))), 1
             ),
+            # every recorded step of the first round, from step first_timed_step - warmup_steps on
+            "losses": entry["first_round_losses"],
             "losses_repeat_across_rounds": all(bits == losses[system][0] for bits in losses[system]),
             "final_parameters_equal_across_ranks_and_rounds": len(digests[system]) == 1,
         }
@@ -398,7 +467,7 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
         if all(profiles):
             allgather, other, compute, profiled = [], [], [], []
             for rows in zip(*(p["steps"] for p in profiles), strict=True):
-                if rows[0]["step"] < args.warmup:
+                if rows[0]["step"] < first_timed:
                     continue
                 step_s = rows[0]["step_s"]  # the slowest rank's
                 ag = float(np.mean([row["allgather_s"] for row in rows]))
@@ -455,15 +524,19 @@ def _report(args, ranks: list[dict], link: dict, load_before, load_after, wall_s
             "seq_len": args.seq_len,
             "global_batch": args.global_batch,
             "world_size": 2,
+            "block_size": args.block_size,
+            "warm_steps": args.warm_steps,  # trained before the warm-up (each engine's plain system, resumed)
             "warmup_steps": args.warmup,
             "timed_steps": args.steps,
+            "first_timed_step": first_timed,
             "rounds": args.rounds,
             "select": args.select,
             "part_bytes": args.part_bytes,
             "threads_per_rank": ranks[0]["threads"],
             "systems": systems,
-            "train_config": dataclasses.asdict(_system_config(args, systems[0], args.warmup + args.steps)),
+            "train_config": dataclasses.asdict(_system_config(args, systems[0])),
         },
+        "warm": warm,
         "link": link
         | {
             "gloo_probe_before": [r["probe_before"] for r in ranks][0],
@@ -484,7 +557,9 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _rank_command(args, rank: int, result: Path, master_addr: str, port: int) -> list[str]:
+def _rank_command(
+    args, rank: int, result: Path, master_addr: str, port: int, phase: str = "timed"
+) -> list[str]:
     return [
         sys.executable, str(Path(__file__).resolve()), "--rank", str(rank), "--result", str(result),
         "--master-addr", master_addr, "--port", str(port), "--systems", args.systems,
@@ -493,6 +568,8 @@ def _rank_command(args, rank: int, result: Path, master_addr: str, port: int) ->
         "--global-batch", str(args.global_batch), "--probe-mib", str(args.probe_mib),
         "--timeout-s", str(args.timeout_s), *(["--select"] if args.select else []),
         *(["--part-bytes", str(args.part_bytes)] if args.part_bytes is not None else []),
+        "--block-size", str(args.block_size), "--warm-steps", str(args.warm_steps),
+        "--phase", phase, *(["--checkpoint-root", str(args.checkpoint_root)] if args.warm_steps else []),
     ]  # fmt: skip
 
 
@@ -514,9 +591,16 @@ class _Loopback:
 
 
 def _check_args(args) -> None:
-    for name, low in (("steps", 1), ("warmup", 0), ("rounds", 1), ("layers", 1), ("seq_len", 1)):
+    for name, low in (
+        ("steps", 1), ("warmup", 0), ("warm_steps", 0), ("rounds", 1), ("layers", 1), ("seq_len", 1)
+    ):  # fmt: skip
         if getattr(args, name) < low:
             raise BadArgument(f"--{name.replace('_', '-')} is {getattr(args, name)}: expected at least {low}")
+    from measure.train import block_size_problem
+
+    problem = block_size_problem(args.block_size, "--block-size")
+    if problem:
+        raise BadArgument(problem)
     if args.global_batch < 2 or args.global_batch % 2:
         raise BadArgument(f"--global-batch is {args.global_batch}: expected an even number (2 ranks)")
     if not _RATE.match(args.rate):
@@ -537,6 +621,49 @@ def _check_args(args) -> None:
         scaled_shape(MODEL, None, args.layers)
     except Exception as error:  # noqa: BLE001 — the zoo's errors are one line
         raise BadArgument(str(error).splitlines()[0]) from None
+
+
+def _warm_start(args, env: dict, scratch: Path) -> dict | None:
+    """Each engine's plain system trains ``--warm-steps`` steps on loopback (whatever ``--link``: warm
+    steps are not timed) and saves a checkpoint under ``args.checkpoint_root``; every timed system of the
+    engine resumes from it. Returns what the warm runs ended with (None: a rank failed, said on stderr)."""
+    from allgather_netns import wait_for_ranks
+
+    link = _Loopback()
+    results = [scratch / f"warm-rank{rank}.json" for rank in (0, 1)]
+    port = _free_port()
+    start_s = time.perf_counter()
+    try:
+        for rank in (0, 1):
+            command = _rank_command(args, rank, results[rank], "127.0.0.1", port, phase="warm")
+            link.processes.append(subprocess.Popen(command, env=env, cwd=_REPO_ROOT))
+        failed = wait_for_ranks(link.processes, args.timeout_s, poll_s=0.2)
+    finally:
+        link.close()
+    if failed or any(not path.exists() for path in results):
+        print(
+            f"train_step: FAILED (warm start): {'; '.join(failed) or 'a rank wrote no result'}",
+            file=sys.stderr,
+        )
+        return None
+    ranks = [json.loads(path.read_text()) for path in results]
+    engines = ranks[0]["engines"]
+    for engine, entry in engines.items():
+        entry["final_parameters_equal_across_ranks"] = (
+            len({rank["engines"][engine]["parameter_digest"] for rank in ranks}) == 1
+        )
+    return {
+        "link": "loopback",
+        "steps": args.warm_steps,
+        "checkpoint": {
+            engine: {"zero3": "DeepSpeed save_checkpoint", "fsdp": "torch.distributed.checkpoint (DCP)"}[
+                engine
+            ]
+            for engine in engines
+        },
+        "engines": engines,
+        "wall_s": round(time.perf_counter() - start_s, 1),
+    }
 
 
 def _main(args) -> int:
@@ -568,14 +695,8 @@ def _main(args) -> int:
     close_on_exit(link)
     start_s = time.perf_counter()
     try:
+        # The warm checkpoints live here too: removed at exit, on error and on a signal.
         with tempfile.TemporaryDirectory(prefix="ciera-train-step-") as scratch:
-            if args.link == "netns":
-                try:
-                    link.open()
-                except netns.Unavailable as reason:
-                    print(f"train_step: skipped: {reason}")
-                    return 2
-                link_info["qdiscs"] = link.qdiscs()
             env = os.environ | {
                 "OMP_NUM_THREADS": "1",
                 "MKL_NUM_THREADS": "1",
@@ -586,6 +707,19 @@ def _main(args) -> int:
                 ),
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO_ROOT), os.environ.get("PYTHONPATH")])),
             }
+            warm = None
+            if args.warm_steps:  # on loopback, before any namespace exists
+                args.checkpoint_root = Path(scratch) / "warm"
+                warm = _warm_start(args, env, Path(scratch))
+                if warm is None:
+                    return 1
+            if args.link == "netns":
+                try:
+                    link.open()
+                except netns.Unavailable as reason:
+                    print(f"train_step: skipped: {reason}")
+                    return 2
+                link_info["qdiscs"] = link.qdiscs()
             results = [Path(scratch) / f"rank{rank}.json" for rank in (0, 1)]
             load_before = os.getloadavg()
             for rank in (0, 1):
@@ -601,10 +735,20 @@ def _main(args) -> int:
                 return 1
             load_after = os.getloadavg()
             ranks = [json.loads(path.read_text()) for path in results]
-            result = _report(args, ranks, link_info, load_before, load_after, time.perf_counter() - start_s)
+            result = _report(
+                args, ranks, link_info, load_before, load_after, time.perf_counter() - start_s, warm
+            )
     finally:
         link.close()
     emit_json(result, args.json)
+    if result["warm"] is not None:
+        first = result["config"]["first_timed_step"]
+        losses = ", ".join(f"{name} {e['final_loss']:.4f}" for name, e in result["warm"]["engines"].items())
+        print(
+            f"warm start: {args.warm_steps} steps of each plain engine on loopback (loss after them: "
+            f"{losses}); every system resumed from its engine's checkpoint, timed steps "
+            f"{first}..{first + args.steps - 1}"
+        )
     for name, comparison in result["comparisons"].items():  # the answer, last, where the eye lands
         plain = name.split(" vs ")[0]
         line = (
@@ -667,15 +811,25 @@ def main() -> None:
         type=int,
         help="ZeRO-3 + CIERA: pipelined bucket size, raw bytes per rank (0: one per call)",
     )
+    parser.add_argument(
+        "--warm-steps",
+        type=int,
+        default=0,
+        help="steps each engine's plain system trains first (loopback, untimed); every timed system of "
+        "the engine resumes from its checkpoint",
+    )
+    parser.add_argument("--block-size", type=int, default=512, help="CIERA's block size B (a power of two)")
     parser.add_argument("--probe-mib", type=float, default=8.0, help="raw all-gather probe, MiB per rank")
     parser.add_argument("--timeout-s", type=int, default=1800, help="whole run")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--master-addr", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=("warm", "timed"), default="timed", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint-root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
-        _rank_main(args)
+        (_warm_rank_main if args.phase == "warm" else _rank_main)(args)
         return
     sys.exit(_main(args))
 

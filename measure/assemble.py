@@ -101,12 +101,13 @@ def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
                 topology,
                 run,
                 run["schedule"],
-                job.warmup_iterations,
+                job.warm_steps + job.warmup_iterations,  # every iteration before the first traced
                 {
                     "clock": run["clock"],
                     "threads_per_rank": run["threads_per_rank"],
                     "ciera_enabled": SYSTEMS[job.system][1],
                     "ciera_select": bool(job.train.select),
+                    "warm_steps": job.warm_steps,
                 },
             )
         )
@@ -137,8 +138,12 @@ def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
                     "max_live_parameters": 0,
                     "reshard_after_forward": False,
                 },
-                int(job["warmup_steps"]),
-                {"purpose": "exponent statistics", "steps": train["steps"]},
+                int(job.get("warm_steps", 0)) + int(job["warmup_steps"]),
+                {
+                    "purpose": "exponent statistics",
+                    "steps": train["steps"],
+                    "warm_steps": int(job.get("warm_steps", 0)),
+                },
             )
         )
         exponents.append(pd.read_parquet(run_dir / "exponents.parquet"))

@@ -70,6 +70,10 @@ class CapturePlan:
     seed: int = 0
     activation_checkpointing: bool = True
     select: bool = False  # CIERA's BSC: compress only the shards whose measured benefit pays (both engines)
+    block_size: int = 512  # CIERA's B in every run (and one of the exponent run's block sizes)
+    # Steps every run trains before its first iteration, with nothing recorded: a capture of mid-training
+    # churn rather than of the first steps. Batches go on from step to step.
+    warm_steps: int = 0
     # ZeRO-3 schedule, in blocks of the captured model (None: DeepSpeed's default in elements).
     prefetch_bucket_blocks: float | None = 1.0
     max_live_blocks: float | None = 1.0
@@ -96,6 +100,13 @@ class CapturePlan:
         for name in ("iterations", "micro_batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise CaptureError(f"--{name.replace('_', '-')} is {getattr(self, name)}: expected >= 1")
+        from .train import block_size_problem
+
+        problem = block_size_problem(self.block_size, "--block-size")
+        if problem:
+            raise CaptureError(problem)
+        if isinstance(self.warm_steps, bool) or not isinstance(self.warm_steps, int) or self.warm_steps < 0:
+            raise CaptureError(f"--warm-steps is {self.warm_steps!r}: expected an integer >= 0")
         if self.warmup_iterations < 1:
             raise CaptureError("--warmup must be >= 1 (the first iteration builds the engines' state)")
         if self.exponent_steps and self.exponent_steps <= self.exponent_warmup_steps:
@@ -142,6 +153,7 @@ def layer_jobs(plan: CapturePlan) -> list[tuple[Topology, LayersJob]]:
                     seed=plan.seed,
                     activation_checkpointing=plan.activation_checkpointing,
                     select=plan.select and SYSTEMS[system][1],
+                    block_size=plan.block_size,
                     timeout_s=plan.timeout_s,
                     prefetch_bucket_size=_blocks_to_elements(plan.prefetch_bucket_blocks, one_block),
                     max_live_parameters=_blocks_to_elements(plan.max_live_blocks, one_block),
@@ -153,6 +165,7 @@ def layer_jobs(plan: CapturePlan) -> list[tuple[Topology, LayersJob]]:
                     train=train,
                     warmup_iterations=plan.warmup_iterations,
                     iterations=plan.iterations,
+                    warm_steps=plan.warm_steps,
                 )
                 jobs.append((topology, job))
     return jobs
@@ -203,7 +216,7 @@ def plan_steps(plan: CapturePlan) -> list[Step]:
                             job.run_id,
                             topology,
                             job.to_json() | {"timeout_s": plan.timeout_s},
-                            job.warmup_iterations + job.iterations,
+                            job.warm_steps + job.warmup_iterations + job.iterations,
                         )
                     )
     if "exponents" in plan.kinds and plan.exponent_steps:
@@ -219,6 +232,7 @@ def plan_steps(plan: CapturePlan) -> list[Step]:
             seed=plan.seed,
             steps=plan.exponent_steps,
             activation_checkpointing=plan.activation_checkpointing,
+            block_size=plan.block_size,
             timeout_s=plan.timeout_s,
         )
         run_id = f"{model_label(key, scale)}-exponents-L{plan.exponent_layers}-{topology.name}"
@@ -232,17 +246,36 @@ def plan_steps(plan: CapturePlan) -> list[Step]:
                     "run_id": run_id,
                     "train": dataclasses.asdict(train),
                     "warmup_steps": plan.exponent_warmup_steps,
+                    "warm_steps": plan.warm_steps,
                     "timeout_s": plan.timeout_s,
                 },
-                plan.exponent_steps,
+                plan.warm_steps + plan.exponent_steps,
             )
         )
     return steps
 
 
+def _with_defaults(job: dict[str, Any]) -> dict[str, Any]:
+    """A job document with the fields added since it was written filled in with their defaults (a run
+    recorded before a field existed ran with that field's default)."""
+    from .train import TrainConfig
+
+    job = json.loads(json.dumps(job))
+    if job.get("kind") == "layers":
+        defaults = {
+            f.name: f.default for f in dataclasses.fields(LayersJob) if f.default is not dataclasses.MISSING
+        }
+        job = defaults | job
+    elif job.get("kind") == "exponents":
+        job = {"warm_steps": 0} | job
+    if isinstance(job.get("train"), dict):
+        job["train"] = json.loads(json.dumps(dataclasses.asdict(TrainConfig()))) | job["train"]
+    return job
+
+
 def _same_job(finished: Path, job: dict[str, Any]) -> bool:
     try:
-        return json.loads((finished / "job.json").read_text()) == json.loads(json.dumps(job))
+        return _with_defaults(json.loads((finished / "job.json").read_text())) == _with_defaults(job)
     except (OSError, ValueError):
         return False
 

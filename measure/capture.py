@@ -35,13 +35,16 @@ SYSTEMS = {
 
 @dataclass(frozen=True)
 class LayersJob:
-    """One run of `ciera measure layers`: `warmup_iterations` untimed, then `iterations` recorded."""
+    """One run of `ciera measure layers`: `warm_steps` training steps with no recorder (no event is kept
+    of them), then `warmup_iterations` untimed, then `iterations` recorded; the batches go on from step to
+    step (iteration i trains on batch warm_steps + i)."""
 
     run_id: str
     system: str
     train: TrainConfig
     warmup_iterations: int = 2
     iterations: int = 3
+    warm_steps: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "layers", **dataclasses.asdict(self)}
@@ -213,7 +216,20 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
     )
     _attribute_gathers(run, model, layer_of, recorder)
     per_rank = cfg.global_batch // world_size
+    warm = job.warm_steps
     total = job.warmup_iterations + job.iterations
+    # Warm steps: outside any recorder iteration, so nothing of them is recorded (the recorder keeps
+    # events only inside `iteration`); each is reported as progress, which keeps the watcher's timeout off.
+    for step in range(warm):
+        inputs, targets = batch(step, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
+        loss = run.step(
+            inputs[rank * per_rank : (rank + 1) * per_rank], targets[rank * per_rank : (rank + 1) * per_rank]
+        )
+        value = float(loss.detach().float().item())
+        if not math.isfinite(value):
+            raise TrainError(f"loss is {value} at warm step {step}: capture stopped")
+        if rank == 0:
+            progress({"iteration": step, "of": warm + total, "loss": value, "warm": True})
     losses: list[float] = []
     for iteration in range(total):
         if iteration == job.warmup_iterations:
@@ -221,7 +237,7 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
                 engine.codec_timer = recorder.codec_timer
         if cfg.exit_rank_at == (rank, iteration) or _injected_exit(job.run_id, rank, iteration):
             os._exit(17)  # a crash: no exception, no cleanup, no message
-        inputs, targets = batch(iteration, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
+        inputs, targets = batch(warm + iteration, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
         inputs = inputs[rank * per_rank : (rank + 1) * per_rank]
         targets = targets[rank * per_rank : (rank + 1) * per_rank]
         dist.barrier()
@@ -238,7 +254,7 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
             raise TrainError(f"loss is {value} at iteration {iteration}: capture stopped")
         losses.append(value)
         if rank == 0:
-            progress({"iteration": iteration, "of": total, "loss": value})
+            progress({"iteration": warm + iteration, "of": warm + total, "loss": value})
     measured = recorder.iterations[job.warmup_iterations :]
     host = socket.gethostname()
     timing = [(log.start_s, log.end_s) for log in measured]
@@ -339,7 +355,7 @@ def run_exponents_rank(job: dict, out_dir: Path, rank: int, world_size: int, pro
     import torch.distributed as dist
 
     from .corpus import batch
-    from .exponents import ExponentRecorder
+    from .exponents import EXPONENT_BLOCK_SIZES, ExponentRecorder
 
     train = dict(job["train"])
     train.pop("exit_rank_at", None)
@@ -349,10 +365,14 @@ def run_exponents_rank(job: dict, out_dir: Path, rank: int, world_size: int, pro
     model, categories, run, _threads = start_run(cfg, world_size)
     num_layers = len(model.blocks)
     layer_of = {name: layer_index(name, num_layers) for name, _ in model.named_parameters()}
-    recorder = ExponentRecorder(layer_of, categories) if rank == 0 else None
+    # The default block sizes, and the run's own B among them.
+    block_sizes = tuple(sorted(set(EXPONENT_BLOCK_SIZES) | {cfg.block_size}))
+    recorder = ExponentRecorder(layer_of, categories, block_sizes=block_sizes) if rank == 0 else None
     per_rank = cfg.global_batch // world_size
+    # Warm steps (no statistics), then `steps` steps: the statistics start after `warmup_steps` of them.
+    warm = int(job.get("warm_steps", 0))
     warmup = int(job["warmup_steps"])
-    for step in range(cfg.steps):
+    for step in range(warm + cfg.steps):
         inputs, targets = batch(step, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
         loss = run.step(
             inputs[rank * per_rank : (rank + 1) * per_rank], targets[rank * per_rank : (rank + 1) * per_rank]
@@ -360,16 +380,17 @@ def run_exponents_rank(job: dict, out_dir: Path, rank: int, world_size: int, pro
         value = float(loss.detach().float().item())
         if not math.isfinite(value):
             raise TrainError(f"loss is {value} at step {step}: capture stopped")
-        if step + 1 >= warmup:  # the baseline is the last warm-up step's weights
+        if step + 1 >= warm + warmup:  # the baseline is the last warm-up step's weights
             weights = run.full_parameters()  # collective: every rank takes part
             if recorder is not None:
                 recorder.update(weights)
         if rank == 0:
-            progress({"iteration": step, "of": cfg.steps, "loss": value})
+            progress({"iteration": step, "of": warm + cfg.steps, "loss": value, "warm": step < warm})
     if recorder is not None:
         exponents, shard_changes = recorder.frames(job["run_id"])
         for frame in (exponents, shard_changes):
-            frame["iteration"] = frame["iteration"] + warmup  # step numbers, not positions after warm-up
+            # step numbers, not positions after warm-up
+            frame["iteration"] = frame["iteration"] + warm + warmup
         for name, frame in (("exponents", exponents), ("shard_changes", shard_changes)):
             staging = out_dir / f".{name}.parquet.partial"
             frame.to_parquet(staging, index=False)

@@ -139,7 +139,16 @@ def train_command(
     world_size: Annotated[
         int, typer.Option(help="Local ranks (spawned, gloo); under torchrun the launcher's count is used.")
     ] = 2,
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 20,
+    steps: Annotated[int, typer.Option(help="Training steps, recorded (after the warm steps).")] = 20,
+    warm_steps: Annotated[
+        int,
+        typer.Option(
+            help="Steps trained first, neither timed nor recorded (the data order goes on after them)."
+        ),
+    ] = 0,
+    block_size: Annotated[
+        int, typer.Option(help="CIERA's block size B (a power of two); also the exponent statistics'.")
+    ] = 512,
     layers: Annotated[int, typer.Option(help="Decoder blocks (0: the model's full depth).")] = 2,
     width_scale: Annotated[int, typer.Option(help="Width divisor (0: the zoo's default small scale).")] = 0,
     seed: Annotated[int, typer.Option(help="Initial weights and data order.")] = 0,
@@ -179,10 +188,17 @@ def train_command(
     loss and step time per step, bytes the all-gathers sent per step (raw and on the wire)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .train import launched_rank, train, train_launched, validate
+    from .train import block_size_problem, launched_rank, train, train_launched, validate
 
     if ciera not in ("on", "off"):
         raise TrainError(f"--ciera {ciera!r}: expected on or off")
+    if steps < 1:
+        raise TrainError(f"--steps is {steps}: expected a positive integer")
+    if warm_steps < 0:
+        raise TrainError(f"--warm-steps is {warm_steps}: expected an integer >= 0")
+    problem = block_size_problem(block_size, "--block-size")
+    if problem:
+        raise TrainError(problem)
     if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
         write_json(json_path, {})  # raises the one-line error before any training
     config = TrainConfig(
@@ -190,7 +206,9 @@ def train_command(
         engine=engine,
         ciera=ciera == "on",
         world_size=world_size,
-        steps=steps,
+        steps=warm_steps + steps,  # TrainConfig.steps counts the warm steps
+        warm_steps=warm_steps,
+        block_size=block_size,
         layers=layers or None,
         width_scale=width_scale or None,
         seed=seed,
@@ -223,7 +241,7 @@ def train_command(
         console=console,
     ) as progress:
         task = progress.add_task(
-            f"{engine}{' + ciera' if config.ciera else ''}", total=steps, status="starting"
+            f"{engine}{' + ciera' if config.ciera else ''}", total=config.steps, status="starting"
         )
 
         def on_step(record: dict) -> None:
@@ -233,7 +251,16 @@ def train_command(
                 status=f"loss {record['loss']:.4f}  {record['step_s'] * 1e3:.0f} ms/step",
             )
 
-        document = train_launched(config, on_step) if launched is not None else train(config, on_step)
+        def on_warm_step(record: dict) -> None:
+            progress.update(
+                task, completed=record["step"] + 1, status=f"warm step, loss {record['loss']:.4f}"
+            )
+
+        document = (
+            train_launched(config, on_step, on_warm_step)
+            if launched is not None
+            else train(config, on_step, on_warm_step)
+        )
     steps_done = document["steps"]
     sent, raw = document["allgather_bytes_sent_per_step"], document["raw_bytes_per_step"]
     table = Table(
@@ -242,6 +269,12 @@ def train_command(
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("steps", f"{steps_done[0]['step'] if steps_done else 0}..{config.steps - 1}")
+    if document["warm_steps"]:
+        table.add_row(
+            "warm steps before them (trained, not recorded)",
+            f"{document['warm_steps']}, loss after them {document['warm_final_loss']:.6f}",
+        )
+    table.add_row("block size B", str(document["block_size"]))
     table.add_row("final loss", f"{document['final_loss']:.6f}" if steps_done else "-")
     table.add_row("median step", f"{document['median_step_s'] * 1e3:.1f} ms" if steps_done else "-")
     table.add_row("all-gather bytes sent per step (rank 0)", f"{sent:,.0f}")

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
 BF16_EXP_SHIFT, BF16_EXP_MASK = 7, 0xFF
+# The block sizes the trace bundle's `exponents` table holds for every parameter (a capture adds its own B).
+EXPONENT_BLOCK_SIZES = (64, 128, 256, 512, 1024)
 
 # Module wrappers whose name segment engines and torch insert into parameter names; they place nothing.
 _WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -212,7 +214,7 @@ class ExponentRecorder:
         self,
         layer_of: Mapping[str, int],
         categories: Mapping[str, str],
-        block_sizes: Sequence[int] = (64, 128, 256, 512, 1024),
+        block_sizes: Sequence[int] = EXPONENT_BLOCK_SIZES,
         world_sizes: Sequence[int] = (4, 8, 16, 32),
     ) -> None:
         self.layer_of = dict(layer_of)

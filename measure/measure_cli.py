@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import time
 from pathlib import Path
 from typing import Annotated
@@ -189,6 +190,7 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
                     task,
                     completed=base["done"] + info["iteration"] + 1,
                     status=f"{info['iteration'] + 1}/{info['of']}"
+                    + (" warm" if info.get("warm") else "")
                     + (f" loss {info['loss']:.3f}" if "loss" in info else ""),
                 )
             elif event == "progress":  # a collectives sweep: one row per op, group and size
@@ -232,7 +234,10 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
 def _run_summaries(bundle) -> list[dict]:
     import traces
 
-    summaries = traces.run_summaries(bundle).set_index("run_id")
+    summaries = traces.run_summaries(bundle)
+    if summaries.empty:  # no run with timed iterations (an exponent-statistics capture)
+        return []
+    summaries = summaries.set_index("run_id")
     runs = bundle.runs[bundle.runs["run_id"].isin(summaries.index)]
     return [
         {
@@ -240,6 +245,9 @@ def _run_summaries(bundle) -> list[dict]:
             "system": run.system,
             "layers": int(run.layers),
             "cluster": run.cluster,
+            "block_size": int(run.block_size),
+            "warm_steps": int(json.loads(run.versions).get("warm_steps", 0)),
+            "warmup_iterations": int(run.warmup_iterations),  # the warm steps included
             "median_iteration_s": float(summaries.loc[run.run_id, "iteration_median_s"]),
             "allgather_raw_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_raw_bytes"]),
             "allgather_wire_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_wire_bytes"]),
@@ -269,6 +277,17 @@ def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:
             f"{base / s['median_iteration_s']:.2f}x" if base else "-",
         )
     console.print(table)
+    if summaries:
+        warm = sorted({s["warm_steps"] for s in summaries})
+        blocks = sorted({s["block_size"] for s in summaries})
+        console.print(
+            f"B = {', '.join(map(str, blocks))}; "
+            + (
+                f"{', '.join(map(str, warm))} warm steps (trained, not recorded) before each run's warm-up"
+                if warm != [0]
+                else "no warm steps: each run's warm-up starts at step 0"
+            )
+        )
     console.print(
         f"{len(done['captured'])} captured, {len(done['kept'])} kept from before; wall {wall_s:.0f} s; "
         f"bundle: {path} ({len(bundle.runs)} runs, {len(bundle.events)} events)"
@@ -300,6 +319,16 @@ LayersOption = Annotated[str, typer.Option("--layers", help="Depths to capture, 
 SystemsOption = Annotated[str, typer.Option("--systems", help=f"Systems: {', '.join(SYSTEMS)}.")]
 IterationsOption = Annotated[int, typer.Option("--iterations", help="Timed iterations per run.")]
 WarmupOption = Annotated[int, typer.Option("--warmup", help="Untimed iterations first (>= 1).")]
+WarmStepsOption = Annotated[
+    int,
+    typer.Option(
+        "--warm-steps",
+        help="Training steps before the warm-up, nothing recorded (mid-training churn; batches go on).",
+    ),
+]
+BlockSizeOption = Annotated[
+    int, typer.Option("--block-size", help="CIERA's block size B in every run (a power of two).")
+]
 JsonOption = Annotated[Path | None, typer.Option("--json", help="Write the capture's summary as JSON.")]
 TimeoutOption = Annotated[
     float, typer.Option("--timeout-s", help="A rank that shows no progress for this long stops the capture.")
@@ -370,12 +399,15 @@ def _command(kinds: tuple[str, ...], default_exponent_steps: int):
                 help="CIERA with BSC: compress only the shards whose measured benefit pays (ZeRO-3).",
             ),
         ] = False,
+        warm_steps: WarmStepsOption = 0,
+        block_size: BlockSizeOption = 512,
         json_path: JsonOption = None,
     ) -> None:
         plan = _plan(kinds, model, width_scale, nodes, ranks_per_node, link_rate, link_latency, layers,
                      systems, iterations, warmup, exponent_steps, timeout_s, collectives_max_mib,
                      topologies)  # fmt: skip
-        _run(dataclasses.replace(plan, select=select), out, json_path)
+        plan = dataclasses.replace(plan, select=select, warm_steps=warm_steps, block_size=block_size)
+        _run(plan, out, json_path)
 
     return command
 

@@ -29,6 +29,17 @@ from pathlib import Path
 
 ENGINES = ("zero3", "fsdp")
 LOSSY_GATHERS = ("none", "once", "every")
+# The largest power of two the codec takes as its block size (CodecConfig: below 2**31, a u32 header field).
+BLOCK_SIZE_MAX = 1 << 30
+
+
+def block_size_problem(value, name: str = "block_size") -> str | None:
+    """What is wrong with ``value`` as CIERA's block size B (a power of two the codec accepts), or None."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= BLOCK_SIZE_MAX:
+        return f"{name} is {value!r}: expected a power of two from 1 to {BLOCK_SIZE_MAX}"
+    if value & (value - 1):
+        return f"{name} is {value}: expected a power of two (e.g. 64, 128, 256, 512)"
+    return None
 
 
 class TrainError(ValueError):
@@ -50,8 +61,13 @@ class TrainConfig:
     seq_len: int = 64
     activation_checkpointing: bool = True
     select: bool = False  # BSC (benefit-driven selection, both engines); False: every BF16 shard compressed
-    block_size: int = 512
+    block_size: int = 512  # CIERA's B (CodecConfig.block_size) and the exponent statistics' blocks
     part_bytes: int | None = None  # ZeRO-3 + CIERA: pipelined bucket size (None: the plug-in's default)
+    # Warm start: the first warm_steps steps of the run (from its first step: 0, or the checkpoint's step)
+    # train like any other on the same batches, but nothing is recorded for them — no step record, no
+    # report, no state digest, no exponent statistics — and they are not timed. `steps` counts them: the
+    # run still ends after step `steps`. Checkpoints (save_at), snapshots and exit_rank_at count every step.
+    warm_steps: int = 0
     detector: str = "hash"
     cache_budget_bytes: int | None = None
     timeout_s: float = 300.0
@@ -93,6 +109,15 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TrainError(f"{name} is {value!r}: expected a positive integer")
+        problem = block_size_problem(self.block_size)
+        if problem:
+            raise TrainError(problem)
+        if isinstance(self.warm_steps, bool) or not isinstance(self.warm_steps, int) or self.warm_steps < 0:
+            raise TrainError(f"warm_steps is {self.warm_steps!r}: expected an integer >= 0")
+        if self.warm_steps > self.steps:
+            raise TrainError(
+                f"warm_steps is {self.warm_steps}: expected at most steps ({self.steps}), which counts them"
+            )
         if self.world_size > 64:
             raise TrainError(f"world_size is {self.world_size}: local ranks are processes on this machine")
         if self.global_batch % self.world_size:
@@ -113,10 +138,11 @@ class TrainConfig:
             raise TrainError("a lossy gather arm runs the plain engine: CIERA must be off (--ciera off)")
         if (self.snapshot_steps or self.parameter_snapshot_steps) and not self.snapshot_dir:
             raise TrainError("snapshot steps need snapshot_dir")
-        if self.exponent_stats and self.exponent_warmup_steps >= self.steps:
+        if self.exponent_stats and self.exponent_warmup_steps >= self.steps - self.warm_steps:
             raise TrainError(
-                f"--exponent-stats leaves out the first {self.exponent_warmup_steps} steps as warm-up: "
-                f"run more than that (--steps is {self.steps})"
+                f"--exponent-stats leaves out the first {self.exponent_warmup_steps} recorded steps as "
+                f"warm-up: record more than that ({self.steps - self.warm_steps} steps after "
+                f"{self.warm_steps} warm steps)"
             )
 
 
@@ -145,6 +171,8 @@ class RankResult:
     state_names: list[str] | None = None  # the tensors state_digests cover, in order
     state_digests: list[dict] | None = None  # per step: {"step", "all": sha256, "tensors": [8-hex each]}
     nudged: dict | None = None  # which weight the ULP nudge moved, and from/to
+    warm_steps: int = 0  # steps trained before the first recorded one (cfg.warm_steps)
+    warm_final_loss: float | None = None  # global mean loss of the last warm step
 
 
 # ---------------------------------------------------------------------------------------- byte counting
@@ -319,7 +347,7 @@ class _Zero3Run(_EngineRun):
         return None if self.ciera is None else self.ciera.gathers_per_param()
 
     def ciera_stats(self) -> dict | None:
-        return None if self.ciera is None else self.ciera.stats()
+        return None if self.ciera is None else _with_codec(self.ciera)
 
 
 class _FsdpRun(_EngineRun):
@@ -413,7 +441,12 @@ class _FsdpRun(_EngineRun):
         return None if self.ciera is None else self.ciera.gathers_per_iteration()
 
     def ciera_stats(self) -> dict | None:
-        return None if self.ciera is None else self.ciera.stats()
+        return None if self.ciera is None else _with_codec(self.ciera)
+
+
+def _with_codec(ciera) -> dict:
+    """CIERA's stats, with the codec settings its engines ran with (CodecConfig)."""
+    return {**ciera.stats(), "block_size": ciera.config.block_size, "detector": ciera.config.detector}
 
 
 def _ciera_bytes(engines) -> tuple[int, int]:
@@ -448,8 +481,16 @@ def start_run(cfg: TrainConfig, world_size: int):
     return model, categories, run, threads
 
 
-def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dict], None]) -> RankResult:
-    """Train on this rank (process group already initialised); ``report`` gets a dict per step."""
+def run_rank(
+    rank: int,
+    world_size: int,
+    cfg: TrainConfig,
+    report: Callable[[dict], None],
+    on_warm_step: Callable[[int, float], None] | None = None,
+) -> RankResult:
+    """Train on this rank (process group already initialised); ``report`` gets a dict per recorded step,
+    ``on_warm_step`` (step, global mean loss) each warm step (cfg.warm_steps) — nothing else is kept of
+    those."""
     import torch
     import torch.distributed as dist
 
@@ -460,7 +501,13 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
     counter = AllGatherCounter.installed()
     model, categories, run, threads = start_run(cfg, world_size)
     start_step = run.load(cfg.checkpoint_dir) if cfg.resume else 0
-    result = RankResult(rank, threads=threads, nudged=run.nudged)
+    first_recorded = start_step + cfg.warm_steps
+    if first_recorded > cfg.steps:
+        raise TrainError(
+            f"warm_steps is {cfg.warm_steps}: from step {start_step} (the checkpoint's) that runs past "
+            f"steps ({cfg.steps})"
+        )
+    result = RankResult(rank, threads=threads, nudged=run.nudged, warm_steps=cfg.warm_steps)
     if cfg.ciera:
         from ciera_runtime import get_backend
 
@@ -473,7 +520,6 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
         from .exponents import ExponentTracker
 
         tracker = ExponentTracker(categories, cfg.block_size)
-        tracker.update(run.full_parameters())  # the weights before the first step
         result.exponent_rates = []
     per_rank = cfg.global_batch // world_size
 
@@ -483,6 +529,16 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
             if rank == 0:  # full_parameters is collective: every rank gathers, rank 0 writes
                 save_state(weights, Path(cfg.snapshot_dir) / f"params-{completed}.pt")
 
+    def global_mean_loss(loss) -> float:
+        """The mean of the ranks' losses, as float32 (collective)."""
+        losses = torch.tensor([loss.detach().float().item()], dtype=torch.float32)
+        dist.all_reduce(losses)  # a sum of W float32 values in a fixed order: the same on every rank
+        return struct.unpack("<f", struct.pack("<f", float(losses.item()) / world_size))[0]
+
+    def stop_unless_finite(mean_loss: float, step: int) -> None:
+        if not math.isfinite(mean_loss):
+            raise TrainError(f"loss is {mean_loss} at step {step}: training stopped")
+
     snapshot_parameters(start_step)
     for step in range(start_step, cfg.steps):
         if cfg.exit_rank_at == (rank, step):
@@ -490,41 +546,50 @@ def run_rank(rank: int, world_size: int, cfg: TrainConfig, report: Callable[[dic
         inputs, targets = batch(step, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
         inputs = inputs[rank * per_rank : (rank + 1) * per_rank]
         targets = targets[rank * per_rank : (rank + 1) * per_rank]
-        sent_before, ciera_before = counter.bytes_sent, _ciera_bytes(run.engines())
-        host_before_s = sum(engine.stats.host_s for engine in run.engines())
-        start_s = time.perf_counter()
-        with lossy.during_step(step):
-            loss = run.step(inputs, targets)
-        step_s = time.perf_counter() - start_s
-        sent = counter.bytes_sent - sent_before
-        ciera_sent, ciera_raw = (
-            after - before for after, before in zip(_ciera_bytes(run.engines()), ciera_before, strict=True)
-        )
-        raw = sent - ciera_sent + ciera_raw  # CIERA's gathers counted at what they would have sent raw
-        losses = torch.tensor([loss.detach().float().item()], dtype=torch.float32)
-        dist.all_reduce(losses)  # a sum of W float32 values in a fixed order: the same on every rank
-        slowest_s = torch.tensor([step_s], dtype=torch.float64)
-        dist.all_reduce(slowest_s, op=dist.ReduceOp.MAX)
-        mean_loss = float(losses.item()) / world_size
-        mean_loss_f32 = struct.unpack("<f", struct.pack("<f", mean_loss))[0]
-        record = StepRecord(
-            step,
-            mean_loss_f32,
-            _float_bits(mean_loss_f32),
-            float(slowest_s.item()),
-            sent,
-            raw,
-            sum(engine.stats.host_s for engine in run.engines()) - host_before_s,
-        )
-        result.steps.append(record)
-        report(dataclasses.asdict(record))
-        if not math.isfinite(mean_loss):
-            raise TrainError(f"loss is {mean_loss} at step {step}: training stopped")
-        if tracker is not None:
-            result.exponent_rates.append(tracker.update(run.full_parameters()))
-        if cfg.record_state or step + 1 in cfg.snapshot_steps:
+        if step < first_recorded:  # a warm step: trained, not timed, nothing kept but the last loss
+            with lossy.during_step(step):
+                loss = run.step(inputs, targets)
+            mean_loss_f32 = global_mean_loss(loss)
+            if on_warm_step is not None:
+                on_warm_step(step, mean_loss_f32)
+            stop_unless_finite(mean_loss_f32, step)
+            if step + 1 == first_recorded:
+                result.warm_final_loss = mean_loss_f32
+        else:
+            if tracker is not None and step == first_recorded:
+                tracker.update(run.full_parameters())  # the weights before the first recorded step
+            sent_before, ciera_before = counter.bytes_sent, _ciera_bytes(run.engines())
+            host_before_s = sum(engine.stats.host_s for engine in run.engines())
+            start_s = time.perf_counter()
+            with lossy.during_step(step):
+                loss = run.step(inputs, targets)
+            step_s = time.perf_counter() - start_s
+            sent = counter.bytes_sent - sent_before
+            ciera_sent, ciera_raw = (
+                after - before
+                for after, before in zip(_ciera_bytes(run.engines()), ciera_before, strict=True)
+            )
+            raw = sent - ciera_sent + ciera_raw  # CIERA's gathers counted at what they would have sent raw
+            mean_loss_f32 = global_mean_loss(loss)
+            slowest_s = torch.tensor([step_s], dtype=torch.float64)
+            dist.all_reduce(slowest_s, op=dist.ReduceOp.MAX)
+            record = StepRecord(
+                step,
+                mean_loss_f32,
+                _float_bits(mean_loss_f32),
+                float(slowest_s.item()),
+                sent,
+                raw,
+                sum(engine.stats.host_s for engine in run.engines()) - host_before_s,
+            )
+            result.steps.append(record)
+            report(dataclasses.asdict(record))
+            stop_unless_finite(mean_loss_f32, step)
+            if tracker is not None:
+                result.exponent_rates.append(tracker.update(run.full_parameters()))
+        if (cfg.record_state and step >= first_recorded) or step + 1 in cfg.snapshot_steps:
             state = run.full_state()  # collective: every rank assembles, rank 0 keeps
-            if rank == 0 and cfg.record_state:
+            if rank == 0 and cfg.record_state and step >= first_recorded:
                 names, digest = state_digest(state)
                 result.state_names = names
                 result.state_digests.append({"step": step + 1, **digest})
@@ -584,7 +649,14 @@ def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig, queue
 
     try:
         _init_group(rank, world_size, cfg)
-        result = run_rank(rank, world_size, cfg, lambda record: queue.put(("step", rank, record)))
+
+        def on_warm_step(step: int, loss: float) -> None:
+            if rank == 0:
+                queue.put(("warm", rank, {"step": step, "loss": loss}))
+
+        result = run_rank(
+            rank, world_size, cfg, lambda record: queue.put(("step", rank, record)), on_warm_step
+        )
         queue.put(("done", rank, dataclasses.asdict(result)))
     except Exception as error:  # noqa: BLE001 — one line to the parent, which stops every rank
         queue.put(
@@ -640,7 +712,11 @@ def launched_rank() -> tuple[int, int] | None:
         ) from None
 
 
-def train_launched(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> dict | None:
+def train_launched(
+    cfg: TrainConfig,
+    on_step: Callable[[dict], None] | None = None,
+    on_warm_step: Callable[[dict], None] | None = None,
+) -> dict | None:
     """This process is one rank started by a launcher: train it; rank 0 returns the result document (the
     others None). ``cfg.world_size`` must match the launcher's WORLD_SIZE."""
     import torch.distributed as dist
@@ -653,7 +729,15 @@ def train_launched(cfg: TrainConfig, on_step: Callable[[dict], None] | None = No
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     _init_group(rank, world_size, cfg)
     try:
-        result = run_rank(rank, world_size, cfg, on_step if rank == 0 and on_step else lambda record: None)
+        warm = None
+        if rank == 0 and on_warm_step is not None:
+
+            def warm(step: int, loss: float) -> None:
+                on_warm_step({"step": step, "loss": loss})
+
+        result = run_rank(
+            rank, world_size, cfg, on_step if rank == 0 and on_step else lambda record: None, warm
+        )
         gathered: list = [None] * world_size
         dist.all_gather_object(gathered, dataclasses.asdict(result))
     finally:
@@ -661,8 +745,14 @@ def train_launched(cfg: TrainConfig, on_step: Callable[[dict], None] | None = No
     return summarize(cfg, gathered) if rank == 0 else None
 
 
-def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> dict:
-    """Run ``cfg`` on local spawned ranks; returns the result document (every number the CLI prints)."""
+def train(
+    cfg: TrainConfig,
+    on_step: Callable[[dict], None] | None = None,
+    on_warm_step: Callable[[dict], None] | None = None,
+) -> dict:
+    """Run ``cfg`` on local spawned ranks; returns the result document (every number the CLI prints).
+    ``on_step`` gets rank 0's record of each recorded step, ``on_warm_step`` {"step", "loss"} of each warm
+    step."""
     validate(cfg)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".torch_extensions"))
@@ -702,6 +792,9 @@ def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> di
             if kind == "step":
                 if rank == 0 and on_step is not None:
                     on_step(payload)
+            elif kind == "warm":
+                if on_warm_step is not None:
+                    on_warm_step(payload)
             elif kind == "done":
                 results[rank] = payload
             else:
@@ -755,6 +848,9 @@ def summarize(cfg: TrainConfig, ranks: list[dict]) -> dict:
         "config": dataclasses.asdict(cfg),
         "steps": steps,
         "final_loss": steps[-1]["loss"] if steps else None,
+        "block_size": cfg.block_size,
+        "warm_steps": rank0.get("warm_steps", 0),  # trained before the first step in "steps", unrecorded
+        "warm_final_loss": rank0.get("warm_final_loss"),
         "parameter_digest": digests.pop(),
         "allgather_bytes_sent_per_step": (sum(sent) / len(sent)) if sent else 0,
         "raw_bytes_per_step": (sum(raw) / len(raw)) if raw else 0,

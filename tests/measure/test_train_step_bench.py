@@ -1,5 +1,6 @@
 """benchmarks/train_step.py: bad arguments are one line and exit 2; a tiny loopback run (slow: two ranks,
-four systems, real DeepSpeed and FSDP2 steps) writes a well-formed JSON with bit-identical losses."""
+four systems, real DeepSpeed and FSDP2 steps) writes a well-formed JSON with bit-identical losses, also
+after a warm start (every system resumed from its engine's plain checkpoint)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = _REPO_ROOT / "benchmarks" / "train_step.py"
 
 
-def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = os.environ | {
+def _run(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = os.environ | (env or {})
+    env |= {
         "DS_ACCELERATOR": "cpu",
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(_REPO_ROOT / ".torch_extensions")),
     }
@@ -43,6 +45,9 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (["--link", "wifi"], "--link"),
         (["--steps", "two"], "--steps"),
         (["--probe-mib", "0"], "--probe-mib is 0"),
+        (["--warm-steps", "-1"], "--warm-steps is -1"),
+        (["--block-size", "100"], "--block-size is 100: expected a power of two"),
+        (["--block-size", "0"], "--block-size is 0"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], words: str) -> None:
@@ -95,3 +100,32 @@ def test_tiny_loopback_run_is_well_formed_and_bit_identical(tmp_path) -> None:
         assert profile["collective_calls_per_profiled_run"]["all_gather_single"] > 0
     assert result["link"]["gloo_probe_before"]["MBps_per_rank"] > 0
     assert len(result["load_average_before"]) == 3
+
+
+@pytest.mark.slow
+def test_warm_start_resumes_every_system_from_its_engines_plain_checkpoint(tmp_path) -> None:
+    out, scratch = tmp_path / "train_step.json", tmp_path / "tmp"
+    scratch.mkdir()
+    done = _run(
+        "--json", str(out), "--link", "loopback", "--steps", "1", "--warmup", "1", "--rounds", "1",
+        "--layers", "1", "--seq-len", "16", "--probe-mib", "0.25", "--warm-steps", "3",
+        "--block-size", "256",
+        timeout=600, env={"TMPDIR": str(scratch)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["config"]["warm_steps"] == 3 and result["config"]["first_timed_step"] == 4
+    assert result["config"]["block_size"] == 256 and result["config"]["train_config"]["block_size"] == 256
+    assert result["config"]["train_config"]["resume"] is True
+    warm = result["warm"]
+    assert warm["link"] == "loopback" and set(warm["engines"]) == {"zero3", "fsdp"}
+    for engine in warm["engines"].values():
+        assert engine["steps"] == 3 and engine["final_parameters_equal_across_ranks"] is True
+        assert 0 < engine["final_loss"] < 20
+    for system in result["systems"].values():
+        assert len(system["losses"]) == 2  # steps 3 and 4: warm-up and timed, after the checkpoint
+    for comparison in result["comparisons"].values():  # a plain checkpoint loads into the CIERA engine
+        assert comparison["loss_bits_identical_every_step"] is True
+        assert comparison["final_parameters_identical"] is True
+    assert "warm start: 3 steps" in done.stdout
+    assert not list(scratch.glob("ciera-train-step-*"))  # the checkpoints' directory is removed at exit

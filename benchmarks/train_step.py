@@ -153,8 +153,9 @@ class _CommTimer:
         self._local = threading.local()
         self.seconds = {"allgather": 0.0, "other": 0.0}
         self.calls: dict[str, int] = {}
-        # Off too: every collective call is counted, and the time the calling thread spends inside
-        # all_gather_single itself (issuing it; an async gather returns before its bytes move).
+        # Off too: every collective call is counted, and the time the calling thread spends inside an
+        # async all_gather_single (issuing it: it returns before its bytes move). A synchronous one (FSDP2's
+        # default) returns after the transfer: counted apart, its time is not the thread's own.
         self.counts: dict[str, int] = {}
         self.issue_s = 0.0
         for name, kind in [("all_gather_single", "allgather")] + [(n, "other") for n in _OTHER_COMM]:
@@ -176,8 +177,11 @@ class _CommTimer:
                 try:
                     start_s = time.perf_counter()
                     work = original(*args, **kwargs)
-                    if name == "all_gather_single":
+                    if name == "all_gather_single" and work is not None:
                         self.issue_s += time.perf_counter() - start_s
+                        self.counts["all_gather_single:async"] = (
+                            self.counts.get("all_gather_single:async", 0) + 1
+                        )
                 finally:
                     self._local.depth = 0
                 return work
@@ -370,6 +374,7 @@ def _report(
                 "host_s": [],
                 "calls": [],
                 "gathers": [],
+                "async_gathers": [],
             },
         )
         timed = [step for step in run0["steps"] if step["step"] >= first_timed]
@@ -384,8 +389,10 @@ def _report(
             # path (network waits left out), or the plain engine's time issuing its all-gathers.
             host_key = "ciera_host_s" if "+ciera" in system else "allgather_issue_s"
             entry["host_s"].append(float(np.mean([s[host_key] for s in steps])))
-            entry["calls"].append(sum(steps[0]["collective_calls"].values()))
-            entry["gathers"].append(steps[0]["collective_calls"].get("all_gather_single", 0))
+            calls = steps[0]["collective_calls"]
+            entry["calls"].append(sum(n for name, n in calls.items() if ":" not in name))
+            entry["gathers"].append(calls.get("all_gather_single", 0))
+            entry["async_gathers"].append(calls.get("all_gather_single:async", 0))
         losses.setdefault(system, []).append([step["loss_bits"] for step in run0["steps"]])
         entry.setdefault("first_round_losses", [step["loss"] for step in run0["steps"]])
         digests.setdefault(system, set()).update(runs[index]["parameter_digest"] for runs in rank_runs)
@@ -403,9 +410,18 @@ def _report(
             "r": round(sent / raw, 4) if raw else None,
             "collective_calls_per_step": float(np.median(entry["calls"])),
             "allgather_calls_per_step": float(np.median(entry["gathers"])),
-            "host_ms_per_step": _ms(float(np.median(entry["host_s"]))),
+            "host_ms_per_step": _ms(float(np.median(entry["host_s"])))
+            if "+ciera" in system or np.median(entry["async_gathers"])
+            else None,
+            # per async all-gather (CIERA's rows are); None when the plain engine's are all synchronous
+            # (FSDP2's default: a blocking call's time is the transfer's, not the thread's own work)
             "host_us_per_allgather": round(
-                1e6 * float(np.median(entry["host_s"])) / max(1.0, float(np.median(entry["gathers"]))), 1
+                1e6 * float(np.median(entry["host_s"])) / float(np.median(entry["async_gathers"])), 1
+            )
+            if np.median(entry["async_gathers"])
+            else None,
+            "synchronous_allgathers_per_step": float(
+                np.median(entry["gathers"]) - np.median(entry["async_gathers"])
             ),
             # every recorded step of the first round, from step first_timed_step - warmup_steps on
             "losses": entry["first_round_losses"],
@@ -764,10 +780,15 @@ def _main(args) -> int:
         elif "bytes_bound_speedup" in comparison:
             line += ", bytes bound 1.000x (nothing compressed)"
         control = comparison["control_plane"]
+
+        def host(side: str, control=control) -> str:
+            us = control["host_us_per_allgather"][side]
+            if us is None:
+                return "n/a (synchronous all-gathers only)"
+            return f"{control['host_ms_per_step'][side]:.1f} ms/step ({us:.0f} us per all-gather)"
+
         line += (
-            f"; training-thread time in gathers {control['host_ms_per_step']['ciera']:.1f} ms/step "
-            f"({control['host_us_per_allgather']['ciera']:.0f} us per all-gather) vs plain "
-            f"{control['host_ms_per_step']['plain']:.1f} ms ({control['host_us_per_allgather']['plain']:.0f} us); "
+            f"; training-thread time in gathers {host('ciera')} vs plain {host('plain')}; "
             f"collectives per step {control['collective_calls_per_step']['ciera']:.0f} vs "
             f"{control['collective_calls_per_step']['plain']:.0f}"
         )

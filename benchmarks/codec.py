@@ -1,6 +1,6 @@
 """Codec throughput and payload size against copy baselines measured in the same run.
 
-    python benchmarks/codec.py --json out/codec.json [--numel 8388608] [--repeats 5]
+    python benchmarks/codec.py --json out/codec.json [--numel 8388608] [--repeats 5] [--full-path-q 0.01]
 
 Weights: BF16 N(0, 0.02). Perturbation at rate q: a share q of the blocks get one exponent moved by one.
 Throughputs are in shard bytes (2 per value) per second, best of ``repeats``, numba's threads (all cores);
@@ -12,7 +12,9 @@ baseline of the full-path ratios); ``memcpy_GBps`` is numpy's one-thread copy (r
 ``full_path`` times ShardEncoder.encode into a reused send buffer (one fused pass for exponent
 plane, change detection, sign+mantissa plane and its checksum; gather_blocks; rANS into the buffer;
 bitmap, header, CRCs) and ShardDecoder.decode (CRCs, rANS decode, scatter, merge with the checksum) at
-q = 0.01, each sample next to a copy sample so both see the same load.
+q = ``--full-path-q`` (0.01; 1.0 is every block changed, as in early training), each sample next to a
+copy sample so both see the same load; ``encode_us``/``decode_us`` per shard show the fixed cost per call
+at small ``--numel`` (the engines' shards: 32768 values for small-moe's experts).
 """
 
 from __future__ import annotations
@@ -71,7 +73,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--full-path-q", type=float, default=0.01, help="share of blocks changed per version in full_path"
+    )
     args = parser.parse_args()
+    if not 0.0 <= args.full_path_q <= 1.0:
+        parser.error(f"--full-path-q is {args.full_path_q}: expected a share in [0, 1]")
     numel, block_size, repeats = args.numel, args.block_size, args.repeats
     rng = np.random.default_rng(args.seed)
     weights = (rng.standard_normal(numel) * 0.02).astype(np.float32)
@@ -125,7 +132,7 @@ def main() -> None:
         detect_exact()
     detect_exact_s = best_s(detect_exact, repeats)
 
-    # Full codec path at q = 0.01, as the all-gather runs it: ShardEncoder.encode into a reused send
+    # Full codec path at q (--full-path-q), as the all-gather runs it: ShardEncoder.encode into a reused send
     # buffer (one fused pass, gather, rANS straight into the buffer, bitmap, header, CRCs) and
     # ShardDecoder.decode (CRCs, rANS decode, scatter, merge with the sign+mantissa checksum) into a
     # reused output. A chain of versions, each with a share q of its blocks changed from the one before;
@@ -138,7 +145,7 @@ def main() -> None:
     decoder.decode(encoder.encode(bits, out=send_buffer), out=out)
     chain = [bits]
     for _ in range(2 * kernels.PROBE_EVERY + 2 * repeats + 2):
-        chain.append(perturb_blocks(chain[-1], 0.01, block_size, "bf16", rng))
+        chain.append(perturb_blocks(chain[-1], args.full_path_q, block_size, "bf16", rng))
     encode_samples, decode_samples, copy_samples, changed_blocks = [], [], [], 0
     for version in chain[1:]:
         start_s = time.perf_counter()
@@ -156,7 +163,9 @@ def main() -> None:
     copy_s = min(copy_s, *copy_samples[settled:])
     encode_s, decode_s = min(encode_samples[settled:]), min(decode_samples[settled:])
     full_path = {
-        "q": 0.01,
+        "q": args.full_path_q,
+        "encode_us": round(encode_s * 1e6, 1),
+        "decode_us": round(decode_s * 1e6, 1),
         "changed_blocks": changed_blocks,  # of the last sample
         "copy_threads": threads,
         "encode_GBps": round(gbps(encode_s), 3),

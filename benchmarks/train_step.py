@@ -839,7 +839,7 @@ def main() -> None:
         help="steps each engine's plain system trains first (loopback, untimed); every timed system of "
         "the engine resumes from its checkpoint",
     )
-    parser.add_argument("--block-size", type=int, default=512, help="CIERA's block size B (a power of two)")
+    parser.add_argument("--block-size", type=int, default=64, help="CIERA's block size B (a power of two)")
     parser.add_argument("--probe-mib", type=float, default=8.0, help="raw all-gather probe, MiB per rank")
     parser.add_argument("--timeout-s", type=int, default=1800, help="whole run")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)

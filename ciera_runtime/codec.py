@@ -83,7 +83,7 @@ class CodecConfig:
     backend: name of the codec backend (see backend.get_backend).
     """
 
-    block_size: int = 512
+    block_size: int = 64
     detector: str = "hash"
     verify_every: int = 0
     backend: str = "cpu"

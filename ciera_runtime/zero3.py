@@ -749,7 +749,7 @@ def enable_ciera(
     section = ciera_section(engine_or_model) if module is not engine_or_model else {}
     if config is None:
         config = CodecConfig(
-            block_size=section.get("block_size", 512),
+            block_size=section.get("block_size", CodecConfig().block_size),
             detector=section.get("detector", "hash"),
             verify_every=section.get("verify_every", 0),
         )

@@ -70,7 +70,7 @@ class CapturePlan:
     seed: int = 0
     activation_checkpointing: bool = True
     select: bool = False  # CIERA's BSC: compress only the shards whose measured benefit pays (both engines)
-    block_size: int = 512  # CIERA's B in every run (and one of the exponent run's block sizes)
+    block_size: int = 64  # CIERA's B in every run (and one of the exponent run's block sizes)
     # Steps every run trains before its first iteration, with nothing recorded: a capture of mid-training
     # churn rather than of the first steps. Batches go on from step to step.
     warm_steps: int = 0

@@ -148,7 +148,7 @@ def train_command(
     ] = 0,
     block_size: Annotated[
         int, typer.Option(help="CIERA's block size B (a power of two); also the exponent statistics'.")
-    ] = 512,
+    ] = 64,
     layers: Annotated[int, typer.Option(help="Decoder blocks (0: the model's full depth).")] = 2,
     width_scale: Annotated[int, typer.Option(help="Width divisor (0: the zoo's default small scale).")] = 0,
     seed: Annotated[int, typer.Option(help="Initial weights and data order.")] = 0,

@@ -400,7 +400,7 @@ def _command(kinds: tuple[str, ...], default_exponent_steps: int):
             ),
         ] = False,
         warm_steps: WarmStepsOption = 0,
-        block_size: BlockSizeOption = 512,
+        block_size: BlockSizeOption = 64,
         json_path: JsonOption = None,
     ) -> None:
         plan = _plan(kinds, model, width_scale, nodes, ranks_per_node, link_rate, link_latency, layers,

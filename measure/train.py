@@ -61,7 +61,7 @@ class TrainConfig:
     seq_len: int = 64
     activation_checkpointing: bool = True
     select: bool = False  # BSC (benefit-driven selection, both engines); False: every BF16 shard compressed
-    block_size: int = 512  # CIERA's B (CodecConfig.block_size) and the exponent statistics' blocks
+    block_size: int = 64  # CIERA's B (CodecConfig.block_size) and the exponent statistics' blocks
     part_bytes: int | None = None  # ZeRO-3 + CIERA: pipelined bucket size (None: the plug-in's default)
     # Warm start: the first warm_steps steps of the run (from its first step: 0, or the checkpoint's step)
     # train like any other on the same batches, but nothing is recorded for them — no step record, no

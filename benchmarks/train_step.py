@@ -42,7 +42,10 @@ the comparison's ``control_plane``): every collective call of a timed step is co
 alike); the training thread's time in the parameter gathers is, with CIERA, its whole bucket path with
 network waits left out (``GatherStats.host_s``: packing, encoding, issuing, unpacking, decoding), and for
 the plain engine the time spent inside ``all_gather_single`` calls (issuing them; the engine's own
-bookkeeping around them is not counted). Both are means of the ranks, medians of the timed steps.
+bookkeeping around them is not counted; FSDP2's all-gathers are synchronous, their time is the
+transfer's: n/a). Both are means of the ranks, medians of the timed steps. Per CIERA system:
+``ciera_calls`` and ``overflow_rounds`` (rank 0, every run, warm-up included) and ``overflow_share``;
+``bytes_on_wire_not_above_raw`` checks every timed step.
 
 ``--link netns`` (root, iproute2): the two ranks run in two network namespaces joined by a veth pair with
 ``tc tbf`` at ``--rate`` on both ends — the namespace code of ``allgather_netns.py`` — and everything is
@@ -323,6 +326,7 @@ def _rank_main(args) -> None:
                         "round": round_index,
                         "steps": records,
                         "parameter_digest": result.parameter_digest,
+                        "ciera_calls_and_overflows": _calls_and_overflows(result.ciera),
                     }
                 )
         out["probe_after"] = _probe_link(args.probe_mib)
@@ -331,6 +335,15 @@ def _rank_main(args) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _calls_and_overflows(stats: dict | None) -> list[int] | None:
+    """[CIERA bucket collectives, overflow rounds] of a run, from either engine's stats."""
+    if stats is None:
+        return None
+    if "ciera_calls" in stats:  # ZeRO-3
+        return [stats["ciera_calls"], stats["ciera_overflow_rounds"]]
+    return [sum(e["calls"] for e in stats["engines"]), sum(e["overflow_rounds"] for e in stats["engines"])]
 
 
 # --------------------------------------------------------------------------------------------- root side
@@ -396,6 +409,10 @@ def _report(
         losses.setdefault(system, []).append([step["loss_bits"] for step in run0["steps"]])
         entry.setdefault("first_round_losses", [step["loss"] for step in run0["steps"]])
         digests.setdefault(system, set()).update(runs[index]["parameter_digest"] for runs in rank_runs)
+        counted = run0.get("ciera_calls_and_overflows")
+        if counted is not None:  # the whole run (warm-up steps included), rank 0's
+            entry["ciera_calls"] = entry.get("ciera_calls", 0) + counted[0]
+            entry["overflow_rounds"] = entry.get("overflow_rounds", 0) + counted[1]
 
     table: dict[str, dict] = {}
     for system in systems:
@@ -425,6 +442,16 @@ def _report(
             ),
             # every recorded step of the first round, from step first_timed_step - warmup_steps on
             "losses": entry["first_round_losses"],
+            # CIERA's bucket collectives and the overflow rounds among them, every run of the system
+            "ciera_calls": entry.get("ciera_calls"),
+            "overflow_rounds": entry.get("overflow_rounds"),
+            "overflow_share": round(entry["overflow_rounds"] / entry["ciera_calls"], 4)
+            if entry.get("ciera_calls")
+            else None,
+            # every timed step of every round: what the all-gathers sent (CIERA's protocol included) vs raw
+            "bytes_on_wire_not_above_raw": all(
+                a <= b for a, b in zip(entry["sent"], entry["raw"], strict=True)
+            ),
             "losses_repeat_across_rounds": all(bits == losses[system][0] for bits in losses[system]),
             "final_parameters_equal_across_ranks_and_rounds": len(digests[system]) == 1,
         }
@@ -792,6 +819,11 @@ def _main(args) -> int:
             f"collectives per step {control['collective_calls_per_step']['ciera']:.0f} vs "
             f"{control['collective_calls_per_step']['plain']:.0f}"
         )
+        twin_row = result["systems"][plain + "+ciera"]
+        if twin_row["overflow_share"] is not None:
+            line += f"; overflow rounds {100 * twin_row['overflow_share']:.1f} % of CIERA's collectives"
+        if not twin_row["bytes_on_wire_not_above_raw"]:
+            line += "; MORE BYTES THAN RAW in some step"
         print(line)
     broken = [
         name

@@ -390,6 +390,8 @@ class CieraFSDP2:
                     "gathers": engine.stats.gathers,
                     "resyncs": engine.stats.resyncs,
                     "host_s": engine.stats.host_s,  # on the training thread, network waits left out
+                    "calls": engine.bucket_stats.calls if engine.bucket_stats else 0,
+                    "overflow_rounds": engine.bucket_stats.overflow_rounds if engine.bucket_stats else 0,
                 }
                 for engine in self.engines.values()
             ],

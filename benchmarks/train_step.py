@@ -5,7 +5,8 @@
         [--seq-len 64] [--global-batch 4] [--systems zero3,zero3+ciera,fsdp,fsdp+ciera] [--select]
         [--probe-mib 8] [--timeout-s 1800]
 
-Each rank runs the real ``measure.train.run_rank`` (the code behind ``ciera train``) on ``small-moe``:
+Each rank runs the real ``measure.train.run_rank`` (the code behind ``ciera train``) on ``--model``
+(default ``small-moe``; any zoo key, at ``--width-scale``, 0 = the zoo's default scale):
 every system trains from the same seed on the same batches, ``--warmup`` unmeasured steps then
 ``--steps`` timed ones. Step time is the slowest rank's (as run_rank records it); bytes are those a rank's
 all-gathers sent per step, counted at ``all_gather_single``, and what they would have sent raw. CIERA
@@ -77,7 +78,7 @@ sys.path.insert(0, str(_REPO_ROOT))
 
 PROBES = ("probe_before", "probe_after")
 SYSTEMS = ("zero3", "zero3+ciera", "fsdp", "fsdp+ciera")
-MODEL = "small-moe"
+MODEL = "small-moe"  # the default model
 _RATE = re.compile(r"^\d+(\.\d+)?([kmgt]?bit|[kmgt]?bps)$", re.IGNORECASE)
 _OTHER_COMM = (
     "reduce_scatter_single",  # FSDP2's; reduce_scatter_tensor and _reduce_scatter_base call it
@@ -123,7 +124,8 @@ def _system_config(args, system: str, phase: str = "timed"):
     elif warm:
         checkpoint["resume"] = True
     return TrainConfig(
-        model=MODEL,
+        model=args.model,
+        width_scale=args.width_scale or None,
         engine=engine,
         ciera=bool(ciera),
         select=bool(ciera) and args.select,
@@ -561,7 +563,8 @@ def _report(
 
     return {
         "schema": "ciera.bench.train_step/1",
-        "model": MODEL,
+        "model": args.model,
+        "width_scale": args.width_scale or None,
         "config": {
             "layers": args.layers,
             "seq_len": args.seq_len,
@@ -607,7 +610,8 @@ def _rank_command(
         sys.executable, str(Path(__file__).resolve()), "--rank", str(rank), "--result", str(result),
         "--master-addr", master_addr, "--port", str(port), "--systems", args.systems,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-        "--layers", str(args.layers), "--seq-len", str(args.seq_len),
+        "--layers", str(args.layers), "--seq-len", str(args.seq_len), "--model", args.model,
+        "--width-scale", str(args.width_scale),
         "--global-batch", str(args.global_batch), "--probe-mib", str(args.probe_mib),
         "--timeout-s", str(args.timeout_s), *(["--select"] if args.select else []),
         *(["--part-bytes", str(args.part_bytes)] if args.part_bytes is not None else []),
@@ -661,7 +665,7 @@ def _check_args(args) -> None:
     from measure.zoo import scaled_shape
 
     try:
-        scaled_shape(MODEL, None, args.layers)
+        scaled_shape(args.model, args.width_scale or None, args.layers)
     except Exception as error:  # noqa: BLE001 — the zoo's errors are one line
         raise BadArgument(str(error).splitlines()[0]) from None
 
@@ -850,7 +854,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per system per round")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of all systems, order rotated")
-    parser.add_argument("--layers", type=int, default=2, help="small-moe blocks")
+    parser.add_argument("--model", default=MODEL, help="zoo key (ciera models lists them)")
+    parser.add_argument("--width-scale", type=int, default=0, help="width divisor (0: the zoo's default)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder blocks")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--global-batch", type=int, default=4, help="sequences per step, both ranks")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
@@ -862,7 +868,7 @@ def main() -> None:
     parser.add_argument(
         "--part-bytes",
         type=int,
-        help="ZeRO-3 + CIERA: pipelined bucket size, raw bytes per rank (0: one per call)",
+        help="CIERA's pipelined bucket size, raw bytes per rank, both engines (0: one bucket per call)",
     )
     parser.add_argument(
         "--warm-steps",

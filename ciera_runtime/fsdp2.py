@@ -60,6 +60,11 @@ from ciera_runtime.zero3 import CATEGORIES, DEFAULT_PRIORS, PRIOR_SOURCE, _agree
 
 logger = logging.getLogger("ciera_runtime")
 
+# A group's flat shard of at least twice this many bytes per rank is cut into parts of about this size
+# (at most MAX_PARTS), each its own bucket: the link carries part k while part k + 1 is encoded.
+DEFAULT_PART_BYTES = 1 << 20
+MAX_PARTS = 8
+
 
 def _all_gather_single(output, input_tensor, group=None, async_op=False):
     # Looked up at each call, so a counter or timer that wraps torch.distributed later sees it too.
@@ -87,6 +92,7 @@ class ModuleGatherStats:
     gathers: int = 0
     async_gathers: int = 0  # called with async_op=True (a dist.Work returned, finished in wait())
     plain_gathers: int = 0
+    pipelined_gathers: int = 0  # gathers that travelled as several buckets (part_bytes)
     failed_gathers: int = 0
     raw_bytes: int = 0
     wire_bytes: int = 0
@@ -244,11 +250,15 @@ class CieraFSDP2:
         cache_budget_bytes: int | None = None,
         timeout_s: float = 300.0,
         select: bool = False,
+        part_bytes: int = DEFAULT_PART_BYTES,
     ) -> None:
         self.config = config or CodecConfig()
         self.cache_budget_bytes = cache_budget_bytes
         self.timeout_s = timeout_s
         self.select = select
+        # A group's flat shard of at least 2 x part_bytes travels as several buckets, each a contiguous
+        # range of it, encoded and issued in turn and decoded in turn (see zero3.CieraZero3.part_bytes).
+        self.part_bytes = part_bytes
         # The BSC table every rank applied (rank 0's), one row per candidate module, with its name.
         self.selection: list[dict] = []
         self.engines: dict[dist.ProcessGroup, CompressedAllGather] = {}
@@ -302,11 +312,23 @@ class CieraFSDP2:
             stats.dtype, stats.numel = str(input_tensor.dtype).removeprefix("torch."), input_tensor.numel()
         start_s = time.perf_counter()
         sent_before = engine.stats.bytes_sent
-        # One collective for the group's flat shard, in flight on return (one round in steady state).
-        handle = engine.all_gather_bucket([input_tensor], [stats.shard_id], [output])
+        # One collective per part of the group's flat shard (one part below 2 x part_bytes), each in
+        # flight on return (one round in steady state); part k of every rank lands in its rank's slice.
+        ranges = _part_ranges(input_tensor.numel(), input_tensor.element_size(), self.part_bytes)
+        if len(ranges) == 1:
+            parts = [([input_tensor], [stats.shard_id], [output])]
+        else:
+            stats.pipelined_gathers += 1
+            by_rank = output.view(-1).view(engine.world_size, input_tensor.numel())
+            parts = [
+                ([input_tensor[start:stop]], [_part_id(stats.shard_id, k)], [by_rank[:, start:stop]])
+                for k, (start, stop) in enumerate(ranges)
+            ]
+        handles = [engine.all_gather_bucket(*part) for part in parts]
         stats.wire_bytes += engine.stats.bytes_sent - sent_before
-        if stats.compressed is None and stats.shard_id in engine.registrations:
-            registration = engine.registrations[stats.shard_id]
+        first_id = parts[0][1][0]
+        if stats.compressed is None and first_id in engine.registrations:
+            registration = engine.registrations[first_id]
             stats.compressed, stats.reason = registration.compressed, registration.reason
             if comm.selected and registration.compressed:
                 stats.reason = "selected by BSC"
@@ -316,7 +338,8 @@ class CieraFSDP2:
             start_s = time.perf_counter()
             sent_before = engine.stats.bytes_sent
             try:
-                handle.wait()
+                for handle in handles:  # in start order: a failed one leaves the later ones to their calls
+                    handle.wait()
             except BaseException:
                 stats.failed_gathers += 1
                 raise
@@ -396,6 +419,22 @@ class CieraFSDP2:
                 for engine in self.engines.values()
             ],
         }
+
+
+def _part_ranges(numel: int, element_size: int, part_bytes: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) ranges of a flat shard, the same on every rank (sizes only)."""
+    total = numel * element_size
+    if part_bytes <= 0 or total < 2 * part_bytes:
+        return [(0, numel)]
+    count = min(MAX_PARTS, total // part_bytes)
+    step = -(-numel // count)
+    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+
+def _part_id(shard_id: int, part: int) -> int:
+    """The engine's shard id of part ``part`` of module shard ``shard_id`` (distinct from every module's
+    own id, which is small)."""
+    return 1 << 31 | shard_id << 4 | part
 
 
 def fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
@@ -483,7 +522,7 @@ def _apply_selection(
         )
         _agree(
             f"{description}|{select}|{sorted(q_by_category.items())}|{ciera.cache_budget_bytes}|"
-            f"{ciera.config.fingerprint}|{comm_profile is not None}",
+            f"{ciera.config.fingerprint}|{comm_profile is not None}|{ciera.part_bytes}",
             group,
             world_size,
         )
@@ -521,6 +560,7 @@ def enable_ciera(
     comm_profile: CommProfile | None = None,
     categories: Mapping[str, str] | None = None,
     priors: Mapping[str, float] | None = None,
+    part_bytes: int = DEFAULT_PART_BYTES,
 ) -> CieraFSDP2:
     """Install the CIERA all-gather on every FSDP2 module of ``model`` (the root and every
     ``fully_shard``-ed submodule). Call after ``fully_shard`` and before the first forward, on every rank,
@@ -539,6 +579,9 @@ def enable_ciera(
     :class:`~ciera_runtime.selection.CommProfile` to use instead of profiling the link. A module not
     selected gathers through the plain all-gather, with no CIERA work. Not with
     ``reshard_after_forward=<int>`` (its backward gathers run over another group, which is not profiled).
+
+    ``part_bytes`` (default 1 MiB; 0: never): a group's flat shard of at least twice this many bytes per
+    rank travels as up to 8 pipelined buckets, contiguous ranges of it (docs/fsdp2.md).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -562,7 +605,11 @@ def enable_ciera(
     unknown = sorted(set(categories) - set(names.values()))
     if unknown:
         raise ValueError(f"categories: {unknown[0]!r} is not a parameter of the model")
-    ciera = CieraFSDP2(config, cache_budget_bytes, timeout_s, select)
+    if isinstance(part_bytes, bool) or not isinstance(part_bytes, int) or part_bytes < 0:
+        raise ValueError(
+            f"part_bytes={part_bytes!r}: expected an integer >= 0 (bytes per rank; 0: one bucket)"
+        )
+    ciera = CieraFSDP2(config, cache_budget_bytes, timeout_s, select, part_bytes)
     comms: list[tuple[FSDPModule, CieraAllGather]] = []
     for name, module in found:
         param_groups = module._get_fsdp_state()._fsdp_param_groups

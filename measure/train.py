@@ -62,7 +62,7 @@ class TrainConfig:
     activation_checkpointing: bool = True
     select: bool = False  # BSC (benefit-driven selection, both engines); False: every BF16 shard compressed
     block_size: int = 64  # CIERA's B (CodecConfig.block_size) and the exponent statistics' blocks
-    part_bytes: int | None = None  # ZeRO-3 + CIERA: pipelined bucket size (None: the plug-in's default)
+    part_bytes: int | None = None  # CIERA's pipelined bucket size, both engines (None: the plug-ins' default)
     # Warm start: the first warm_steps steps of the run (from its first step: 0, or the checkpoint's step)
     # train like any other on the same batches, but nothing is recorded for them — no step record, no
     # report, no state digest, no exponent statistics — and they are not timed. `steps` counts them: the
@@ -374,6 +374,7 @@ class _FsdpRun(_EngineRun):
                 timeout_s=cfg.timeout_s,
                 select=cfg.select,
                 categories=categories,
+                **({} if cfg.part_bytes is None else {"part_bytes": cfg.part_bytes}),
             )
 
     def forward(self, inputs, targets):

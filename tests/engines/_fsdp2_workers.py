@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 STEPS = 20
+PIPELINED_STEPS = 6
 CHECKPOINT_STEP = 10
 
 
@@ -181,6 +182,15 @@ def training_worker(rank: int, world_size: int, port: int, checkpoint_dir: str, 
         out["stats"] = ciera.stats()
         out["resyncs"] = sum(engine.stats.resyncs for engine in ciera.engines.values())
         del model, optimizer, ciera
+
+        # ---- pipelined buckets: 2 KiB parts cut every block's shard (8352 values) into 8 buckets
+        model, optimizer = build()
+        pipelined = enable_ciera(model, part_bytes=2048)
+        out["pipelined_losses_equal"] = [
+            train_step(model, optimizer, step, rank) for step in range(PIPELINED_STEPS)
+        ] == plain_losses[:PIPELINED_STEPS]
+        out["pipelined_stats"] = pipelined.stats()
+        del model, optimizer, pipelined
 
         # ---- checkpoint: train to step 10, save, load into a fresh model (fresh engines), continue;
         # at step 13 roll the live model back to the step-10 checkpoint and run 10..19 again.

@@ -83,6 +83,15 @@ def test_fewer_bytes_on_the_wire(training_results) -> None:
         ]
 
 
+def test_pipelined_buckets_stay_bit_identical(training_results) -> None:
+    for result in training_results.values():
+        assert result["pipelined_losses_equal"]
+        blocks = [
+            row for name, row in result["pipelined_stats"]["modules"].items() if name.startswith("blocks.")
+        ]
+        assert blocks and all(row["pipelined_gathers"] == row["gathers"] > 0 for row in blocks)
+
+
 def test_gather_counts_per_module_per_iteration(training_results) -> None:
     """Activation checkpointing per block (use_reentrant=False): reshard_after_forward=True gathers every
     module twice per iteration (forward, backward; the recompute finds the parameters unsharded),

@@ -234,21 +234,27 @@ def _probe_link(probe_mib: float, repeats: int = 5) -> dict:
     }
 
 
-def _warm_rank_main(args) -> None:
-    """The warm phase on this rank: each engine's plain system for ``--warm-steps`` steps, its checkpoint
-    saved in ``--checkpoint-root``/ENGINE; what it ends with goes to the result file."""
-    rank = args.rank
+def _rank_environment(args) -> int:
+    """This rank's process-group environment, one torch and one numba thread; returns the rank."""
     os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.port))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    os.environ.update(RANK=str(args.rank), LOCAL_RANK=str(args.rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import numba
     import torch
+
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    return args.rank
+
+
+def _warm_rank_main(args) -> None:
+    """The warm phase on this rank: each engine's plain system for ``--warm-steps`` steps, its checkpoint
+    saved in ``--checkpoint-root``/ENGINE; what it ends with goes to the result file."""
+    rank = _rank_environment(args)
     import torch.distributed as dist
 
     from measure.train import _float_bits, _init_group, run_rank
 
-    torch.set_num_threads(1)
-    numba.set_num_threads(1)
     engines = _engines(args)
     _init_group(rank, 2, _system_config(args, engines[0], "warm"))
     out: dict = {"rank": rank, "engines": {}}
@@ -271,18 +277,11 @@ def _warm_rank_main(args) -> None:
 
 
 def _rank_main(args) -> None:
-    rank = args.rank
-    os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.port))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import numba
-    import torch
+    rank = _rank_environment(args)
     import torch.distributed as dist
 
     from measure.train import _init_group, run_rank
 
-    torch.set_num_threads(1)
-    numba.set_num_threads(1)
     systems = args.systems.split(",")
     _init_group(rank, 2, _system_config(args, systems[0]))
     timer = _CommTimer()
@@ -332,6 +331,9 @@ def _rank_main(args) -> None:
                     }
                 )
         out["probe_after"] = _probe_link(args.probe_mib)
+        import numba
+        import torch
+
         out["threads"] = {"torch": torch.get_num_threads(), "numba": numba.get_num_threads()}
         Path(args.result).write_text(json.dumps(out))
     finally:

@@ -75,6 +75,22 @@ CALL_LAG = 4
 # First gathers of a bucket (no history yet): the fixed part plus ~3.6 bits per value of exponents (a
 # full payload: every exponent rANS-coded at 2.5-3 bits, as the method measures); a larger one overflows once.
 _INITIAL_PAYLOAD_RATIO = 0.45
+# Pipelined buckets: an engine call of at least twice part_bytes (raw bytes per rank) travels as up to
+# MAX_PARTS buckets of about part_bytes, encoded and issued in turn, decoded in turn (the link carries one
+# while the next is encoded). The engines cut their calls (zero3, fsdp2); the rule is shared.
+DEFAULT_PART_BYTES = 1 << 20
+MAX_PARTS = 8
+
+
+def check_part_bytes(part_bytes) -> int:
+    """``part_bytes`` as given, or a one-line ValueError."""
+    if isinstance(part_bytes, bool) or not isinstance(part_bytes, int) or part_bytes < 0:
+        raise ValueError(
+            f"part_bytes={part_bytes!r}: expected an integer >= 0 (bytes per rank; 0: one bucket)"
+        )
+    return part_bytes
+
+
 # A rank that could not rebuild a gather: the same summary on that rank and, later, on the others.
 NOTICE_SUMMARY = "a rank could not rebuild its gathered weights, no rank returns them"
 # Waits are cut into slices; between two, the group's store is checked for another rank's failure.
@@ -631,6 +647,7 @@ class BucketGather:
         engine.stats.raw_bytes_equivalent += sum(2 * numel for numel in bucket.numels)
 
         def finish() -> list[torch.Tensor]:
+            host_start_s, wait_before_s = time.perf_counter(), engine.stats.wait_s
             try:
                 if self._poison is not None:
                     raise self._poison
@@ -644,6 +661,8 @@ class BucketGather:
             finally:
                 if self._pending and self._pending[0][1] is handle:
                     self._pending.popleft()
+                waited_s = engine.stats.wait_s - wait_before_s  # network waits are not the thread's work
+                engine.stats.host_s += time.perf_counter() - host_start_s - waited_s
 
         handle = BucketHandle(finish, self)
         self._pending.append((call, handle))
@@ -651,28 +670,6 @@ class BucketGather:
         return handle
 
     def _finish(
-        self,
-        bucket: Bucket,
-        call: int,
-        gather_index: int,
-        work,
-        recv,
-        capacity_bytes: int,
-        overflow: bytes,
-        bits_of,
-        outputs,
-    ) -> list[torch.Tensor]:
-        engine = self.engine
-        host_start_s, wait_before_s = time.perf_counter(), engine.stats.wait_s
-        try:
-            return self._rebuild(
-                bucket, call, gather_index, work, recv, capacity_bytes, overflow, bits_of, outputs
-            )
-        finally:
-            waited_s = engine.stats.wait_s - wait_before_s
-            engine.stats.host_s += time.perf_counter() - host_start_s - waited_s
-
-    def _rebuild(
         self,
         bucket: Bucket,
         call: int,

@@ -53,17 +53,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from ciera_runtime.allgather import CompressedAllGather
+from ciera_runtime.bucket import DEFAULT_PART_BYTES, MAX_PARTS, check_part_bytes
 from ciera_runtime.codec import CodecConfig
 from ciera_runtime.errors import SelectionMismatchError
 from ciera_runtime.selection import CommProfile, Decision, ShardInfo, select_for_group
 from ciera_runtime.zero3 import CATEGORIES, DEFAULT_PRIORS, PRIOR_SOURCE, _agree, category_from_name
 
 logger = logging.getLogger("ciera_runtime")
-
-# A group's flat shard of at least twice this many bytes per rank is cut into parts of about this size
-# (at most MAX_PARTS), each its own bucket: the link carries part k while part k + 1 is encoded.
-DEFAULT_PART_BYTES = 1 << 20
-MAX_PARTS = 8
 
 
 def _all_gather_single(output, input_tensor, group=None, async_op=False):
@@ -605,10 +601,7 @@ def enable_ciera(
     unknown = sorted(set(categories) - set(names.values()))
     if unknown:
         raise ValueError(f"categories: {unknown[0]!r} is not a parameter of the model")
-    if isinstance(part_bytes, bool) or not isinstance(part_bytes, int) or part_bytes < 0:
-        raise ValueError(
-            f"part_bytes={part_bytes!r}: expected an integer >= 0 (bytes per rank; 0: one bucket)"
-        )
+    check_part_bytes(part_bytes)
     ciera = CieraFSDP2(config, cache_budget_bytes, timeout_s, select, part_bytes)
     comms: list[tuple[FSDPModule, CieraAllGather]] = []
     for name, module in found:

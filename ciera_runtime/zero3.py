@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ciera_runtime.bucket import DEFAULT_PART_BYTES, MAX_PARTS, check_part_bytes
 from ciera_runtime.codec import CodecConfig
 from ciera_runtime.errors import CieraError, ConfigMismatchError, GatherError
 
@@ -65,11 +66,6 @@ PRIOR_SOURCE = "reference method, OLMoE medians at B=512"
 CATEGORIES = tuple(DEFAULT_PRIORS)
 
 PHASES = ("forward", "recompute", "backward", "outside_fetch", "unused")
-
-# A coalesced DeepSpeed call of at least twice this many raw bytes per rank is cut into buckets of about
-# this size (at most MAX_PARTS), pipelined: see CieraZero3.part_bytes and docs/engines.md.
-DEFAULT_PART_BYTES = 1 << 20
-MAX_PARTS = 8
 
 _CONFIG_KEYS = {
     "enabled",
@@ -765,10 +761,7 @@ def enable_ciera(
         timeout_s = float(section.get("timeout_s", 300.0))
     if part_bytes is None:
         part_bytes = section.get("part_bytes", DEFAULT_PART_BYTES)
-    if isinstance(part_bytes, bool) or not isinstance(part_bytes, int) or part_bytes < 0:
-        raise ValueError(
-            f"part_bytes={part_bytes!r}: expected an integer >= 0 (bytes per rank; 0: one bucket per call)"
-        )
+    check_part_bytes(part_bytes)
     q_by_category = dict(DEFAULT_PRIORS)
     for category, rate in dict(priors).items():
         if category not in DEFAULT_PRIORS:

@@ -185,6 +185,20 @@ class _AttributedHandle:
         return getattr(self._handle, name)
 
 
+def _trained_loss(run, cfg: TrainConfig, step: int, rank: int, per_rank: int, what: str) -> float:
+    """One unrecorded training step on this rank's part of batch ``step``; its loss, or TrainError."""
+    from .corpus import batch
+
+    inputs, targets = batch(step, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
+    loss = run.step(
+        inputs[rank * per_rank : (rank + 1) * per_rank], targets[rank * per_rank : (rank + 1) * per_rank]
+    )
+    value = float(loss.detach().float().item())
+    if not math.isfinite(value):
+        raise TrainError(f"loss is {value} at {what} {step}: capture stopped")
+    return value
+
+
 def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, progress) -> None:
     """Run `job` on this rank (process group initialised); every rank writes events-rank{r}.parquet, rank 0
     writes run.json."""
@@ -221,13 +235,7 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
     # Warm steps: outside any recorder iteration, so nothing of them is recorded (the recorder keeps
     # events only inside `iteration`); each is reported as progress, which keeps the watcher's timeout off.
     for step in range(warm):
-        inputs, targets = batch(step, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
-        loss = run.step(
-            inputs[rank * per_rank : (rank + 1) * per_rank], targets[rank * per_rank : (rank + 1) * per_rank]
-        )
-        value = float(loss.detach().float().item())
-        if not math.isfinite(value):
-            raise TrainError(f"loss is {value} at warm step {step}: capture stopped")
+        value = _trained_loss(run, cfg, step, rank, per_rank, "warm step")
         if rank == 0:
             progress({"iteration": step, "of": warm + total, "loss": value, "warm": True})
     losses: list[float] = []
@@ -354,7 +362,6 @@ def run_exponents_rank(job: dict, out_dir: Path, rank: int, world_size: int, pro
     the steps after warm-up (iteration t compares step t's weights with step t−1's)."""
     import torch.distributed as dist
 
-    from .corpus import batch
     from .exponents import EXPONENT_BLOCK_SIZES, ExponentRecorder
 
     train = dict(job["train"])
@@ -373,13 +380,7 @@ def run_exponents_rank(job: dict, out_dir: Path, rank: int, world_size: int, pro
     warm = int(job.get("warm_steps", 0))
     warmup = int(job["warmup_steps"])
     for step in range(warm + cfg.steps):
-        inputs, targets = batch(step, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
-        loss = run.step(
-            inputs[rank * per_rank : (rank + 1) * per_rank], targets[rank * per_rank : (rank + 1) * per_rank]
-        )
-        value = float(loss.detach().float().item())
-        if not math.isfinite(value):
-            raise TrainError(f"loss is {value} at step {step}: capture stopped")
+        value = _trained_loss(run, cfg, step, rank, per_rank, "step")
         if step + 1 >= warm + warmup:  # the baseline is the last warm-up step's weights
             weights = run.full_parameters()  # collective: every rank takes part
             if recorder is not None:

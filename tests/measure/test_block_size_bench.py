@@ -5,31 +5,17 @@ of the smallest r in each window."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-_SCRIPT = _REPO_ROOT / "benchmarks" / "block_size.py"
+sys.path.insert(0, str(Path(__file__).parent))
+from _bench_script import run_benchmark  # noqa: E402
 
 
-def _run(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = os.environ | (env or {})
-    env |= {
-        "DS_ACCELERATOR": "cpu",
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(_REPO_ROOT / ".torch_extensions")),
-    }
-    return subprocess.run(
-        [sys.executable, str(_SCRIPT), *args],
-        cwd=_REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+def _run(*args: str, timeout: float = 60, env: dict | None = None):
+    return run_benchmark("block_size.py", *args, timeout=timeout, env=env)
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,27 @@ def test_a_run_of_only_warm_steps_is_allowed() -> None:
 @pytest.mark.parametrize(
     ("args", "words"),
     [
+        (["--block-size", "100"], "--block-size is 100: expected a power of two"),
+        (["--block-size", "0"], "--block-size is 0"),
+        (["--warm-steps", "-3"], "--warm-steps is -3: expected an integer >= 0"),
+        (["--steps", "0", "--warm-steps", "5"], "--steps is 0"),
+    ],
+)
+def test_train_options_are_one_line_and_exit_2(args: list[str], words: str, capsys, monkeypatch) -> None:
+    import ciera_cli.main as entry
+
+    monkeypatch.setattr(sys, "argv", ["ciera", "train", *args])
+    with pytest.raises(SystemExit) as exit_:
+        entry.main()
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2, captured
+    assert words in captured.err and "Traceback" not in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
         (["--block-size", "3"], "--block-size is 3: expected a power of two"),
         (["--warm-steps", "-1"], "--warm-steps is -1"),
     ],

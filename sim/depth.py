@@ -37,8 +37,10 @@ A rank's collectives of one stream run in window order (those serving an earlier
 k-th of a stream is the same collective on every rank.
 
 Two things depend on the parameter count and are scaled by it: the optimizer step's work, and the
-gradient collectives of no layer (ZeRO-3 reduces every gradient in one bucket at the end); the
-embedding's and head's own collectives are kept as traced. The measured times of the copies (which the
+gradient collectives that carry the blocks' gradients — those of no layer, and, where no block reduces
+its own, every one outside the blocks (ZeRO-3 reduces every gradient in one bucket once the embedding's
+last gradient is in; the capture labels it layer 0); the embedding's and head's own collectives are
+kept as traced. The measured times of the copies (which the
 cluster rewrite reads overlaps from) are the traced ones shifted to where the window lies in the target.
 """
 
@@ -200,8 +202,14 @@ def repeat_blocks(graph: OpGraph, traced_layers: int, target_layers: int, parame
     mapping = block_map(traced_layers, target_layers)
     ops_by_rank: dict[int, list[EditableOp]] = {}
     origin: dict[int, tuple[int, int]] = {}  # id(copy) -> (target window, traced op)
+    # Where no block reduces its own gradients (ZeRO-3's one bucket, reduced once the embedding's last
+    # gradient is in: labelled layer 0), the reductions outside the blocks carry every block's.
+    gradients = np.isin(graph.stream, _GRADIENT_STREAMS)
+    blocks_reduce = bool((gradients & (graph.layer >= 1) & (graph.layer <= traced_layers)).any())
     for rank in sorted(set(graph.rank.tolist())):
-        ops_by_rank[rank] = _repeat_rank(graph, rank, traced_layers, mapping, parameter_ratio, origin)
+        ops_by_rank[rank] = _repeat_rank(
+            graph, rank, traced_layers, mapping, parameter_ratio, origin, blocks_reduce
+        )
     rewritten = to_graph(ops_by_rank, graph.world_size)
     return _couple(
         graph, rewritten, [origin[id(op)] for rank in sorted(ops_by_rank) for op in ops_by_rank[rank]]
@@ -215,6 +223,7 @@ def _repeat_rank(
     mapping: list[int],
     ratio: float,
     origin: dict[int, tuple[int, int]],
+    blocks_reduce: bool,
 ) -> list[EditableOp]:
     windows = _RankWindows(graph, rank, layers)
     sequence = _target_sequence(windows, mapping, rank)
@@ -239,7 +248,7 @@ def _repeat_rank(
                 issued_s=float(graph.issued_s[op]) + shift + grown,
             )  # fmt: skip
             if scaled:
-                grown += _scale_parameter_work(copy, layer, ratio)
+                grown += _scale_parameter_work(copy, layer, ratio, blocks_reduce)
             copies[(position, op)] = copy
             origin[id(copy)] = (position, op)
             ordered.append(copy)
@@ -307,18 +316,19 @@ def _repeat_rank(
     return ordered
 
 
-def _scale_parameter_work(op: EditableOp, traced_layer: int, ratio: float) -> float:
-    """Scale a kept window's optimizer op or gradient collective of no layer by `ratio` (their work and
-    bytes go with the parameter count). Returns how much later what follows it on the main thread
-    starts on the measured clock."""
-    # A gradient collective of no layer (ZeRO-3's bucket at the end) carries every layer's gradients; the
-    # embedding's or head's own reduce-scatter (FSDP2, analytic runs) does not grow with depth.
+def _scale_parameter_work(op: EditableOp, traced_layer: int, ratio: float, blocks_reduce: bool) -> float:
+    """Scale a kept window's optimizer op, or gradient collective that carries the blocks' gradients, by
+    `ratio` (their work and bytes go with the parameter count). Returns how much later what follows it on
+    the main thread starts on the measured clock."""
+    # A gradient collective of no layer, or any outside the blocks where the blocks reduce none of their
+    # own (ZeRO-3's bucket at the end), carries every layer's gradients; where the blocks reduce their
+    # own, the embedding's or head's reduce-scatter (FSDP2, analytic runs) does not grow with depth.
     if op.stream == "optim":
         grown = op.duration_s * (ratio - 1.0)
         op.duration_s *= ratio
         op.measured_end_s += grown
         return grown
-    if op.stream in _GRADIENT_STREAMS and traced_layer < 0:
+    if op.stream in _GRADIENT_STREAMS and (traced_layer < 0 or not blocks_reduce):
         grown = op.duration_s * (ratio - 1.0)
         op.duration_s *= ratio
         op.tail_s += grown

@@ -2,21 +2,32 @@
 graph the CIERA runtime of this build runs, from the plain run, the bundle's exponent statistics and the
 codec figures of a few CIERA runs — never from the CIERA run being predicted.
 
-What the runtime does per engine all-gather (ciera_runtime/zero3.py, fsdp2.py; docs/runtime.md):
+What the runtime does per engine all-gather (ciera_runtime/bucket.py, zero3.py, fsdp2.py;
+docs/runtime.md): the engine's call — DeepSpeed's coalesced fetch of a bucket, FSDP2's parameter-group
+gather — becomes **one** compressed all-gather, issued where the engine issues its own:
 
-- **ZeRO-3**: DeepSpeed's coalesced gather of a bucket becomes one CIERA gather per parameter. At the
-  engine's issue point, per parameter: encode (main thread), then an asynchronous control round. At the
-  engine's wait: per parameter, the bulk round (blocking), decode + merge (main thread), the status round
-  (blocking).
-- **FSDP2**: one CIERA gather per parameter group, the whole protocol synchronous at the issue point:
-  encode, control (blocking), bulk (blocking), decode, status (blocking).
+- at the issue point, on the main thread: encode the rank's shards of the call (one codec call per
+  shard), then issue the one all-gather, asynchronous like the engine's;
+- at the engine's wait, on the main thread: decode what every other rank sent, blocked on the gather;
+  when a rank's message did not fit the replicated area, an **overflow round** (one more all-gather)
+  comes between the gather and the decode (here: its measured time added to the gather's).
 
-Sizes: a bulk round carries, from each of the W ranks, a per-shard overhead (header, bitmap, alignment,
-coder state), the sign+mantissa plane (half the raw bytes for BF16) and, for the first gather of a
-parameter after the optimizer step (its forward gather), the changed blocks' exponents at the coded bits
-per value; later gathers of the iteration see no change. Control and status rounds carry a fixed row per
-rank. Costs: encode and decode at the codec figures' per-call and per-byte times (encode over the rank's
-shard S/W, decode over the (W − 1)/W·S it receives), plus the protocol's main-thread glue per gather.
+The placement is the one CIERA rule of both rewrites (`system_rewrite.insert_codec`, without overlap):
+each decode runs before the op that uses the gather. The runtime also finishes every call up to m − 4
+when it starts call m (bucket.py's CALL_LAG); in the captured runs those forced decodes always found
+their gather arrived (5 ms of slack at the median), so they cost only their own main-thread time, which
+the model spends at the use instead. Forcing them in the graph ties each rank's main thread to the
+other's traced compute, whose per-rank noise the model draws independently from the plain run, and
+over-predicted the captured runs by 5–9 % (docs/validation.md).
+
+Sizes: a call's wire bytes are ρ·raw + W·h·n, with n its shards (a ZeRO-3 bucket split into the run of
+parameters whose sizes add up to it; an FSDP2 group's parameters), h the per-shard row overhead and ρ
+the payload ratio of its phase class: the first gather after the optimizer step (the forward: the sign and
+mantissa plane plus the changed blocks' exponents, the statistics' block change rate q at the run's
+block size times the coded bits per changed value) or a repeat gather (recompute, backward: nothing
+changed since, so the area's floor). Costs: encode a + b·n + c·(raw/W), decode a' + b'·n + c'·raw·(W−1)/W,
+plus the main-thread time the runtime adds or saves per call beyond the codec (CIERA's compute minus the
+plain run's, per call — signed: the engine's own gather work on the main thread is replaced).
 """
 
 from __future__ import annotations
@@ -31,132 +42,169 @@ import traces
 from .errors import SimInputError
 from .graph_edit import EditableOp, editable_ops, to_graph
 from .opgraph import OpGraph
+from .system_rewrite import AnchorTime, insert_codec, rescaled_duration
 
 SIGN_MANTISSA_FRACTION = {"bf16": 0.5, "fp16": 11 / 16}
+FIRST_PHASES = ("fwd",)  # the first gather of a parameter after the optimizer step
+# The runtime's default pipelining threshold (ciera_runtime.bucket: a call of at least 2 × part_bytes
+# per rank, part_bytes = 1 MiB, travels as several buckets). Such calls are not split here: counted.
+PIPELINED_CALL_BYTES_PER_RANK = 2 << 20
 
 
 @dataclass(frozen=True)
 class CodecFigures:
     """What CIERA costs, fitted to the events of the given CIERA runs."""
 
-    encode_call_s: float
-    encode_s_per_byte: float  # per byte of the rank's own shard (S / W)
-    decode_call_s: float
-    decode_s_per_byte: float  # per byte received ((W − 1)/W · S)
-    glue_s_per_gather: float  # main-thread time the protocol adds per CIERA gather beyond the codec
-    shard_overhead_bytes: float  # per source shard of a bulk round
-    changed_exponent_bits: float  # coded bits per value of a changed block
-    control_bytes_per_rank: float
-    status_bytes_per_rank: float
-    block_change_rate: float  # of the first gather after an optimizer step (the exponent statistics)
+    encode_s: tuple[float, float, float]  # per call, per shard, per byte of the rank's own shard (S / W)
+    decode_s: tuple[float, float, float]  # per call, per shard, per byte received ((W − 1)/W · S)
+    glue_s_per_gather: float  # main-thread time beyond the codec per call, CIERA minus plain (signed)
+    shard_overhead_bytes: float  # h: per shard and source rank of a call's row
+    first_ratio: float  # ρ of a first gather after the optimizer step
+    repeat_ratio: float  # ρ of a repeat gather (recompute, backward)
+    changed_exponent_bits: float  # (first − repeat ratio) · 16 / q: coded bits per value of a changed block
+    block_change_rate: float  # q, of the exponent statistics at the runs' block size
+    overflow_rate: float  # overflow rounds per first gather
+    overflow_s: float  # in-run time of one overflow round (the median of the codec runs')
     runs: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
+        encode, decode = self.encode_s, self.decode_s
         return (
-            f"encode {self.encode_call_s * 1e3:.2f} ms + {self.encode_s_per_byte * 1e9:.1f} ns/B, decode "
-            f"{self.decode_call_s * 1e3:.2f} ms + {self.decode_s_per_byte * 1e9:.1f} ns/B, glue "
-            f"{self.glue_s_per_gather * 1e3:.2f} ms per gather, {self.shard_overhead_bytes:.0f} B per shard, "
-            f"{self.changed_exponent_bits:.2f} bits per changed exponent (fitted to {', '.join(self.runs)})"
+            f"encode {encode[0] * 1e3:.2f} ms + {encode[1] * 1e3:.3f} ms/shard + {encode[2] * 1e9:.1f} ns/B, "
+            f"decode {decode[0] * 1e3:.2f} ms + {decode[1] * 1e3:.3f} ms/shard + {decode[2] * 1e9:.1f} ns/B, "
+            f"glue {self.glue_s_per_gather * 1e3:+.2f} ms per call, payload ratio {self.first_ratio:.3f} "
+            f"(first) / {self.repeat_ratio:.3f} (repeat) + {self.shard_overhead_bytes:.0f} B per shard and "
+            f"rank, {self.overflow_rate:.1%} overflow rounds (fitted to {', '.join(self.runs)})"
         )
 
 
-def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """(intercept, slope) of y ≈ a + b·x, both ≥ 0."""
-    if len(x) < 2 or np.ptp(x) == 0:
-        return float(np.median(y)) if len(y) else 0.0, 0.0
-    slope, intercept = np.polyfit(x, y, 1)
-    if slope < 0:
-        return float(np.median(y)), 0.0
-    if intercept < 0:
-        return 0.0, float(np.sum(x * y) / np.sum(x * x))
-    return float(intercept), float(slope)
+def _nonnegative_fit(columns: list[np.ndarray], y: np.ndarray) -> list[float]:
+    """Least squares y ≈ Σ x_k·columns_k with every x_k ≥ 0: a column whose coefficient comes out negative
+    is dropped (0) and the rest refitted."""
+    active = list(range(len(columns)))
+    while active:
+        design = np.column_stack([columns[k] for k in active])
+        solution = np.linalg.lstsq(design, y, rcond=None)[0]
+        if (solution >= 0).all():
+            out = [0.0] * len(columns)
+            for k, value in zip(active, solution, strict=True):
+                out[k] = float(value)
+            return out
+        active.pop(int(np.argmin(solution)))
+    return [0.0] * len(columns)
 
 
-def mean_block_change_rate(bundle: traces.TraceBundle, block_size: int = 512) -> float:
-    """The parameter-weighted block change rate of the bundle's exponent statistics."""
+def mean_block_change_rate(bundle: traces.TraceBundle, block_size: int) -> float:
+    """The parameter-weighted block change rate of the bundle's exponent statistics at `block_size`."""
     stats = bundle.exponents[bundle.exponents["block_size"] == block_size]
     if stats.empty:
+        known = sorted(set(bundle.exponents["block_size"].astype(int)))
         raise SimInputError(
-            f"bundle: no exponent statistics at block size {block_size} (capture them with `ciera measure exponents`)"
+            f"bundle: no exponent statistics at block size {block_size} (it has {known or 'none'}; "
+            "capture them with `ciera measure exponents --block-size B`)"
         )
     return float(np.average(stats["block_change_rate"], weights=stats["numel"]))
 
 
+def shards_per_call(engine: str, raw: float, layer: int, parameters: dict[int, list[float]]) -> int:
+    """How many shards one engine call gathers: a ZeRO-3 bucket's parameters (`split_bucket`), an FSDP2
+    group's (the root group at layer 0 holds the embedding's and the head's)."""
+    if engine == "zero3":
+        return len(split_bucket(raw, layer, parameters))
+    if layer == 0:
+        return max(len(parameters.get(0, [])) + len(parameters.get(max(parameters), [])), 1)
+    return max(len(parameters.get(layer, [])), 1)
+
+
+def _calls(per_rank: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """One rank's iteration of a CIERA run: its calls' rows (raw > 0, in issue order), its encodes (the
+    k-th precedes the k-th row's issue), its decodes (calls finish in start order: the k-th decode is the
+    k-th row's) and its overflow rounds (raw 0)."""
+    ordered = per_rank.sort_values(["issued_s", "start_s"], kind="stable")
+    gathers = ordered[ordered["stream"] == "allgather"]
+    return (
+        gathers[gathers["raw_bytes"] > 0],
+        ordered[ordered["stream"] == "codec_send"],
+        ordered[ordered["stream"] == "codec_recv"],
+        gathers[gathers["raw_bytes"] == 0],
+    )
+
+
 def fit_codec_figures(
-    bundle: traces.TraceBundle, codec_runs: list[str], plain_runs: dict[str, str], change_rate: float
+    bundle: traces.TraceBundle,
+    codec_runs: list[str],
+    plain_runs: dict[str, str],
+    parameters: dict[str, dict[int, list[float]]],
+    change_rate: float,
 ) -> CodecFigures:
-    """Fit the figures to `codec_runs` (CIERA runs); `plain_runs` maps each to the plain engine's run of
-    the same configuration, whose main-thread time the glue is measured against."""
-    encode_x, encode_y, decode_x, decode_y = [], [], [], []
-    repeat_over, first_extra, first_signs = [], [], []
-    control, status, glue = [], [], []
+    """Fit the figures to `codec_runs` (CIERA runs of one engine); `plain_runs` maps each to the plain
+    engine's run of the same configuration (the glue is measured against its main-thread time);
+    `parameters` gives each run's parameter sizes per layer (`parameter_sizes`)."""
+    encode_rows, decode_rows, wire_rows, glue = [], [], [], []
+    first_calls, overflows, overflow_s = 0, 0, []
     for run_id in codec_runs:
         run = bundle.runs[bundle.runs["run_id"] == run_id].iloc[0]
-        world = int(run["world_size"])
+        world, engine = int(run["world_size"]), _engine_of(str(run["system"]))
         events = bundle.events[bundle.events["run_id"] == run_id]
         for _, per_rank in events.groupby(["iteration", "rank"]):
-            ordered = per_rank.sort_values(["issued_s", "start_s"], kind="stable")
-            gathers = ordered[ordered["stream"] == "allgather"]
-            bulk = gathers[gathers["raw_bytes"] > 0]
-            small = gathers[gathers["raw_bytes"] == 0]["wire_bytes"].to_numpy(dtype=float)
-            encodes = ordered[ordered["stream"] == "codec_send"]
-            decodes = ordered[ordered["stream"] == "codec_recv"]
-            if len(encodes) != len(bulk) or len(decodes) != len(bulk):
+            rows, encodes, decodes, overflow = _calls(per_rank)
+            if not (len(encodes) == len(decodes) == len(rows)):
                 raise SimInputError(
-                    f"codec run {run_id!r}: {len(encodes)} encodes, {len(decodes)} decodes and {len(bulk)} "
-                    "bulk rounds per rank; expected one of each per gather"
+                    f"codec run {run_id!r}: {len(encodes)} encodes, {len(decodes)} decodes and {len(rows)} "
+                    "gathers per rank; expected one of each per engine call (a capture of the bucket runtime)"
                 )
-            raw = bulk["raw_bytes"].to_numpy(dtype=float)
-            wire = bulk["wire_bytes"].to_numpy(dtype=float)
-            encode_x += list(raw / world)
-            encode_y += list((encodes["end_s"] - encodes["start_s"]).to_numpy())
-            decode_x += list(raw * (world - 1) / world)
-            decode_y += list((decodes["end_s"] - decodes["start_s"]).to_numpy())
-            signs = raw * SIGN_MANTISSA_FRACTION[str(run["dtype"])]
-            first = (bulk["phase"] == "fwd").to_numpy()
-            repeat_over += list((wire[~first] - signs[~first]) / world)
-            first_extra += list(wire[first] - signs[first])
-            first_signs += list(signs[first])
-            if len(small):
-                control.append(float(np.max(small)) / world)
-                status.append(float(np.min(small)) / world)
+            raw = rows["raw_bytes"].to_numpy(dtype=float)
+            shards = np.array(
+                [shards_per_call(engine, r, int(layer), parameters[run_id])
+                 for r, layer in zip(raw, rows["layer"], strict=True)], dtype=float,
+            )  # fmt: skip
+            first = rows["phase"].isin(FIRST_PHASES).to_numpy()
+            encode_rows.append(np.column_stack([np.ones_like(raw), shards, raw / world,
+                                                (encodes["end_s"] - encodes["start_s"]).to_numpy()]))  # fmt: skip
+            decode_rows.append(np.column_stack([np.ones_like(raw), shards, raw * (world - 1) / world,
+                                                (decodes["end_s"] - decodes["start_s"]).to_numpy()]))  # fmt: skip
+            wire_rows.append(np.column_stack([raw * first, raw * ~first, world * shards,
+                                              rows["wire_bytes"].to_numpy(dtype=float)]))  # fmt: skip
+            first_calls += int(first.sum())
+            overflows += len(overflow)
+            overflow_s += (overflow["end_s"] - overflow["start_s"]).tolist()
         plain_id = plain_runs.get(run_id)
         if plain_id is not None:
             plain = bundle.events[bundle.events["run_id"] == plain_id]
-
-            def main_s(frame: pd.DataFrame) -> float:
-                chosen = frame[frame["stream"] == "compute"]
-                return float((chosen["end_s"] - chosen["start_s"]).sum()) / max(
-                    frame.groupby(["iteration", "rank"]).ngroups, 1
-                )
-
-            gathers_per_rank = len(
-                events[(events["stream"] == "allgather") & (events["raw_bytes"] > 0)]
-            ) / max(events.groupby(["iteration", "rank"]).ngroups, 1)
-            glue.append(max(0.0, (main_s(events) - main_s(plain)) / max(gathers_per_rank, 1.0)))
-    if not encode_x:
+            calls = len(events[(events["stream"] == "allgather") & (events["raw_bytes"] > 0)]) / max(
+                events.groupby(["iteration", "rank"]).ngroups, 1
+            )
+            glue.append((_main_compute_s(events) - _main_compute_s(plain)) / max(calls, 1.0))
+    if not encode_rows:
         raise SimInputError("codec runs: no CIERA gathers to fit the codec figures to")
-    encode_call, encode_slope = _line(np.array(encode_x), np.array(encode_y))
-    decode_call, decode_slope = _line(np.array(decode_x), np.array(decode_y))
-    overhead = float(np.median(repeat_over)) if repeat_over else 0.0
-    world_of = {r: int(bundle.runs[bundle.runs["run_id"] == r].iloc[0]["world_size"]) for r in codec_runs}
-    mean_world = float(np.mean(list(world_of.values())))
-    exponent_bytes = max(0.0, float(np.sum(first_extra)) - overhead * mean_world * len(first_extra))
-    # Changed blocks' exponents: q · (raw / 2 values) · bits / 8 bytes, raw / 2 values per BF16 byte pair.
-    values = float(np.sum(first_signs)) / SIGN_MANTISSA_FRACTION["bf16"] / 2  # raw bytes / 2
-    bits = 8.0 * exponent_bytes / max(change_rate * values, 1.0)
+    encode, decode, wire = (np.vstack(rows) for rows in (encode_rows, decode_rows, wire_rows))
+    first_ratio, repeat_ratio, overhead = _nonnegative_fit([wire[:, 0], wire[:, 1], wire[:, 2]], wire[:, 3])
+    dtype = str(bundle.runs[bundle.runs["run_id"] == codec_runs[0]].iloc[0]["dtype"])
+    repeat_ratio = repeat_ratio or SIGN_MANTISSA_FRACTION[dtype]
     return CodecFigures(
-        encode_call_s=encode_call,
-        encode_s_per_byte=encode_slope,
-        decode_call_s=decode_call,
-        decode_s_per_byte=decode_slope,
+        encode_s=tuple(_nonnegative_fit([encode[:, k] for k in range(3)], encode[:, 3])),
+        decode_s=tuple(_nonnegative_fit([decode[:, k] for k in range(3)], decode[:, 3])),
         glue_s_per_gather=float(np.median(glue)) if glue else 0.0,
         shard_overhead_bytes=overhead,
-        changed_exponent_bits=bits,
-        control_bytes_per_rank=float(np.median(control)) if control else 0.0,
-        status_bytes_per_rank=float(np.median(status)) if status else 0.0,
+        first_ratio=first_ratio or repeat_ratio,
+        repeat_ratio=repeat_ratio,
+        changed_exponent_bits=max(first_ratio - repeat_ratio, 0.0) * 16 / max(change_rate, 1e-9),
         block_change_rate=change_rate,
+        overflow_rate=overflows / max(first_calls, 1),
+        overflow_s=float(np.median(overflow_s)) if overflow_s else 0.0,
         runs=tuple(codec_runs),
+    )
+
+
+def _engine_of(system: str) -> str:
+    return "fsdp" if "fsdp" in system else "zero3"
+
+
+def _main_compute_s(frame: pd.DataFrame) -> float:
+    """Main-thread time outside the codec per rank and iteration (compute and optimizer segments)."""
+    chosen = frame[frame["stream"].isin(("compute", "optim"))]
+    return float((chosen["end_s"] - chosen["start_s"]).sum()) / max(
+        frame.groupby(["iteration", "rank"]).ngroups, 1
     )
 
 
@@ -185,7 +233,7 @@ def split_bucket(size_bytes: float, layer: int, parameters: dict[int, list[float
     """The parameters one gathered bucket holds: a run of consecutive parameters, in module order or in
     reverse (backward fetches), whose sizes add up to the bucket's — preferring a run of the layer the
     bucket is attributed to (the layer holding most of its elements). A bucket that no run matches stays
-    one gather (the caller counts it)."""
+    one shard (the caller counts it)."""
     sequence = [(owner, size) for owner in sorted(parameters) for size in parameters[owner]]
     best: list[float] | None = None
     for ordered in (sequence, sequence[::-1]):
@@ -205,160 +253,87 @@ def split_bucket(size_bytes: float, layer: int, parameters: dict[int, list[float
     return best or [size_bytes]
 
 
+def payload_bytes(raw: float, first: bool, shards: int, world: int, figures: CodecFigures) -> float:
+    """Wire bytes of one CIERA call (all W rows): ρ·raw + W·h·n."""
+    ratio = figures.first_ratio if first else figures.repeat_ratio
+    return ratio * raw + world * figures.shard_overhead_bytes * shards
+
+
 def ciera_graph(
     plain: OpGraph,
     engine: str,
-    dtype: str,
     figures: CodecFigures,
     parameters: dict[int, list[float]],
-    anchor_time_s,  # noqa: ANN001 — (op name, wire bytes array) → isolated seconds on the anchor cluster
+    anchor_time_s: AnchorTime,
     counts: dict[str, int] | None = None,
 ) -> OpGraph:
-    """The CIERA graph of `plain` (a ZeRO-3 or FSDP2 iteration). New collectives get the anchor's isolated
-    cost as their duration (no in-run overhead beyond the glue); `counts` collects what was done."""
+    """The CIERA graph of `plain` (a ZeRO-3 or FSDP2 iteration). Each engine gather becomes one CIERA call
+    at its payload, its traced duration rescaled by the anchor curve; `counts` collects what was done
+    (per iteration, as one rank sees it)."""
     counts = counts if counts is not None else {}
     world = plain.world_size
-    ops_by_rank: dict[int, list[EditableOp]] = {}
-    for rank in sorted(set(plain.rank.tolist())):
-        ops_by_rank[rank] = _rewrite_rank(
-            plain, rank, engine, dtype, figures, parameters, anchor_time_s, world, counts
+    ranks = sorted(set(plain.rank.tolist()))
+    # Counted on the first rank: every rank rewrites the same calls.
+    ops_by_rank = {
+        rank: _rewrite_rank(
+            editable_ops(plain, rank), engine, figures, parameters, anchor_time_s, world,
+            counts if rank == ranks[0] else {},
         )
+        for rank in ranks
+    }  # fmt: skip
     return to_graph(ops_by_rank, world)
 
 
-def _payload_bytes(
-    raw: float, first: bool, dtype: str, figures: CodecFigures, world: int, change_rate: float
-) -> float:
-    signs = raw * SIGN_MANTISSA_FRACTION[dtype]
-    exponents = change_rate * (raw / 2) * figures.changed_exponent_bits / 8 if first else 0.0
-    return world * figures.shard_overhead_bytes + signs + exponents
-
-
 def _rewrite_rank(
-    plain, rank, engine, dtype, figures, parameters, anchor_time_s, world, counts
-) -> list[EditableOp]:  # noqa: ANN001, PLR0913
-    indices = np.flatnonzero(plain.rank == rank)
-    is_main = plain.is_main
-    old = dict(zip((int(i) for i in indices), editable_ops(plain, rank), strict=True))
-    change_rate = figures.block_change_rate
-    replaced: dict[int, list[dict]] = {}  # plain gather index → its parameters' CIERA gathers
-    for i in indices:
-        if plain.stream[i] != "allgather":
-            continue
-        if engine == "zero3":
-            sizes = split_bucket(float(plain.raw_bytes[i]), int(plain.layer[i]), parameters)
-            if len(sizes) == 1 and not any(sizes[0] in v for v in parameters.values()):
-                counts["buckets_not_split"] = counts.get("buckets_not_split", 0) + 1
-        else:
-            sizes = [float(plain.raw_bytes[i])]
-        first = str(plain.phase[i]) == "fwd"
-        replaced[int(i)] = [
-            {"raw": s, "wire": _payload_bytes(s, first, dtype, figures, world, change_rate)} for s in sizes
-        ]
-        counts["ciera_gathers"] = counts.get("ciera_gathers", 0) + len(sizes)
-    # Where the engine waits for each plain gather: the main op it blocked, else the first main op of its
-    # layer and phase that started after it ended.
-    waiters: dict[int, int] = {}
-    main_indices = [int(i) for i in indices if is_main[i]]
-    for i in main_indices:
-        blocker = int(plain.blocker[i])
-        if blocker in replaced and blocker not in waiters:
-            waiters[blocker] = i
-    for g in replaced:
-        if g in waiters:
-            continue
-        later = [
-            i for i in main_indices
-            if plain.measured_start_s[i] >= plain.measured_end_s[g]
-            and plain.layer[i] == plain.layer[g] and plain.phase[i] == plain.phase[g]
-        ]  # fmt: skip
-        after = [i for i in main_indices if plain.measured_start_s[i] >= plain.measured_end_s[g]]
-        waiters[g] = (later or after or [main_indices[-1]])[0]
-    waits_at: dict[int, list[int]] = {}
-    for g, i in waiters.items():
-        waits_at.setdefault(i, []).append(g)
-    issued_by: dict[int, list[int]] = {}
-    for g in replaced:
-        issuer = int(plain.main_prev[g])
-        issued_by.setdefault(issuer, []).append(g)
+    ops: list[EditableOp],
+    engine: str,
+    figures: CodecFigures,
+    parameters: dict[int, list[float]],
+    anchor_time_s: AnchorTime,
+    world: int,
+    counts: dict[str, int],
+) -> list[EditableOp]:
+    glue = figures.glue_s_per_gather / 2
+    shards: dict[int, int] = {}  # gather (by identity) → its shards
 
-    def time_of(op_name: str, wire: float) -> float:
-        return float(anchor_time_s(op_name, np.array([wire]))[0])
+    def kernel_s(op: EditableOp) -> tuple[float, float]:
+        n = shards[id(op)] = shards_per_call(engine, op.raw_bytes, op.layer, parameters)
+        a, b, c = figures.encode_s
+        d, e, f = figures.decode_s
+        # A kernel of 0 s is not inserted; a tiny floor keeps every call's encode and decode in the graph.
+        encode = max(a + b * n + c * op.raw_bytes / world + glue, 1e-9)
+        decode = max(d + e * n + f * op.raw_bytes * (world - 1) / world + glue, 1e-9)
+        return encode, decode
 
-    out: list[EditableOp] = []
-    previous_main: list[EditableOp | None] = [None]
-
-    def emit_main(op: EditableOp) -> EditableOp:
-        op.main_prev = previous_main[0]
-        previous_main[0] = op
-        out.append(op)
-        return op
-
-    def codec(stream: str, layer: int, phase: str, seconds: float, anchor: EditableOp) -> EditableOp:
-        return EditableOp(rank, stream, layer, phase, seconds, measured_start_s=anchor.measured_end_s,
-                   measured_end_s=anchor.measured_end_s, issued_s=anchor.measured_end_s)  # fmt: skip
-
-    def collective(layer: int, phase: str, raw: float, wire: float, issuer: EditableOp) -> EditableOp:
-        op = EditableOp(rank, "allgather", layer, phase, time_of("all_gather", wire), raw_bytes=raw, wire_bytes=wire,
-                 issuer=issuer, measured_start_s=issuer.measured_end_s, measured_end_s=issuer.measured_end_s,
-                 issued_s=issuer.measured_end_s)  # fmt: skip
-        out.append(op)
-        return op
-
-    controls: dict[tuple[int, int], EditableOp] = {}
-    last_status: dict[int, EditableOp] = {}
-    replaced_by_op = {id(old[g]): g for g in replaced}
-
-    def encode_and_control(layer: int, phase: str, raw: float, anchor: EditableOp) -> EditableOp:
-        seconds = figures.encode_call_s + figures.encode_s_per_byte * raw / world
-        encode = emit_main(codec("codec_send", layer, phase, seconds, anchor))
-        return collective(layer, phase, 0.0, figures.control_bytes_per_rank * world, encode)
-
-    def wait_protocol(g: int, synchronous: bool) -> None:
-        layer, phase = int(plain.layer[g]), str(plain.phase[g])
-        for j, part in enumerate(replaced[g]):
-            anchor = previous_main[0] or old[g]
-            if synchronous:
-                control = encode_and_control(layer, phase, part["raw"], anchor)
-            else:
-                control = controls[(g, j)]
-            glue = emit_main(codec("compute", -1, phase, figures.glue_s_per_gather / 2, anchor))
-            glue.blocker = control
-            bulk = collective(layer, phase, part["raw"], part["wire"], glue)
-            decode = emit_main(
-                codec(
-                    "codec_recv",
-                    layer,
-                    phase,
-                    figures.decode_call_s + figures.decode_s_per_byte * part["raw"] * (world - 1) / world,
-                    anchor,
-                )
-            )
-            decode.blocker = bulk
-            status = collective(layer, phase, 0.0, figures.status_bytes_per_rank * world, decode)
-            after = emit_main(codec("compute", -1, phase, figures.glue_s_per_gather / 2, anchor))
-            after.blocker = status
-            last_status[g] = status
-
-    for i in indices:
-        i = int(i)
-        op = old[i]
-        if not is_main[i]:
-            if i in replaced:
-                continue  # the plain gather: replaced by CIERA's rounds
-            out.append(op)
-            continue
-        for g in waits_at.get(i, []) if engine == "zero3" else []:
-            wait_protocol(g, synchronous=False)
-        if op.blocker is not None and id(op.blocker) in replaced_by_op:
-            op.blocker = last_status.get(replaced_by_op[id(op.blocker)])
-        emit_main(op)
-        for g in issued_by.get(i, []):
-            if engine == "zero3":
-                layer, phase = int(plain.layer[g]), str(plain.phase[g])
-                for j, part in enumerate(replaced[g]):
-                    controls[(g, j)] = encode_and_control(layer, phase, part["raw"], op)
-            else:
-                wait_protocol(g, synchronous=True)
-    # A collective whose issuer is not in the rewritten graph has no issue edge (graph_edit.to_graph).
-    return out
+    edited, done = insert_codec(ops, overlap=False, kernel_s=kernel_s)
+    # Overflow rounds: every 1/rate-th first gather of the iteration, the same ones on every rank (the
+    # runtime decides from the rows every rank received). The round runs between the gather and its
+    # decode; its measured in-run time is added to the gather's (a round of its own would couple the
+    # ranks again at each decode point, where a traced graph's ranks are further apart than the runtime's).
+    credit = 0.5
+    for insertion in done:
+        gather = insertion.gather
+        first = gather.phase in FIRST_PHASES
+        new_wire = payload_bytes(gather.raw_bytes, first, shards[id(gather)], world, figures)
+        gather.duration_s = rescaled_duration(
+            gather.duration_s, gather.wire_bytes, "all_gather", "all_gather", new_wire, anchor_time_s
+        )
+        gather.wire_bytes = new_wire
+        counts["ciera_gathers"] = counts.get("ciera_gathers", 0) + 1
+        if insertion.receive is None:  # no op after it uses it: its decode has nowhere to go
+            counts["calls_not_decoded"] = counts.get("calls_not_decoded", 0) + 1
+        if gather.raw_bytes / world >= PIPELINED_CALL_BYTES_PER_RANK:
+            counts["pipelined_calls"] = counts.get("pipelined_calls", 0) + 1
+        if (
+            shards[id(gather)] == 1
+            and engine == "zero3"
+            and not any(gather.raw_bytes in sizes for sizes in parameters.values())
+        ):
+            counts["buckets_not_split"] = counts.get("buckets_not_split", 0) + 1
+        if first and figures.overflow_rate > 0:
+            credit += figures.overflow_rate
+            if credit >= 1.0:
+                credit -= 1.0
+                gather.duration_s += figures.overflow_s
+                counts["overflow_rounds"] = counts.get("overflow_rounds", 0) + 1
+    return edited

@@ -109,7 +109,6 @@ def predict_run(
             graph = ciera_graph(
                 graph,
                 ciera_on.engine,
-                str(anchor["dtype"]),
                 ciera_on.figures,
                 sizes,
                 lambda op, wire: anchor_cluster.curves[op].time_s(wire),
@@ -130,5 +129,13 @@ def predict_run(
         basis += f", CIERA written in ({counts.get('ciera_gathers', 0) // max(len(times), 1)} gathers per iteration)"
         if counts.get("buckets_not_split"):
             notes = [*notes, f"{counts['buckets_not_split'] // max(len(times), 1)} gathered buckets per iteration "
-                     "matched no run of parameters and stay one CIERA gather each"]  # fmt: skip
+                     "matched no run of parameters and count as one shard each"]  # fmt: skip
+        if counts.get("pipelined_calls"):
+            notes = [*notes, f"{counts['pipelined_calls'] // max(len(times), 1)} CIERA calls per iteration are large enough "
+                     "for the runtime to pipeline (2 × part_bytes per rank); the rewrite sends each as one bucket"]  # fmt: skip
+        if counts.get("calls_not_decoded"):
+            notes = [*notes, f"{counts['calls_not_decoded'] // max(len(times), 1)} CIERA calls per iteration have no "
+                     "op after them that uses them; their decode is left out"]  # fmt: skip
+        if counts.get("overflow_rounds"):
+            basis += f", {counts['overflow_rounds'] // max(len(times), 1)} overflow rounds per iteration"
     return Prediction(float(np.median(times)), basis, anchor_id, simulated, tuple(notes))

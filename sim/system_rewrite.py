@@ -29,6 +29,7 @@ seconds added to a collective's own stream are recorded in `embedded_codec_s` fo
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -38,7 +39,7 @@ import pandas as pd
 from .cluster import ClusterPreset
 from .collectives import CollectiveModel
 from .graph_edit import EditableOp, editable_ops, relink_main, to_graph
-from .opgraph import OpGraph
+from .opgraph import TOLERANCE_S, OpGraph
 from .payload import raw_bytes
 from .selection import select_shards
 
@@ -152,7 +153,7 @@ def ciera_plan(
     return CieraPlan(decisions, layers)
 
 
-def _rescaled_duration(
+def rescaled_duration(
     duration_s: float,
     wire: float,
     curve_op: str,
@@ -170,29 +171,57 @@ def _rescaled(
     op: EditableOp, curve_op: str, new_curve_op: str, wire: float, anchor_time_s: AnchorTime
 ) -> None:
     """Give `op` a new size (and curve): its duration scaled by the anchor curve's times."""
-    op.duration_s = _rescaled_duration(
+    op.duration_s = rescaled_duration(
         op.duration_s, op.wire_bytes, curve_op, new_curve_op, wire, anchor_time_s
     )
     op.wire_bytes = wire
 
 
-def _waiters(ops: list[EditableOp]) -> dict[int, EditableOp]:
+class _MainOps:
+    """A rank's main ops (or those of one layer and phase) in program order, searchable by position and
+    by measured start (a running maximum, so the first op at or after a time is found by bisection)."""
+
+    def __init__(self) -> None:
+        self.positions: list[int] = []
+        self.starts: list[float] = []
+        self.ops: list[EditableOp] = []
+
+    def add(self, position: int, op: EditableOp) -> None:
+        self.positions.append(position)
+        self.starts.append(max(op.measured_start_s, self.starts[-1]) if self.starts else op.measured_start_s)
+        self.ops.append(op)
+
+    def first_after(self, position: int, start_s: float | None = None) -> EditableOp | None:
+        """The first op after `position` (that started at or after `start_s`)."""
+        k = bisect.bisect_right(self.positions, position)
+        if start_s is not None:
+            k = max(k, bisect.bisect_left(self.starts, start_s))
+        return self.ops[k] if k < len(self.ops) else None
+
+
+def _gather_users(ops: list[EditableOp]) -> dict[int, EditableOp]:
     """Per gather (by identity), the main op that uses what it gathered: the one blocked on it, else —
     where the gather was done before it was needed, so nothing waited — the first main op after its
-    issuer, in program order, of the gather's layer and phase."""
+    issuer, in program order, that started once the gather had ended (an op that ran while the gather was
+    in flight and did not wait for it did not use it): of the gather's layer and phase, else of any; a
+    gather that ended after every op goes to the first op of its layer and phase after its issuer."""
     waiters = {id(op.blocker): op for op in ops if op.is_main and op.blocker is not None}
     position = {id(op): k for k, op in enumerate(ops)}
+    every, labelled = _MainOps(), {}
+    for k, op in enumerate(ops):
+        if op.is_main:
+            every.add(k, op)
+            labelled.setdefault((op.layer, op.phase), _MainOps()).add(k, op)
     for op in ops:
         if op.stream != "allgather" or id(op) in waiters:
             continue
-        start = position[id(op.issuer)] + 1 if op.issuer is not None and id(op.issuer) in position else 0
-        user = next(
-            (
-                candidate
-                for candidate in ops[start:]
-                if candidate.is_main and candidate.layer == op.layer and candidate.phase == op.phase
-            ),
-            None,
+        after = position[id(op.issuer)] if op.issuer is not None and id(op.issuer) in position else -1
+        mine = labelled.get((op.layer, op.phase))
+        ended = op.measured_end_s - TOLERANCE_S
+        user = (
+            (mine.first_after(after, ended) if mine else None)
+            or every.first_after(after, ended)
+            or (mine.first_after(after) if mine else None)
         )
         if user is not None:
             waiters[id(op)] = user
@@ -303,7 +332,7 @@ class CieraTemplate:
             layer_plan = plan.layers[layer]
             ratio = layer_plan.changed_ratio if first else layer_plan.unchanged_ratio
             new_wire = float(plain.raw_bytes[source]) * ratio
-            duration[op] = _rescaled_duration(
+            duration[op] = rescaled_duration(
                 float(plain.duration_s[source]),
                 float(plain.wire_bytes[source]),
                 "all_gather",
@@ -355,57 +384,97 @@ def _ciera_template(
     )
 
 
-def _ciera(ops, system, plan, scale, preset, gathers, kernels, source) -> list[EditableOp]:  # noqa: ANN001
-    """One rank's CIERA rewrite, its shape only: each compressed gather is listed in `gathers` (with its
-    op in the plain graph, `source`) and each codec kernel inserted in `kernels`, for
-    `CieraTemplate.fill` to give them the plan's values."""
-    overlap = system == "ciera"
-    waiters = _waiters(ops)
+@dataclass(frozen=True)
+class CodecInsertion:
+    """What `insert_codec` did to one compressed gather: the gather and its codec ops (None: not inserted)."""
+
+    gather: EditableOp
+    send: EditableOp | None
+    receive: EditableOp | None
+
+
+KernelSeconds = Callable[[EditableOp], tuple[float, float] | None]  # gather → (sender s, receiver s)
+
+
+def insert_codec(
+    ops: list[EditableOp], overlap: bool, kernel_s: KernelSeconds
+) -> tuple[list[EditableOp], list[CodecInsertion]]:
+    """One rank's ops with CIERA's codec written around every gather `kernel_s` compresses (it gives the
+    gather's sender and receiver seconds, None for a gather left plain). The one placement rule of both
+    CIERA rewrites (the preset's systems here, the measured runtime's in sim/ciera_rewrite.py):
+
+    - without overlap (the CPU runtime, `ciera-er`): the sender kernels on the main thread right after the
+      op that issues the gather, which they then issue; the receiver kernels on the main thread before the
+      op that uses what it gathered, blocked on the gather;
+    - with overlap (CCP): the sender kernels on their side stream between the issue and the transfer (the
+      gather is issued by them), the receiver kernels on theirs after it (the user waits for them).
+
+    A kernel of 0 s is not inserted."""
+    waiters = _gather_users(ops)
     before: dict[int, list[EditableOp]] = {}  # main op (by identity) → codec ops to run before it
     after: dict[int, list[EditableOp]] = {}  # main op → codec ops to run after it
+    done: list[CodecInsertion] = []
     for op in ops:
-        layer_plan = plan.layers.get(op.layer)
-        if op.stream != "allgather" or layer_plan is None:
+        if op.stream != "allgather":
             continue
-        first = op.phase == "fwd" or not preset.ciera.reuse_across_gathers
-        gathers.append((op, source[id(op)], op.layer, first))
-        sender_s, receiver_s = layer_plan.sender_s * scale, layer_plan.receiver_s * scale
+        seconds = kernel_s(op)
+        if seconds is None:
+            continue
+        sender_s, receiver_s = seconds
+        send = receive = None
+        waiter = waiters.get(id(op))
         if overlap:
-            # CCP: the sender kernels on their side stream between the issue and the transfer (the gather
-            # is issued by them), the receiver kernels on theirs after it (the waiter waits for them).
             if sender_s > 0:
                 send = EditableOp(op.rank, "ccp_send", op.layer, op.phase, sender_s, issuer=op.issuer)
-                kernels.append((send, op.layer, True))
                 before.setdefault(id(op), []).append(send)
                 op.issuer = send
-            waiter = waiters.get(id(op))
             if receiver_s > 0 and waiter is not None:
                 receive = EditableOp(op.rank, "ccp_recv", op.layer, op.phase, receiver_s, issuer=op)
-                kernels.append((receive, op.layer, False))
                 after.setdefault(id(op), []).append(receive)
                 if waiter.blocker is None or waiter.blocker is op:
                     waiter.blocker = receive
                 else:  # it waits for another collective too: a zero-length wait for this one first
                     wait = EditableOp(op.rank, "compute", waiter.layer, waiter.phase, 0.0, blocker=receive)
                     before.setdefault(id(waiter), []).append(wait)
-            continue
-        if sender_s > 0:
-            # Right after the op that issues the gather (at the iteration's start when none does).
-            send = EditableOp(op.rank, "codec_send", op.layer, op.phase, sender_s)
-            kernels.append((send, op.layer, True))
-            after.setdefault(id(op.issuer) if op.issuer is not None else 0, []).append(send)
-            op.issuer = send
-        waiter = waiters.get(id(op))
-        if receiver_s > 0 and waiter is not None:
-            receive = EditableOp(op.rank, "codec_recv", op.layer, op.phase, receiver_s, blocker=op)
-            kernels.append((receive, op.layer, False))
-            if waiter.blocker is op:
-                waiter.blocker = None  # it now follows the decode that waited for the gather
-            before.setdefault(id(waiter), []).append(receive)
+        else:
+            if sender_s > 0:
+                # Right after the op that issues the gather (at the iteration's start when none does).
+                send = EditableOp(op.rank, "codec_send", op.layer, op.phase, sender_s)
+                after.setdefault(id(op.issuer) if op.issuer is not None else 0, []).append(send)
+                op.issuer = send
+            if receiver_s > 0 and waiter is not None:
+                receive = EditableOp(op.rank, "codec_recv", op.layer, op.phase, receiver_s, blocker=op)
+                if waiter.blocker is op:
+                    waiter.blocker = None  # it now follows the decode that waited for the gather
+                before.setdefault(id(waiter), []).append(receive)
+        done.append(CodecInsertion(op, send, receive))
     edited: list[EditableOp] = list(after.get(0, []))
     for op in ops:
         edited.extend(before.get(id(op), []))
         edited.append(op)
         edited.extend(after.get(id(op), []))
     relink_main(edited)
+    return edited, done
+
+
+def _ciera(ops, system, plan, scale, preset, gathers, kernels, source) -> list[EditableOp]:  # noqa: ANN001
+    """One rank's CIERA rewrite, its shape only: each compressed gather is listed in `gathers` (with its
+    op in the plain graph, `source`) and each codec kernel inserted in `kernels`, for
+    `CieraTemplate.fill` to give them the plan's values."""
+
+    def kernel_s(op: EditableOp) -> tuple[float, float] | None:
+        layer_plan = plan.layers.get(op.layer)
+        if layer_plan is None:
+            return None
+        return layer_plan.sender_s * scale, layer_plan.receiver_s * scale
+
+    edited, done = insert_codec(ops, system == "ciera", kernel_s)
+    for insertion in done:
+        op = insertion.gather
+        first = op.phase == "fwd" or not preset.ciera.reuse_across_gathers
+        gathers.append((op, source[id(op)], op.layer, first))
+        if insertion.send is not None:
+            kernels.append((insertion.send, op.layer, True))
+        if insertion.receive is not None:
+            kernels.append((insertion.receive, op.layer, False))
     return edited

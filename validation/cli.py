@@ -92,6 +92,12 @@ def sim_command(
         table.add_row(row["cluster"], str(row["layers"]), row["system"], row["category"],
                       f"{row['measured_s'] * 1e3:.0f} ms", predicted, error, speedup)  # fmt: skip
     console.print(table)
+    for system, figures in document["codec_figures"].items():
+        if figures is not None:
+            console.print(f"CIERA rewrite, {system}: {figures['description']}")
+    notes = sorted({note for row in document["held_out"] for note in row["notes"]})
+    for note in notes:
+        console.print(f"note: {note}")
     calibration = Table(
         title="collective cost curves: each cluster's measured sweep (whole group), interpolated",
         box=box.SIMPLE_HEAD,

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 import traces
-from sim.ciera_rewrite import CodecFigures, fit_codec_figures, mean_block_change_rate
+from sim.ciera_rewrite import CodecFigures, fit_codec_figures, mean_block_change_rate, parameter_sizes
 from sim.predict import CieraOn, predict_run
 from sim.replay import replay_run
 from sim.rewrite import measured_cluster
@@ -160,7 +160,15 @@ def _codec_figures(
             ]  # fmt: skip
             if len(twin):
                 pairs[run_id] = str(twin.iloc[0]["run_id"])
-        figures[system] = fit_codec_figures(bundle, chosen, pairs, mean_block_change_rate(seen))
+        block_sizes = {int(runs.loc[r, "block_size"]) for r in chosen}
+        if len(block_sizes) != 1:
+            raise ValidationInputError(
+                f"{held_out.origin}: the codec runs of {system} use block sizes {sorted(block_sizes)}; "
+                "expected one (the rewrite's change rate is the statistics' at that size)"
+            )
+        parameters = {r: parameter_sizes(seen, int(runs.loc[r, "layers"])) for r in chosen}
+        change_rate = mean_block_change_rate(seen, block_sizes.pop())
+        figures[system] = fit_codec_figures(bundle, chosen, pairs, parameters, change_rate)
     return figures
 
 
@@ -213,16 +221,17 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
                 predicted[run.run_id] = (
                     None,
                     f"not predicted: no codec run of {run.system} to fit codec figures to",
+                    (),
                 )
                 continue
             ciera_on = CieraOn(figures[run.system], PLAIN_ENGINE[run.system], PLAIN_ENGINE[run.system])
         prediction = predict_run(seen, row, target_cluster, bundle.collectives, ciera_on)
-        predicted[run.run_id] = (prediction.iteration_s, prediction.basis)
+        predicted[run.run_id] = (prediction.iteration_s, prediction.basis, prediction.notes)
         simulated_events += prediction.events
     baseline = {(r.cluster, int(r.layers)): r.run_id for r in target_runs.itertuples() if r.system == "zero3"}
     held_rows = []
     for run in target_runs.sort_values(["cluster", "layers", "system"]).itertuples():
-        value, basis = predicted[run.run_id]
+        value, basis, notes = predicted[run.run_id]
         measured = float(measured_s[run.run_id])
         base_id = baseline.get((run.cluster, int(run.layers)))
         speedup_error = None
@@ -236,7 +245,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
             "category": category(pd.Series(run._asdict()), seen_runs),
             "measured_s": measured, "predicted_s": value,
             "error": None if value is None else value / measured - 1.0,
-            "speedup_error": speedup_error, "basis": basis,
+            "speedup_error": speedup_error, "basis": basis, "notes": list(notes),
         })  # fmt: skip
     replay_errors = np.abs([row["error"] for row in replay_rows])
     predicted_rows = [row for row in held_rows if row["error"] is not None]
@@ -287,7 +296,9 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
         "held_out_not_predicted_by_category": unpredicted,
         "simulated_events": simulated_events,
         "codec_figures": {
-            system: None if f is None else {**dataclasses.asdict(f), "runs": list(f.runs)}
+            system: None
+            if f is None
+            else {**dataclasses.asdict(f), "runs": list(f.runs), "description": f.describe()}
             for system, f in figures.items()
         },
         "measurement_noise": measurement_noise(bundle, measured_runs),

@@ -11,9 +11,19 @@ import pandas as pd
 import pytest
 
 import traces
-from sim.ciera_rewrite import split_bucket
+from sim.ciera_rewrite import (
+    CodecFigures,
+    ciera_graph,
+    fit_codec_figures,
+    mean_block_change_rate,
+    parameter_sizes,
+    payload_bytes,
+    shards_per_call,
+    split_bucket,
+)
 from sim.curves import SweepCurve, level_curves, monotone_fit, sweep_curves
 from sim.depth import block_map, repeat_blocks
+from sim.errors import SimInputError
 from sim.evaluate import evaluate
 from sim.opgraph import build_graph
 from sim.rewrite import ClusterSpec, mean_concurrency, measured_cluster, projected_cluster, rewrite_costs
@@ -151,3 +161,101 @@ def test_a_faster_link_and_a_larger_world_move_the_iteration_the_right_way(
     assert quick < base
     wide: ClusterSpec = projected_cluster([spec], 16, 1, "16x1")
     assert evaluate(graph, rewrite_costs(graph, spec, wide)[0]).iteration_s > base
+
+
+def test_zero3s_one_gradient_bucket_grows_with_depth_and_fsdps_root_reduction_does_not(
+    measured: traces.TraceBundle,
+) -> None:
+    # ZeRO-3 reduces every gradient in one bucket once the embedding's last gradient is in (labelled
+    # layer 0); FSDP2's layer-0 reduce-scatter is the root group's own.
+    for system, grows in (("zero3", True), ("fsdp", False)):
+        run = _run(measured, system, 4, CLUSTER)
+        graph = build_graph(_iteration(measured, run.run_id))
+        deeper = repeat_blocks(graph, 4, 8, 1.7)
+        before = graph.raw_bytes[(graph.stream == "reduce_scatter") & (graph.layer == 0)]
+        after = deeper.raw_bytes[(deeper.stream == "reduce_scatter") & (deeper.layer == 0)]
+        assert len(before) == len(after) > 0
+        expected = np.round(before * 1.7) if grows else before
+        np.testing.assert_allclose(np.sort(after), np.sort(expected))
+
+
+def _codec_fit(measured: traces.TraceBundle, system: str) -> tuple[CodecFigures, pd.Series, pd.Series]:
+    plain_system = {"ciera": "zero3", "ciera-fsdp": "fsdp"}[system]
+    codec, plain = _run(measured, system, 2, CLUSTER), _run(measured, plain_system, 2, CLUSTER)
+    figures = fit_codec_figures(
+        measured,
+        [codec.run_id],
+        {codec.run_id: plain.run_id},
+        {codec.run_id: parameter_sizes(measured, 2)},
+        mean_block_change_rate(measured, int(codec.block_size)),
+    )
+    return figures, codec, plain
+
+
+@pytest.mark.parametrize("system", ["ciera", "ciera-fsdp"])
+def test_codec_figures_give_back_the_codec_runs_own_bytes_and_codec_seconds(
+    measured: traces.TraceBundle, system: str
+) -> None:
+    figures, codec, _ = _codec_fit(measured, system)
+    events = measured.events[measured.events["run_id"] == codec.run_id]
+    rows = events[(events["stream"] == "allgather") & (events["raw_bytes"] > 0)]
+    engine = "zero3" if system == "ciera" else "fsdp"
+    sizes = parameter_sizes(measured, 2)
+    world = int(codec.world_size)
+    shards = [
+        shards_per_call(engine, r, int(lay), sizes)
+        for r, lay in zip(rows["raw_bytes"], rows["layer"], strict=True)
+    ]
+    predicted = sum(
+        payload_bytes(r, phase == "fwd", n, world, figures)
+        for r, phase, n in zip(rows["raw_bytes"], rows["phase"], shards, strict=True)
+    )
+    assert predicted == pytest.approx(rows["wire_bytes"].sum(), rel=0.03)
+    a, b, c = figures.encode_s
+    encode = sum(a + b * n + c * r / world for r, n in zip(rows["raw_bytes"], shards, strict=True))
+    measured_encode = (
+        events.loc[events["stream"] == "codec_send", "end_s"]
+        - events.loc[events["stream"] == "codec_send", "start_s"]
+    ).sum()
+    assert encode == pytest.approx(measured_encode, rel=0.05)
+    assert 0.5 < figures.repeat_ratio <= figures.first_ratio < 1.0
+    assert 0.0 <= figures.overflow_rate < 0.5
+
+
+@pytest.mark.parametrize("system", ["ciera", "ciera-fsdp"])
+def test_turning_ciera_on_gives_each_engine_gather_one_encode_before_its_issue_and_one_decode_after_it(
+    measured: traces.TraceBundle, system: str
+) -> None:
+    figures, codec, plain = _codec_fit(measured, system)
+    graph = build_graph(_iteration(measured, plain.run_id))
+    spec = measured_cluster(measured.collectives, plain)
+    counts: dict[str, int] = {}
+    engine = "zero3" if system == "ciera" else "fsdp"
+    rewritten = ciera_graph(
+        graph, engine, figures, parameter_sizes(measured, 2), lambda op, w: spec.curves[op].time_s(w), counts
+    )
+    gathers = np.flatnonzero(rewritten.stream == "allgather")
+    assert len(gathers) == int((graph.stream == "allgather").sum())  # one CIERA call per engine call
+    assert counts["ciera_gathers"] == len(gathers) // graph.world_size
+    # Issued by its own encode, on the main thread right before; decoded once, blocked on it.
+    assert (rewritten.stream[rewritten.main_prev[gathers]] == "codec_send").all()
+    decodes = np.flatnonzero(rewritten.stream == "codec_recv")
+    assert sorted(rewritten.blocker[decodes].tolist()) == sorted(gathers.tolist())
+    # The bytes the run it stands for moved per iteration (its mean: early steps change more exponents),
+    # within a few per cent.
+    events = measured.events[measured.events["run_id"] == codec.run_id]
+    rows = events[(events["stream"] == "allgather") & (events["raw_bytes"] > 0)]
+    ciera_wire = rows["wire_bytes"].sum() / events["iteration"].nunique()
+    assert rewritten.wire_bytes[gathers].sum() == pytest.approx(ciera_wire, rel=0.05)
+    result = evaluate(rewritten, rewrite_costs(rewritten, spec, spec)[0])
+    measured_s = measured.iterations.loc[measured.iterations["run_id"] == codec.run_id, "iteration_s"]
+    assert result.iteration_s == pytest.approx(float(measured_s.median()), rel=0.15)
+
+
+def test_a_codec_run_of_another_protocol_is_one_line_not_a_wrong_fit(measured: traces.TraceBundle) -> None:
+    codec = _run(measured, "ciera", 2, CLUSTER)
+    events = measured.events
+    drop = (events["run_id"] == codec.run_id) & (events["stream"] == "codec_recv")
+    broken = dataclasses.replace(measured, events=events[~drop])
+    with pytest.raises(SimInputError, match="expected one of each per engine call"):
+        fit_codec_figures(broken, [codec.run_id], {}, {codec.run_id: parameter_sizes(measured, 2)}, 0.5)

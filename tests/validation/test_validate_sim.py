@@ -79,8 +79,9 @@ def test_every_held_out_run_is_predicted_and_categorised(small_document: dict) -
         assert mean == pytest.approx(np.mean(in_category))
         assert document["held_out_max_abs_error_by_category"][name] == pytest.approx(max(in_category))
     figures = document["codec_figures"]["ciera"]
-    assert figures["encode_s_per_byte"] > 0 and figures["control_bytes_per_rank"] > 0
+    assert figures["encode_s"][2] > 0 and figures["first_ratio"] > figures["repeat_ratio"] >= 0.5
     assert 1.0 < figures["changed_exponent_bits"] < 8.0  # ANS over ~2.6 bits of exponent entropy
+    assert figures["description"].startswith("encode ") and 0.0 <= figures["overflow_rate"] < 0.2
     assert document["passed"] == (
         document["replay_max_abs_error"] <= 0.01
         and document["held_out_mean_abs_error"] <= 0.04

@@ -259,3 +259,10 @@ def test_a_codec_run_of_another_protocol_is_one_line_not_a_wrong_fit(measured: t
     broken = dataclasses.replace(measured, events=events[~drop])
     with pytest.raises(SimInputError, match="expected one of each per engine call"):
         fit_codec_figures(broken, [codec.run_id], {}, {codec.run_id: parameter_sizes(measured, 2)}, 0.5)
+
+
+def test_a_block_size_the_statistics_lack_is_one_line_naming_those_they_have(
+    measured: traces.TraceBundle,
+) -> None:
+    with pytest.raises(SimInputError, match=r"no exponent statistics at block size 4096 \(it has \[64, 128"):
+        mean_block_change_rate(measured, 4096)

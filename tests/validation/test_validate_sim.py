@@ -205,3 +205,17 @@ def test_the_second_bundle_is_checked_with_its_own_held_out_file_and_replays_exa
     assert set(document["held_out_mean_abs_error_by_category"]) == {"depth", "topology", "system"}
     assert all(row["predicted_s"] is not None for row in document["held_out"])
     assert document["passed"] == (done.returncode == 0)
+
+
+def test_codec_runs_of_two_block_sizes_are_refused_in_one_line(bundle: traces.TraceBundle) -> None:
+    # The rewrite's change rate is the exponent statistics' at the codec runs' block size: two sizes
+    # for one system have no one rate to give it.
+    small = _small(bundle)
+    codec = [f"mixtral-8x7b-w32-ciera-L2-{SEEN}", "mixtral-8x7b-w32-ciera-L2-emulated-2x1-1gbit"]
+    runs = small.runs.copy()
+    runs.loc[runs["run_id"] == codec[1], "block_size"] = 512
+    held = HeldOut((SEEN,), (2,), "two-sizes.toml", seen_systems=("zero3", "fsdp"), codec_runs=tuple(codec))
+    with pytest.raises(
+        ValidationInputError, match=r"two-sizes.toml: the codec runs of ciera use block sizes \[64, 512\]"
+    ):
+        validate_sim(dataclasses.replace(small, runs=runs), held, 0.04)

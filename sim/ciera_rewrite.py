@@ -18,7 +18,7 @@ when it starts call m (bucket.py's CALL_LAG); in the captured runs those forced 
 their gather arrived (5 ms of slack at the median), so they cost only their own main-thread time, which
 the model spends at the use instead. Forcing them in the graph ties each rank's main thread to the
 other's traced compute, whose per-rank noise the model draws independently from the plain run, and
-over-predicted the captured runs by 5–9 % (docs/validation.md).
+over-predicted the captured runs by 6–9 % (docs/validation.md).
 
 Sizes: a call's wire bytes are ρ·raw + W·h·n, with n its shards (a ZeRO-3 bucket split into the run of
 parameters whose sizes add up to it; an FSDP2 group's parameters), h the per-shard row overhead and ρ

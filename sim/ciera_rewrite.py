@@ -15,8 +15,8 @@ gather — becomes **one** compressed all-gather, issued where the engine issues
 The placement is the one CIERA rule of both rewrites (`system_rewrite.insert_codec`, without overlap):
 each decode runs before the op that uses the gather. The runtime also finishes every call up to m − 4
 when it starts call m (bucket.py's CALL_LAG); in the codec run every forward call had arrived by then
-their gather arrived (5 ms of slack at the median), so they cost only their own main-thread time, which
-the model spends at the use instead. Forcing them in the graph ties each rank's main thread to the
+(5 ms of slack at the median), so those decodes cost only their own main-thread time, which the model
+spends at the use instead. Forcing them in the graph ties each rank's main thread to the
 other's traced compute, whose per-rank noise the model draws independently from the plain run, and
 over-predicted the captured runs by 6–9 % (docs/validation.md).
 

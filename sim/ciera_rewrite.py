@@ -22,10 +22,11 @@ over-predicted the captured runs by 6–9 % (docs/validation.md).
 
 Sizes: a call's wire bytes are ρ·raw + W·h·n, with n its shards (a ZeRO-3 bucket split into the run of
 parameters whose sizes add up to it; an FSDP2 group's parameters), h the per-shard row overhead and ρ
-the payload ratio of its phase class: the first gather after the optimizer step (the forward: the sign and
-mantissa plane plus the changed blocks' exponents, the statistics' block change rate q at the run's
-block size times the coded bits per changed value) or a repeat gather (recompute, backward: nothing
-changed since, so the area's floor). Costs: encode a + b·n + c·(raw/W), decode a' + b'·n + c'·raw·(W−1)/W,
+the payload ratio of its phase class, fitted to the codec runs' bytes: the first gather after the
+optimizer step (the forward: the sign and mantissa plane plus the changed blocks' exponents) or a repeat
+gather (recompute, backward: nothing changed since, so the area's floor). The exponent statistics' block
+change rate q only expresses the difference as coded bits per changed value; a run predicted at another
+churn than the codec runs' (a warm start) would need ρ_first rescaled by its q, which is not done. Costs: encode a + b·n + c·(raw/W), decode a' + b'·n + c'·raw·(W−1)/W,
 plus the main-thread time the runtime adds or saves per call beyond the codec (CIERA's compute minus the
 plain run's, per call — signed: the engine's own gather work on the main thread is replaced).
 """
@@ -61,11 +62,16 @@ class CodecFigures:
     shard_overhead_bytes: float  # h: per shard and source rank of a call's row
     first_ratio: float  # ρ of a first gather after the optimizer step
     repeat_ratio: float  # ρ of a repeat gather (recompute, backward)
-    changed_exponent_bits: float  # (first − repeat ratio) · 16 / q: coded bits per value of a changed block
     block_change_rate: float  # q, of the exponent statistics at the runs' block size
     overflow_rate: float  # overflow rounds per first gather
     overflow_s: float  # in-run time of one overflow round (the median of the codec runs')
     runs: tuple[str, ...] = field(default=())
+
+    @property
+    def changed_exponent_bits(self) -> float:
+        """Coded bits per value of a changed block: what the forward gathers carry beyond the repeat ones,
+        (ρ_first − ρ_repeat) · 16 / q (16 raw bits per value)."""
+        return max(self.first_ratio - self.repeat_ratio, 0.0) * 16 / max(self.block_change_rate, 1e-9)
 
     def describe(self) -> str:
         encode, decode = self.encode_s, self.decode_s
@@ -107,13 +113,8 @@ def mean_block_change_rate(bundle: traces.TraceBundle, block_size: int) -> float
 
 
 def shards_per_call(engine: str, raw: float, layer: int, parameters: dict[int, list[float]]) -> int:
-    """How many shards one engine call gathers: a ZeRO-3 bucket's parameters (`split_bucket`), an FSDP2
-    group's (the root group at layer 0 holds the embedding's and the head's)."""
-    if engine == "zero3":
-        return len(split_bucket(raw, layer, parameters))
-    if layer == 0:
-        return max(len(parameters.get(0, [])) + len(parameters.get(max(parameters), [])), 1)
-    return max(len(parameters.get(layer, [])), 1)
+    """How many shards one engine call gathers (`ParameterLayout.shards`, for a single call)."""
+    return ParameterLayout(parameters).shards(engine, raw, layer)
 
 
 def _calls(per_rank: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -145,6 +146,7 @@ def fit_codec_figures(
     for run_id in codec_runs:
         run = bundle.runs[bundle.runs["run_id"] == run_id].iloc[0]
         world, engine = int(run["world_size"]), _engine_of(str(run["system"]))
+        layout = ParameterLayout(parameters[run_id])
         events = bundle.events[bundle.events["run_id"] == run_id]
         for _, per_rank in events.groupby(["iteration", "rank"]):
             rows, encodes, decodes, overflow = _calls(per_rank)
@@ -155,8 +157,8 @@ def fit_codec_figures(
                 )
             raw = rows["raw_bytes"].to_numpy(dtype=float)
             shards = np.array(
-                [shards_per_call(engine, r, int(layer), parameters[run_id])
-                 for r, layer in zip(raw, rows["layer"], strict=True)], dtype=float,
+                [layout.shards(engine, r, int(layer)) for r, layer in zip(raw, rows["layer"], strict=True)],
+                dtype=float,
             )  # fmt: skip
             first = rows["phase"].isin(FIRST_PHASES).to_numpy()
             encode_rows.append(np.column_stack([np.ones_like(raw), shards, raw / world,
@@ -188,7 +190,6 @@ def fit_codec_figures(
         shard_overhead_bytes=overhead,
         first_ratio=first_ratio or repeat_ratio,
         repeat_ratio=repeat_ratio,
-        changed_exponent_bits=max(first_ratio - repeat_ratio, 0.0) * 16 / max(change_rate, 1e-9),
         block_change_rate=change_rate,
         overflow_rate=overflows / max(first_calls, 1),
         overflow_s=float(np.median(overflow_s)) if overflow_s else 0.0,
@@ -229,28 +230,60 @@ def parameter_sizes(bundle: traces.TraceBundle, traced_layers: int) -> dict[int,
     return sizes
 
 
+class ParameterLayout:
+    """A model's parameters (raw bytes per layer, `parameter_sizes`) laid out for the question the rewrite
+    asks of every gather: which parameters a gathered bucket holds. The running sums are built once and
+    each answer is kept: an iteration asks the same few bucket sizes hundreds of times."""
+
+    def __init__(self, parameters: dict[int, list[float]]) -> None:
+        self.parameters = parameters
+        sequence = [(owner, size) for owner in sorted(parameters) for size in parameters[owner]]
+        self._orders = []
+        for ordered in (sequence, sequence[::-1]):  # module order, and reverse (backward fetches)
+            sizes = np.array([size for _, size in ordered])
+            prefix = np.concatenate([[0.0], np.cumsum(sizes)])
+            where = {round(value): i for i, value in enumerate(prefix)}
+            self._orders.append((sizes, np.array([owner for owner, _ in ordered]), prefix, where))
+        self._known: dict[tuple[float, int], tuple[list[float], bool]] = {}
+
+    def split(self, size_bytes: float, layer: int) -> tuple[list[float], bool]:
+        """The parameters one gathered bucket holds: a run of consecutive parameters, in module order or in
+        reverse, whose sizes add up to the bucket's — preferring a run of the layer the bucket is attributed
+        to (the layer holding most of its elements) — and whether any run matched (if none did, the bucket
+        stays one shard)."""
+        key = (size_bytes, layer)
+        if key not in self._known:
+            self._known[key] = self._split(size_bytes, layer)
+        return self._known[key]
+
+    def _split(self, size_bytes: float, layer: int) -> tuple[list[float], bool]:
+        best: list[float] | None = None
+        for sizes, layers, prefix, where in self._orders:
+            for end in range(1, len(prefix)):
+                start = where.get(round(prefix[end] - size_bytes))
+                if start is None or start >= end:
+                    continue
+                values, counts = np.unique(layers[start:end], return_counts=True)
+                if values[np.argmax(counts)] == layer:
+                    return list(sizes[start:end]), True
+                best = best or list(sizes[start:end])
+        return (best, True) if best else ([size_bytes], False)
+
+    def shards(self, engine: str, raw: float, layer: int) -> int:
+        """How many shards one engine call gathers: a ZeRO-3 bucket's parameters (`split`), an FSDP2
+        group's (the root group at layer 0 holds the embedding's and the head's)."""
+        if engine == "zero3":
+            return len(self.split(raw, layer)[0])
+        if layer == 0:
+            return max(
+                len(self.parameters.get(0, [])) + len(self.parameters.get(max(self.parameters), [])), 1
+            )
+        return max(len(self.parameters.get(layer, [])), 1)
+
+
 def split_bucket(size_bytes: float, layer: int, parameters: dict[int, list[float]]) -> list[float]:
-    """The parameters one gathered bucket holds: a run of consecutive parameters, in module order or in
-    reverse (backward fetches), whose sizes add up to the bucket's — preferring a run of the layer the
-    bucket is attributed to (the layer holding most of its elements). A bucket that no run matches stays
-    one shard (the caller counts it)."""
-    sequence = [(owner, size) for owner in sorted(parameters) for size in parameters[owner]]
-    best: list[float] | None = None
-    for ordered in (sequence, sequence[::-1]):
-        sizes = np.array([size for _, size in ordered])
-        layers = np.array([owner for owner, _ in ordered])
-        prefix = np.concatenate([[0.0], np.cumsum(sizes)])
-        where = {round(value): i for i, value in enumerate(prefix)}
-        for end in range(1, len(prefix)):
-            start = where.get(round(prefix[end] - size_bytes))
-            if start is None or start >= end:
-                continue
-            run_layers = layers[start:end]
-            values, counts = np.unique(run_layers, return_counts=True)
-            if values[np.argmax(counts)] == layer:
-                return list(sizes[start:end])
-            best = best or list(sizes[start:end])
-    return best or [size_bytes]
+    """The parameters one gathered bucket holds (`ParameterLayout.split`, for a single bucket)."""
+    return ParameterLayout(parameters).split(size_bytes, layer)[0]
 
 
 def payload_bytes(raw: float, first: bool, shards: int, world: int, figures: CodecFigures) -> float:
@@ -272,11 +305,12 @@ def ciera_graph(
     (per iteration, as one rank sees it)."""
     counts = counts if counts is not None else {}
     world = plain.world_size
+    layout = ParameterLayout(parameters)
     ranks = sorted(set(plain.rank.tolist()))
     # Counted on the first rank: every rank rewrites the same calls.
     ops_by_rank = {
         rank: _rewrite_rank(
-            editable_ops(plain, rank), engine, figures, parameters, anchor_time_s, world,
+            editable_ops(plain, rank), engine, figures, layout, anchor_time_s, world,
             counts if rank == ranks[0] else {},
         )
         for rank in ranks
@@ -288,7 +322,7 @@ def _rewrite_rank(
     ops: list[EditableOp],
     engine: str,
     figures: CodecFigures,
-    parameters: dict[int, list[float]],
+    layout: ParameterLayout,
     anchor_time_s: AnchorTime,
     world: int,
     counts: dict[str, int],
@@ -297,7 +331,7 @@ def _rewrite_rank(
     shards: dict[int, int] = {}  # gather (by identity) → its shards
 
     def kernel_s(op: EditableOp) -> tuple[float, float]:
-        n = shards[id(op)] = shards_per_call(engine, op.raw_bytes, op.layer, parameters)
+        n = shards[id(op)] = layout.shards(engine, op.raw_bytes, op.layer)
         a, b, c = figures.encode_s
         d, e, f = figures.decode_s
         # A kernel of 0 s is not inserted; a tiny floor keeps every call's encode and decode in the graph.
@@ -324,11 +358,7 @@ def _rewrite_rank(
             counts["calls_not_decoded"] = counts.get("calls_not_decoded", 0) + 1
         if gather.raw_bytes / world >= PIPELINED_CALL_BYTES_PER_RANK:
             counts["pipelined_calls"] = counts.get("pipelined_calls", 0) + 1
-        if (
-            shards[id(gather)] == 1
-            and engine == "zero3"
-            and not any(gather.raw_bytes in sizes for sizes in parameters.values())
-        ):
+        if engine == "zero3" and not layout.split(gather.raw_bytes, gather.layer)[1]:
             counts["buckets_not_split"] = counts.get("buckets_not_split", 0) + 1
         if first and figures.overflow_rate > 0:
             credit += figures.overflow_rate

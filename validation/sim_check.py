@@ -298,7 +298,12 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
         "codec_figures": {
             system: None
             if f is None
-            else {**dataclasses.asdict(f), "runs": list(f.runs), "description": f.describe()}
+            else {
+                **dataclasses.asdict(f),
+                "runs": list(f.runs),
+                "changed_exponent_bits": f.changed_exponent_bits,
+                "description": f.describe(),
+            }
             for system, f in figures.items()
         },
         "measurement_noise": measurement_noise(bundle, measured_runs),

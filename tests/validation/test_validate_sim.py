@@ -187,7 +187,7 @@ def test_the_shipped_check_writes_its_json_and_exits_by_the_verdict(tmp_path: Pa
     )
 
 
-@pytest.mark.slow  # ~11 min on 2 cores: run on purpose with -m slow
+@pytest.mark.slow  # ~1 min on 2 cores (8 before ParameterLayout): run on purpose with -m slow
 def test_the_second_bundle_is_checked_with_its_own_held_out_file_and_replays_exactly(tmp_path: Path) -> None:
     """`ciera validate sim --bundle measured-olmoe`: another zoo model on another link, its held-out file
     (fixed before its capture) found beside it; every seen run replays exactly and every held-out run is

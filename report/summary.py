@@ -1,4 +1,5 @@
-"""What the report says in words: the per-model summary at the top, and which systems' lines coincide.
+"""What the report says in words: the per-model summary at the top (the verdicts of `sim.verdict`, the
+same the console prints), and which systems' lines coincide.
 
 Pure functions of the records (ciera.simulate/1 dicts), so the tests can check the statements without a
 browser, and the figures and the HTML say the same thing.
@@ -10,30 +11,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .inputs import SYSTEMS
+from sim import LOSSY_SYSTEMS, PAYS_ABOVE, SummaryRow, pays_basis, pays_text, summary_rows, w_ranges
 
-# A speedup this close to 1 is no gain: CIERA's selection choosing no shard replays ZeRO-3 exactly
-# (1.000), and a p50 over a few iterations wobbles in the fourth digit.
-PAYS_ABOVE = 1.005
+CIERA = "ciera"
+
+__all__ = [
+    "CIERA",
+    "LOSSY_SYSTEMS",
+    "PAYS_ABOVE",
+    "SummaryRow",
+    "coincidence_lines",
+    "coincidences",
+    "pays_basis",
+    "pays_text",
+    "summary_rows",
+    "w_ranges",
+]
+
 # Two systems whose speedups differ by less than this (relative) draw as one line.
 COINCIDE_RELATIVE = 0.002
-LOSSY_SYSTEMS = frozenset({"zeropp"})  # int8 weight gathers: faster, but not the same training run
-CIERA = "ciera"
 
 
 def _speedup(record: dict[str, Any]) -> float:
     return float(record["speedup_vs_zero3"])
-
-
-def w_ranges(gpus: Sequence[int], all_gpus: Sequence[int]) -> str:
-    """'W = 16–128' when the W's are a contiguous run of the swept ones, else 'W = 16, 64'."""
-    chosen = sorted(set(gpus))
-    swept = sorted(set(all_gpus))
-    if len(chosen) > 1:
-        first, last = swept.index(chosen[0]), swept.index(chosen[-1])
-        if swept[first : last + 1] == chosen:
-            return f"W = {chosen[0]}–{chosen[-1]}"
-    return "W = " + ", ".join(map(str, chosen))
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _bsc_reason(bsc: Sequence[dict[str, Any]]) -> str:
         for r in bsc
     ):
         return "BSC selected every shard, so it is ER"
-    if any("slower than selecting all shards" in " ".join(r.get("notes") or []) for r in bsc):
+    if any("slower than compressing every shard" in " ".join(r.get("details") or []) for r in bsc):
         return "BSC's own choice replayed slower than all shards, so all are sent compressed"
     return "the shards BSC left uncompressed were hidden behind compute anyway"
 
@@ -123,83 +123,3 @@ def coincidence_lines(items: Sequence[Coincidence], all_gpus: Sequence[int], lab
         names = " and ".join(label(s) for s in systems)
         lines.append(f"{names} {verb} on {target} at {w_ranges(gpus, all_gpus)}: {reason}.")
     return lines
-
-
-@dataclass(frozen=True)
-class SummaryRow:
-    model: str
-    dtype: str
-    best: dict[int, tuple[str, float]]  # W -> (system, speedup vs ZeRO-3), lossy systems included
-    best_lossless: dict[int, tuple[str, float]]
-    ciera: dict[int, float]  # W -> CIERA (ER+BSC+CCP) speedup vs ZeRO-3
-    pays_from: int | None  # the smallest W from which CIERA pays at every larger swept W
-    pays_at: tuple[int, ...]  # every W where it pays
-    provenance: str
-    # (system, W) left out of `best`: its receiver cache exceeds the cache budget, so the plan does not fit
-    over_budget: tuple[tuple[str, int], ...] = ()
-
-
-def summary_rows(records: Sequence[dict[str, Any]], provenance: Any) -> list[SummaryRow]:
-    """One row per (model, dtype): the best system at each W, CIERA's speedup, and where it pays."""
-    models = list(dict.fromkeys(r["model"] for r in records))
-    rows: list[SummaryRow] = []
-    rank = {s: i for i, s in enumerate(SYSTEMS)}
-    for model in models:
-        for dtype in ("bf16", "fp16"):
-            view = [r for r in records if r["model"] == model and r["dtype"] == dtype]
-            if not view:
-                continue
-            gpus = sorted({r["gpus"] for r in view})
-            over_budget = tuple(
-                (r["system"], r["gpus"]) for r in view if r.get("within_cache_budget", True) is False
-            )
-            view_fits = [r for r in view if r.get("within_cache_budget", True) is not False]
-            best: dict[int, tuple[str, float]] = {}
-            best_lossless: dict[int, tuple[str, float]] = {}
-            for g in gpus:
-                # Ties go to the simpler system (earlier in SYSTEMS): it needs less to deploy.
-                at = sorted(
-                    (r for r in view_fits if r["gpus"] == g),
-                    key=lambda r: (-round(_speedup(r), 3), rank.get(r["system"], 99)),
-                )
-                best[g] = (at[0]["system"], _speedup(at[0]))
-                lossless = [r for r in at if r["system"] not in LOSSY_SYSTEMS]
-                if lossless:
-                    best_lossless[g] = (lossless[0]["system"], _speedup(lossless[0]))
-            ciera = {r["gpus"]: _speedup(r) for r in view if r["system"] == CIERA}
-            pays_at = tuple(g for g in sorted(ciera) if ciera[g] > PAYS_ABOVE)
-            pays_from = None
-            for g in sorted(ciera, reverse=True):
-                if ciera[g] > PAYS_ABOVE:
-                    pays_from = g
-                else:
-                    break
-            labels = {provenance(r) for r in view}
-            rows.append(
-                SummaryRow(
-                    model,
-                    dtype,
-                    best,
-                    best_lossless,
-                    ciera,
-                    pays_from,
-                    pays_at,
-                    labels.pop() if len(labels) == 1 else "measured and projected points",
-                    over_budget,
-                )
-            )
-    return rows
-
-
-def pays_text(row: SummaryRow) -> str:
-    """Where CIERA starts (equivalently, below which it stops) paying, in words."""
-    if not row.ciera:
-        return "not simulated"
-    if not row.pays_at:
-        return "never (no swept W)"
-    swept = sorted(row.ciera)
-    if row.pays_from == swept[0]:
-        return f"at every swept W (from W = {swept[0]})"
-    if row.pays_from is not None:
-        return f"from W = {row.pays_from}"
-    return f"only at W = {', '.join(map(str, row.pays_at))} (not at the largest W)"

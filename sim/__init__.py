@@ -15,6 +15,9 @@ Records of `ciera simulate` on a cluster preset, on the same path:
 - `timeline(...)`: one simulated iteration per system as Chrome-trace JSON.
 - `records_to_json` / `write_json_atomic`: the `ciera.simulate/1` document.
 - `select_shards`: benefit-driven shard selection (BSC) as a pure function.
+- `MemoryEstimate`, `fit_text`: one GPU's memory of a configuration (sim/memory.py), in every record.
+- Verdicts from record dicts, shared by the console and the report (sim/verdict.py): `summary_rows`,
+  `pays_text`, `pays_basis`, `lossy_faster`, `grouped_notes`, `w_ranges`, the threshold `PAYS_ABOVE`.
 """
 
 from .cluster import ClusterPreset, list_clusters, load_cluster, parse_overrides
@@ -22,6 +25,7 @@ from .collectives import CollectiveModel, algbw_Bps, busbw_Bps, busbw_factor
 from .errors import SimInputError
 from .evaluate import Costs, evaluate
 from .measured_cluster import simulate_measured_cluster
+from .memory import MemoryEstimate, fit_text
 from .opgraph import OpGraph, build_graph, iteration_graphs
 from .predict import predict_run
 from .replay import replay_run
@@ -41,8 +45,30 @@ from .simulate import (
     timeline,
     write_json_atomic,
 )
+from .verdict import (
+    LOSSY_SYSTEMS,
+    PAYS_ABOVE,
+    SummaryRow,
+    grouped_notes,
+    lossy_faster,
+    pays_basis,
+    pays_text,
+    summary_rows,
+    w_ranges,
+)
 
 __all__ = [
+    "LOSSY_SYSTEMS",
+    "MemoryEstimate",
+    "PAYS_ABOVE",
+    "SummaryRow",
+    "fit_text",
+    "grouped_notes",
+    "lossy_faster",
+    "pays_basis",
+    "pays_text",
+    "summary_rows",
+    "w_ranges",
     "Costs",
     "OpGraph",
     "build_graph",

@@ -14,6 +14,7 @@ from rich.table import Table
 
 import traces
 
+from . import verdict
 from .cluster import list_clusters, load_cluster, parse_overrides
 from .errors import SimInputError
 from .measured_cluster import measured_clusters, measured_records_to_json, simulate_measured_cluster
@@ -68,43 +69,78 @@ def _format_speedup(value: float | None) -> str:
 
 
 def _print_summary(records: list[SimRecord], console: Console) -> None:
-    """First what a reader decides on: per model and dtype, CIERA's speedup at each world size, the best
-    system where it is not CIERA, and where CIERA stops paying (the full table follows)."""
-    world_sizes = sorted({r.gpus for r in records})
-    table = Table(
-        title="Summary: speedup over zero3 (p50) — ciera, and the best system where it is not ciera"
-    )
-    for name in ("model", "dtype", *(f"W={w}" for w in world_sizes), "ciera pays at"):
-        table.add_column(name, justify="left" if name in ("model", "dtype", "ciera pays at") else "right")
-    groups: dict[tuple[str, str], dict[int, list[SimRecord]]] = {}
-    for record in records:
-        groups.setdefault((record.model, record.dtype), {}).setdefault(record.gpus, []).append(record)
-    for (model, dtype), by_w in groups.items():
-        cells, paying = [], []
+    """What a reader decides on, last on the console: per model and dtype, CIERA's speedup at each W (or
+    why it was left out), the fastest lossless system where it is not CIERA, ZeRO++ where its lossy
+    gathers are faster still, and from which W CIERA pays — with what that verdict rests on
+    (sim/verdict.py, the rules the report's summary uses too)."""
+    dicts = [record.to_dict() for record in records]
+    rows = verdict.summary_rows(dicts, lambda r: r["source"] + (", projected" if r["projected"] else ""))
+    world_sizes = sorted({int(r.gpus) for r in records})
+    table = Table(title="Summary: CIERA's speedup over ZeRO-3 (p50 iteration time)")
+    for name in ("model", "dtype", *(f"W={w}" for w in world_sizes), "CIERA pays"):
+        table.add_column(name, justify="left" if name in ("model", "dtype", "CIERA pays") else "right")
+    lossy_seen = False
+    for row in rows:
+        cells = []
+        lossy_speedups = []
         for w in world_sizes:
-            candidates = by_w.get(w, [])
-            ciera = next((r for r in candidates if r.system == "ciera"), None)
-            best = max(candidates, key=lambda r: r.speedup_vs_zero3, default=None)
-            cell = "" if ciera is None else f"{ciera.speedup_vs_zero3:.2f}×"
+            if w not in row.gpus:
+                cells.append("-")
+                continue
+            why = row.does_not_fit(w, "ciera") or row.does_not_fit(w, "zero3")
+            cell = f"{row.ciera[w]:.2f}×" if w in row.ciera else (why or "-")
+            lossless = row.best_lossless.get(w)
             if (
-                best is not None
-                and best.system != "ciera"
-                and (ciera is None or best.speedup_vs_zero3 > ciera.speedup_vs_zero3 * 1.005)
+                lossless
+                and lossless[0] != "ciera"
+                and w in row.ciera
+                and lossless[1] >= row.ciera[w] * verdict.PAYS_ABOVE
             ):
-                over = "" if best.within_cache_budget else ", cache over budget"
-                cell += f" ({best.system} {best.speedup_vs_zero3:.2f}×{over})"
-            cells.append(cell or "-")
-            if ciera is not None and ciera.speedup_vs_zero3 > 1.005:
-                paying.append(str(w))
-        table.add_row(model, dtype, *cells, ",".join(paying) if paying else "nowhere")
-    if any(r.source != "measured" for r in records):
-        table.caption = (
-            "from analytic traces: model output, not measurements (the table below marks each row)"
+                cell += f" ({lossless[0]} {lossless[1]:.2f}×)"
+            lossy = verdict.lossy_faster(row, w)
+            if lossy is not None:
+                lossy_speedups.append(lossy[1])
+            cells.append(cell)
+        pays = verdict.pays_text(row)
+        if lossy_speedups:
+            lossy_seen = True
+            span = (
+                f"{min(lossy_speedups):.2f}×"
+                if min(lossy_speedups) == max(lossy_speedups)
+                else (f"{min(lossy_speedups):.2f}–{max(lossy_speedups):.2f}×")
+            )
+            pays += f" over ZeRO-3; ZeRO++ (lossy) is faster, {span}"
+        table.add_row(row.model, row.dtype, *cells, pays)
+    captions = [
+        f"pays: ≥ {verdict.PAYS_ABOVE:.2f}× over ZeRO-3 (below that, within the simulation's noise). "
+        "In brackets: a faster lossless system. A configuration that does not fit one GPU's memory "
+        '(memory per GPU, docs/simulator.md) or CIERA\'s cache budget is left out of "fastest" and "pays".'
+    ]
+    if lossy_seen:
+        captions.append(
+            "ZeRO++ sends int8 weights: faster where named, but not the same training run (lossy)."
         )
+    for basis in dict.fromkeys(verdict.pays_basis(row) for row in rows if row.pays_from is not None):
+        if basis:
+            captions.append(
+                f"CIERA pays from: {basis} — `ciera simulate --sweep inter_node.beta_Bps=...` or the "
+                'report\'s "Speedup vs link bandwidth" shows where that moves'
+            )
+    if any(r.source != "measured" for r in records):
+        captions.append("From analytic traces: model output, not measurements.")
+    table.caption = "\n".join(captions)
     console.print(table)
 
 
-def _print_table(records: list[SimRecord], console: Console, notes: list[str]) -> None:
+def _memory_cell(record: SimRecord) -> str:
+    memory = record.memory
+    if not memory:
+        return "—"
+    total = f"{memory['total_bytes'] / 2**30:.0f} GiB"
+    return total + (" ✗" if memory.get("fits") is False else "")
+
+
+def _print_table(records: list[SimRecord], console: Console) -> None:
     table = Table(
         title=f"Simulated iteration time ({records[0].cluster})" if records else "Simulated iteration time"
     )
@@ -117,11 +153,14 @@ def _print_table(records: list[SimRecord], console: Console, notes: list[str]) -
         ("vs zero3", "right"),
         ("vs zeropp", "right"),
         ("bound", "right"),
+        ("memory/GPU", "right"),
         ("source", "left"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    analytic = False
     for record in records:
         marker = record.source + (", projected" if record.projected else "")
+        analytic = analytic or record.source != "measured"
         table.add_row(
             record.model + (" †" if record.source != "measured" else ""),
             record.dtype,
@@ -131,15 +170,26 @@ def _print_table(records: list[SimRecord], console: Console, notes: list[str]) -
             _format_speedup(record.speedup_vs_zero3),
             _format_speedup(record.speedup_vs_zeropp),
             _format_speedup(record.bound_speedup),
+            _memory_cell(record),
             marker,
         )
     table.caption = (
-        "† from analytic traces (model output, not measurements). projected: world size or depth not traced. "
-        "bound: the most this system can gain over zero3 with perfect overlap — for ciera* fewer bytes, for the "
-        "others their own collectives' link time (ZeRO++: int8 weights, hpZ inside the node); — where none "
-        "applies (docs/simulator.md)." + ("".join(f"\n{note}" for note in notes))
+        ("† from analytic traces (model output, not measurements). " if analytic else "")
+        + "projected: world size or depth not traced. bound: the most this system can gain over zero3 with "
+        "perfect overlap — for ciera* fewer bytes, for the others their own collectives' link time (ZeRO++: "
+        "int8 weights, hpZ inside the node); — where none applies (docs/simulator.md). memory/GPU: "
+        "the estimate of sim/memory.py; ✗ does not fit the device."
     )
     console.print(table)
+
+
+def _print_notes(notes: list[str], console: Console) -> None:
+    for note in notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
+
+
+# A full per-record table longer than this is printed with --verbose only (the summary and --json hold it).
+TABLE_ROWS_SHOWN = 40
 
 
 def simulate_command(
@@ -209,6 +259,14 @@ def simulate_command(
             "as Chrome-trace JSON for Perfetto.",
         ),
     ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            help=f"Also print the table of every record when it has more than {TABLE_ROWS_SHOWN} rows, and the "
+            "notes on the plans chosen (BSC's selection, cache budgets).",
+        ),
+    ] = False,
 ) -> None:
     """Replay one training iteration per system and project it to the requested GPU counts."""
     if cluster not in list_clusters() and not cluster.endswith(".toml"):
@@ -305,17 +363,34 @@ def simulate_command(
             timeline_path,
             "--timeline",
         )
-    # What the profiles substituted or chose (e.g. no exponent statistics, q assumed) belongs on the console.
-    notes += sorted({note for record in records for note in record.notes})
+    # What the simulation substituted or chose belongs on the console: each distinct note once, with the
+    # models, dtypes and W's it holds for. Then the table (when short, or --verbose), the summary last.
+    dicts = [record.to_dict() for record in records]
+    notes += verdict.grouped_notes(dicts)
+    details = verdict.grouped_notes(dicts, "details")
     out = Console()
     out = out if out.is_terminal else Console(width=150)
+    _print_notes(notes + (details if verbose else []), out)
+    if details and not verbose:
+        out.print(
+            f"{len(details)} more notes on the plans chosen (BSC's selection, cache budgets) with --verbose",
+            markup=False,
+            highlight=False,
+        )
+    if verbose or len(records) <= TABLE_ROWS_SHOWN:
+        _print_table(records, out)
+    else:
+        out.print(
+            f"{len(records)} records: the table of every one with --verbose, every number with --json",
+            markup=False,
+            highlight=False,
+        )
+    if json_path is not None:
+        out.print(f"wrote {json_path}", markup=False, highlight=False)
+    if timeline_path is not None:
+        out.print(f"wrote {timeline_path}", markup=False, highlight=False)
     if "ciera" in system_names:
         _print_summary(records, out)
-    _print_table(records, out, notes)
-    if json_path is not None:
-        print(f"wrote {json_path}", file=sys.stderr)
-    if timeline_path is not None:
-        print(f"wrote {timeline_path}", file=sys.stderr)
 
 
 def _read_bundle(bundle: str | None) -> traces.TraceBundle:

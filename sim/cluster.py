@@ -96,6 +96,9 @@ class ClusterPreset:
     inter_node: LinkSpec
     description: str = ""
     hardware: str = ""
+    # Memory of one GPU: configurations whose estimate (sim/memory.py) exceeds it are marked "does not fit".
+    # 0 = not stated: every record says its fit was not checked.
+    device_memory_bytes: float = 0.0
     compute: ComputeSpec = field(default_factory=ComputeSpec)
     calibration: tuple[CalibrationPoint, ...] = ()
     codec: CodecSpec = field(default_factory=CodecSpec)

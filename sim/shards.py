@@ -45,9 +45,7 @@ def shard_table(
     with_stats = of_model[of_model["run_id"].isin(set(bundle.exponents["run_id"].unique()))]
     fallback_q = preset.ciera.fallback_block_change_rate
     if with_stats.empty:
-        notes.append(
-            f"{model} {dtype}: no exponent statistics, every layer assumed to change at q={fallback_q}"
-        )
+        notes.append(f"no exponent statistics, every layer assumed to change at q={fallback_q}")
         layers = sorted(layer_numel)
         return pd.DataFrame(
             {

@@ -38,6 +38,7 @@ from .collectives import CollectiveModel
 from .depth import repeat_blocks
 from .errors import SimInputError
 from .evaluate import BREAKDOWN_KEYS, Costs, Evaluation, critical_path, evaluate
+from .memory import MemoryEstimate, ModelFootprint, activation_bytes, estimate, model_footprint
 from .opgraph import OpGraph, build_graph
 from .predict import parameter_ratio
 from .rewrite import ClusterSpec, preset_cluster, rewrite_costs, traced_cluster
@@ -102,7 +103,13 @@ class SimRecord:
     iterations: int  # the anchor's iterations, each rewritten and evaluated (the p5/p50/p95 are over them)
     cluster: str
     simulated_events: int
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the simulation substituted or assumed
+    details: list[str] = field(default_factory=list)  # choices among valid plans (--verbose)
+    # One GPU's memory by what holds it (sim/memory.py, bytes), its total and whether it fits the preset's
+    # device (None: the preset states no device memory). A record that does not fit is left out of
+    # "fastest" and "pays from".
+    memory: dict[str, Any] = field(default_factory=dict)
+    gpus_per_node: int = 0  # of the preset: where W starts to span nodes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -289,6 +296,8 @@ class Simulator:
         self._targets: dict[int, ClusterSpec] = {}
         self._shards: dict[tuple[str, str, int], tuple[pd.DataFrame, tuple[str, ...]]] = {}
         self._outcomes: dict[tuple[str, str, str, int, str], _Outcome] = {}
+        self._footprints: dict[tuple[str, int], ModelFootprint] = {}
+        self._activations: dict[tuple[str, str, int], tuple[float, str]] = {}
         self.simulated_events = 0
         self.simpy_seconds = 0.0
         self.simulated_runs = 0
@@ -425,10 +434,11 @@ class Simulator:
         first_rank = (graph.stream == "allgather") & (graph.rank == graph.rank.min())
         per_layer = np.unique(graph.layer[first_rank], return_counts=True)[1]
         gathers = int(per_layer.max()) if len(per_layer) else 1
+        budget_bytes, budget_note = self.cache_budget(system, model, dtype, world_size)
         plan = ciera_plan(
-            system, shards, dtype, world_size, gathers, self.preset, self.collectives, selection
+            system, shards, dtype, world_size, gathers, self.preset, self.collectives, selection, budget_bytes
         )
-        return plan, notes
+        return plan, (*notes, *([budget_note] if budget_note else []))
 
     def run(
         self, system: str, model: str, dtype: str, world_size: int, selection: str = "benefit"
@@ -538,6 +548,79 @@ class Simulator:
                 self.selection_overrides[(system, model, dtype, world_size)] = selection
         return chosen
 
+    # ----------------------------------------------------------------------------------- memory
+    def footprint(self, anchor: pd.Series, layers: int) -> ModelFootprint:
+        key = (str(anchor["run_id"]), layers)
+        if key not in self._footprints:
+            self._footprints[key] = model_footprint(self.bundle, key[0], int(anchor["layers"]), layers)
+        return self._footprints[key]
+
+    def activations(self, model: str, anchor: pd.Series, layers: int) -> tuple[float, str]:
+        """(bytes, '' or a note saying why they are not counted) for one GPU of `model`."""
+        key = (model, str(anchor["run_id"]), layers)
+        if key not in self._activations:
+            try:
+                shape = traces.load_model_shape(model)
+            except (traces.ModelShapeError, OSError, ValueError):
+                self._activations[key] = (
+                    0.0,
+                    f"{model}: activations not in the memory estimate (no shape for it in traces/data/models)",
+                )
+            else:
+                self._activations[key] = (
+                    activation_bytes(
+                        shape,
+                        layers,
+                        int(anchor["seq_len"]),
+                        int(anchor["micro_batch_size"]),
+                        bool(anchor["activation_checkpointing"]),
+                    ),
+                    "",
+                )
+        return self._activations[key]
+
+    def memory(
+        self,
+        system: str,
+        model: str,
+        dtype: str,
+        world_size: int,
+        plan: CieraPlan | None = None,
+    ) -> MemoryEstimate:
+        """One GPU's memory for `system` at W; without `plan`, before CIERA's sender state and cache."""
+        anchor = self.anchor(model, dtype, world_size, system)
+        layers = self.target_layers(model, dtype)
+        schedule = self.preset.schedule
+        return estimate(
+            system,
+            world_size,
+            self.preset.gpus_per_node,
+            self.footprint(anchor, layers),
+            schedule.fsdp_prefetch_layers if system == "fsdp" else schedule.zero3_prefetch_layers,
+            self.activations(model, anchor, layers)[0],
+            plan.sender_values(world_size) if plan is not None else 0.0,
+            plan.receiver_cache_bytes if plan is not None else 0.0,
+            self.preset.device_memory_bytes,
+        )
+
+    def cache_budget(self, system: str, model: str, dtype: str, world_size: int) -> tuple[float, str]:
+        """(the receiver cache BSC may use, '' or a note): the preset's budget, cut to what one GPU's memory
+        leaves after the rest of the step (the sender keeps 1/(W − 1) of the cache besides)."""
+        budget = float(self.preset.ciera.cache_budget_bytes)
+        device = float(self.preset.device_memory_bytes)
+        if device <= 0 or system == "ciera-er":  # ciera-er compresses every shard: the upper reference
+            return budget, ""
+        left = max(device - self.memory(system, model, dtype, world_size).total_bytes, 0.0)
+        usable = left * (world_size - 1) / world_size
+        if usable >= budget:
+            return budget, ""
+        if usable <= 0:
+            return 0.0, ""  # the plain step does not fit either: the record says so
+        return usable, (
+            f"BSC's receiver cache budget cut below ciera.cache_budget_bytes ({budget / 2**30:.0f} GiB) to what "
+            f"one GPU's {device / 2**30:.0f} GiB leaves after the rest of the step (the record's memory shows it)"
+        )
+
     # ----------------------------------------------------------------------------------- records
     def records_for(self, model: str, dtype: str, world_size: int, systems: Sequence[str]) -> list[SimRecord]:
         wanted = [s for s in systems if not (dtype == "bf16" and s in FP16_ONLY_SYSTEMS)]
@@ -589,22 +672,27 @@ class Simulator:
             plan = outcome.plan
             cache_bytes = plan.receiver_cache_bytes if plan is not None else 0.0
             budget_bytes = float(self.preset.ciera.cache_budget_bytes)
-            notes = [self.calibration_note]
+            anchor = self.anchor(model, dtype, world_size, system)
+            activation_note = self.activations(model, anchor, target_layers)[1]
+            memory = self.memory(system, model, dtype, world_size, plan)
+            # Notes name neither model, dtype nor W (the record does): the console groups equal notes.
+            notes = [self.calibration_note, *([activation_note] if activation_note else [])]
             if not (graph.stream == "optim").any():
-                notes.append(f"{model} {dtype}: run {outcome.anchor_run} has no optimizer step in its events")
+                notes.append(f"run {outcome.anchor_run} has no optimizer step in its events")
             notes += list(outcome.notes)
+            # Choices made among valid plans, not substitutions: printed with --verbose.
+            details = []
             if (system, model, dtype, world_size) in self.selection_overrides:
                 choice = self.selection_overrides[(system, model, dtype, world_size)]
-                notes.append(
-                    f"{system} at W={world_size}: BSC's per-shard choice ran slower than "
+                details.append(
+                    f"{system}: BSC's per-shard choice ran slower than "
                     f"{'compressing every shard' if choice == 'all' else 'compressing no shard'}; that plan is used"
                 )
             if cache_bytes > budget_bytes:
-                notes.append(
-                    f"{system} at W={world_size}: every shard's receiver cache needs "
-                    f"{cache_bytes / 2**30:.1f} GiB per GPU, over the {budget_bytes / 2**30:.0f} GiB "
-                    "budget (ciera.cache_budget_bytes): an upper reference that does not fit, not a "
-                    "deployable plan; ciera and ciera-er-bsc keep within the budget"
+                details.append(
+                    f"{system}: compressing every shard needs more receiver cache per GPU than the "
+                    f"{budget_bytes / 2**30:.0f} GiB budget (ciera.cache_budget_bytes; the record carries the "
+                    "figure): an upper reference, not a deployable plan; ciera and ciera-er-bsc keep within it"
                 )
             records.append(
                 SimRecord(
@@ -642,6 +730,9 @@ class Simulator:
                     cluster=self.preset.name,
                     simulated_events=outcome.events,
                     notes=notes,
+                    details=details,
+                    memory=memory.to_dict(),
+                    gpus_per_node=self.preset.gpus_per_node,
                 )
             )
         return records

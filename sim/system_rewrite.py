@@ -72,6 +72,11 @@ class CieraPlan:
         chosen = self.decisions["selected"].to_numpy(dtype=bool)
         return float(self.decisions.loc[chosen, "memory_bytes"].sum())
 
+    def sender_values(self, world_size: int) -> float:
+        """Values of this rank's shards of the selected parameters: the exponents its sender keeps. The
+        cache holds (W − 1) such shards (sim/payload.py), so one shard is the cache over W − 1."""
+        return self.receiver_cache_bytes / max(world_size - 1, 1)
+
 
 @dataclass(frozen=True)
 class SystemGraph:
@@ -105,9 +110,12 @@ def ciera_plan(
     preset: ClusterPreset,
     collectives: CollectiveModel,
     selection: str = "benefit",
+    cache_budget_bytes: float | None = None,
 ) -> CieraPlan:
     """Which shards `system` compresses at `world_size` and what a gather of each layer then costs.
-    `selection`: "benefit" (BSC's per-shard gain under the cache budget), "all" or "none"."""
+    `selection`: "benefit" (BSC's per-shard gain under the cache budget), "all" or "none".
+    `cache_budget_bytes`: the receiver cache BSC may use (default: the preset's ciera.cache_budget_bytes)."""
+    budget = preset.ciera.cache_budget_bytes if cache_budget_bytes is None else cache_budget_bytes
     table = shards.copy()
     table["q"] = np.clip(table["q"].to_numpy(dtype=float) * preset.ciera.change_rate_scale, 0.0, 1.0)
     table = pd.concat([table, codec_seconds(table, world_size, preset)], axis=1)
@@ -120,7 +128,7 @@ def ciera_plan(
         entropy_bits=preset.ciera.exponent_entropy_bits,
         header_bytes=preset.ciera.header_bytes,
         comm_s_per_byte=collectives.allgather_marginal_s_per_byte(world_size),
-        cache_budget_bytes=0 if selection == "none" else preset.ciera.cache_budget_bytes,
+        cache_budget_bytes=0 if selection == "none" else budget,
         changed_gathers=changed,
         unchanged_gathers=max(gathers_per_layer - changed, 0),
         overlap_codec=system == "ciera",

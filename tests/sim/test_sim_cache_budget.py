@@ -18,7 +18,7 @@ def test_every_shard_over_the_budget_is_marked_and_left_out_of_the_summary() -> 
     every_shard, ciera = by_system["ciera-er"], by_system["ciera"]
     budget = load_cluster("a100-hdr-testbed").ciera.cache_budget_bytes
     assert every_shard.receiver_cache_bytes > budget and not every_shard.within_cache_budget
-    assert any("does not fit" in note for note in every_shard.notes)
+    assert any("upper reference, not a deployable plan" in note for note in every_shard.details)
     assert 0 < ciera.receiver_cache_bytes <= budget and ciera.within_cache_budget
     assert by_system["zero3"].receiver_cache_bytes == 0 and by_system["zero3"].within_cache_budget
     (row,) = summary_rows([r.to_dict() for r in records], lambda record: "analytic projection")

@@ -74,13 +74,15 @@ def test_an_output_is_never_written_into_a_directory_created_on_the_way(tmp_path
     assert not (tmp_path / "a").exists()
 
 
-def test_simulate_prints_a_summary_first() -> None:
+def test_simulate_ends_with_the_summary() -> None:
     done = _ciera(
         "simulate", "--models", "OLMOE", "--gpus", "8,16", "--dtype", "bf16", "--systems", "zero3,ciera"
     )
     assert done.returncode == 0, done.stderr[-1500:]
     summary_at, table_at = done.stdout.index("Summary"), done.stdout.index("Simulated iteration time")
-    assert summary_at < table_at and "ciera pays at" in done.stdout
+    assert table_at < summary_at and "CIERA pays" in done.stdout
+    # The summary is the last thing printed: its caption's last line closes the output.
+    assert done.stdout.rstrip().splitlines()[-1].strip().endswith("not measurements.")
 
 
 def test_bundle_errors_name_the_fix(tmp_path: Path) -> None:

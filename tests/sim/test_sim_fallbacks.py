@@ -91,7 +91,7 @@ def test_selection_never_loses_to_compressing_every_shard_or_none() -> None:
             # with CCP, every shard is placed as CCP places it, which need not beat ciera-er.
             assert p50["ciera-er-bsc"] <= min(p50["zero3"], p50["ciera-er"]) * (1 + 1e-9), (beta, gpus)
             assert p50["ciera"] <= p50["zero3"] * (1 + 1e-9), (beta, gpus)
-        overridden += sum("BSC's per-shard choice ran slower" in " ".join(r.notes) for r in records)
+        overridden += sum("BSC's per-shard choice ran slower" in " ".join(r.details) for r in records)
     assert overridden > 0  # at 25 GB/s the per-shard gains all come out negative: the override is said
 
 

@@ -126,7 +126,7 @@ def test_cli_prints_a_dash_for_a_missing_bound(records: list[SimRecord]) -> None
     fp16 = next(r for r in records if r.dtype == "fp16" and r.system == "fsdp")  # vs zeropp is a number
     unbounded = dataclasses.replace(fp16, bound_speedup=None, bound_basis="none")
     console = Console(record=True, width=200)
-    _print_table([unbounded], console, [])
+    _print_table([unbounded], console)
     row = next(line for line in console.export_text().splitlines() if line.startswith("│"))
     cells = [cell.strip() for cell in row.strip("│").split("│")]
     assert cells[6].endswith("×") and cells[7] == "—"

@@ -1,0 +1,226 @@
+"""The verdicts a reader acts on — the fastest system at each W, where CIERA pays, what that rests on —
+computed once from `ciera.simulate/1` record dicts, so the console (`ciera simulate`) and the HTML report
+say the same thing.
+
+Rules (docs/simulator.md, *Verdicts*):
+- **Pays** means a speedup over ZeRO-3 of at least `PAYS_ABOVE` (1 %), one threshold everywhere. Below
+  it a difference is the simulation's own noise: over the default sweep, a system's speedup taken from the
+  p50 of its rewritten iterations and from its median iteration differ by up to 0.49 % (p95 0.10 %), and a
+  bandwidth sweep crosses 1.0 by 1e-5 from float rounding where CIERA replays ZeRO-3's schedule.
+- A record that **does not fit** the device (`memory.fits` False) or whose receiver cache exceeds the
+  budget (`within_cache_budget` False) is left out of "fastest" and "pays from": it is not a plan a
+  cluster can run.
+- **Lossy** systems (ZeRO++'s int8 weights) are named when faster, never as the best lossless choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PAYS_ABOVE = 1.01
+LOSSY_SYSTEMS = frozenset({"zeropp"})
+CIERA = "ciera"
+# Ties go to the simpler system (earlier here): it needs less to deploy.
+SYSTEM_ORDER = ("zero3", "fsdp", "zeropp", "ciera-er", "ciera-er-bsc", "ciera")
+GIB = 2**30
+
+
+def pays(speedup: float) -> bool:
+    return speedup >= PAYS_ABOVE
+
+
+def fits(record: dict[str, Any]) -> bool:
+    """Whether the record's plan can run: it fits the device (or the fit was not checked) and its receiver
+    cache is within the budget."""
+    return (record.get("memory") or {}).get("fits") is not False and record.get("within_cache_budget", True)
+
+
+def why_left_out(record: dict[str, Any]) -> str:
+    """'' for a record that can run, else the reason in a few words."""
+    memory = record.get("memory") or {}
+    if memory.get("fits") is False:
+        return f"does not fit ({memory['total_bytes'] / GIB:.0f} GiB of {memory['device_bytes'] / GIB:.0f})"
+    if not record.get("within_cache_budget", True):
+        return "receiver cache over budget"
+    return ""
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    model: str
+    dtype: str
+    best: dict[
+        int, tuple[str, float]
+    ]  # W -> (system, speedup vs ZeRO-3) among the plans that fit, lossy included
+    best_lossless: dict[int, tuple[str, float]]
+    ciera: dict[int, float]  # W -> CIERA (ER+BSC+CCP) speedup vs ZeRO-3, where it fits
+    pays_from: int | None  # the smallest W from which CIERA pays at every larger swept W
+    pays_at: tuple[int, ...]  # every W where it pays
+    provenance: str
+    # (system, W, why) left out of `best`: the plan does not fit the device or the cache budget
+    left_out: tuple[tuple[str, int, str], ...] = ()
+    gpus: tuple[int, ...] = ()  # every W simulated for this (model, dtype)
+    gpus_per_node: int | None = None
+    inter_node: str = ""  # the inter-node bandwidth the records used and where it came from
+
+    @property
+    def over_budget(self) -> tuple[tuple[str, int], ...]:
+        return tuple((system, g) for system, g, why in self.left_out if why == "receiver cache over budget")
+
+    def does_not_fit(self, gpus: int, system: str = "zero3") -> str:
+        """'' or why `system` at W = `gpus` was left out."""
+        return next((why for s, g, why in self.left_out if s == system and g == gpus), "")
+
+
+def _speedup(record: dict[str, Any]) -> float:
+    return float(record["speedup_vs_zero3"])
+
+
+def _inter_node(view: Sequence[dict[str, Any]]) -> str:
+    for record in view:
+        for note in record.get("notes") or []:
+            if note.startswith("inter-node β "):
+                return note
+    return ""
+
+
+def summary_rows(
+    records: Sequence[dict[str, Any]], provenance: Callable[[dict[str, Any]], str]
+) -> list[SummaryRow]:
+    """One row per (model, dtype), in the records' model order, BF16 before FP16."""
+    models = list(dict.fromkeys(r["model"] for r in records))
+    rank = {s: i for i, s in enumerate(SYSTEM_ORDER)}
+    rows: list[SummaryRow] = []
+    for model in models:
+        for dtype in ("bf16", "fp16"):
+            view = [r for r in records if r["model"] == model and r["dtype"] == dtype]
+            if not view:
+                continue
+            gpus = sorted({int(r["gpus"]) for r in view})
+            left_out = tuple(
+                (r["system"], int(r["gpus"]), why_left_out(r))
+                for r in sorted(view, key=lambda r: (int(r["gpus"]), rank.get(r["system"], 99)))
+                if why_left_out(r)
+            )
+            runnable = [r for r in view if fits(r)]
+            best: dict[int, tuple[str, float]] = {}
+            best_lossless: dict[int, tuple[str, float]] = {}
+            for g in gpus:
+                at = sorted(
+                    (r for r in runnable if r["gpus"] == g),
+                    key=lambda r: (-round(_speedup(r), 3), rank.get(r["system"], 99)),
+                )
+                if not at:
+                    continue
+                best[g] = (at[0]["system"], _speedup(at[0]))
+                lossless = [r for r in at if r["system"] not in LOSSY_SYSTEMS]
+                if lossless:
+                    best_lossless[g] = (lossless[0]["system"], _speedup(lossless[0]))
+            ciera = {int(r["gpus"]): _speedup(r) for r in runnable if r["system"] == CIERA}
+            pays_at = tuple(g for g in sorted(ciera) if pays(ciera[g]))
+            pays_from = None
+            for g in sorted(ciera, reverse=True):
+                if not pays(ciera[g]):
+                    break
+                pays_from = g
+            labels = {provenance(r) for r in view}
+            per_node = {r.get("gpus_per_node") for r in view} - {None}
+            rows.append(
+                SummaryRow(
+                    model=model,
+                    dtype=dtype,
+                    best=best,
+                    best_lossless=best_lossless,
+                    ciera=ciera,
+                    pays_from=pays_from,
+                    pays_at=pays_at,
+                    provenance=labels.pop() if len(labels) == 1 else "measured and projected points",
+                    left_out=left_out,
+                    gpus=tuple(gpus),
+                    gpus_per_node=int(per_node.pop()) if len(per_node) == 1 else None,
+                    inter_node=_inter_node(view),
+                )
+            )
+    return rows
+
+
+def pays_text(row: SummaryRow) -> str:
+    """Where CIERA starts (equivalently, below which it stops) paying, in words."""
+    if not row.ciera:
+        return "never (no W where it fits)" if row.gpus else "not simulated"
+    if not row.pays_at:
+        return "never (no swept W)"
+    swept = sorted(row.ciera)
+    if row.pays_from == swept[0]:
+        return f"at every W where it fits (from W = {swept[0]})"
+    if row.pays_from is not None:
+        return f"from W = {row.pays_from}"
+    return f"only at W = {', '.join(map(str, row.pays_at))} (not at the largest W)"
+
+
+def pays_basis(row: SummaryRow) -> str:
+    """What "pays from W = n" rests on: whether n is the first W that spans nodes, and the inter-node
+    bandwidth the simulation used (and how it was set)."""
+    parts = []
+    if row.pays_from is not None and row.gpus_per_node:
+        nodes = -(-row.pays_from // row.gpus_per_node)
+        smaller = [g for g in row.gpus if g < row.pays_from]
+        if nodes > 1 and all(g <= row.gpus_per_node for g in smaller):
+            parts.append(
+                f"W = {row.pays_from} is the first W that spans nodes ({nodes} × {row.gpus_per_node} GPUs): "
+                "inside one node the gathers are cheap and CIERA's codec has nothing to hide"
+            )
+    if row.inter_node:
+        parts.append(row.inter_node)
+    return "; ".join(parts)
+
+
+def lossy_faster(row: SummaryRow, gpus: int) -> tuple[str, float] | None:
+    """(lossy system, speedup) when a lossy system is faster than every lossless one at `gpus`."""
+    best = row.best.get(gpus)
+    lossless = row.best_lossless.get(gpus)
+    if best is None or best[0] not in LOSSY_SYSTEMS:
+        return None
+    if lossless is not None and lossless[1] >= best[1]:
+        return None
+    return best
+
+
+def w_ranges(gpus: Sequence[int], all_gpus: Sequence[int]) -> str:
+    """'W = 16–128' when the W's are a contiguous run of the swept ones (two or more), else 'W = 16, 64';
+    sorted as numbers."""
+    chosen = sorted(set(gpus))
+    swept = sorted(set(all_gpus) | set(chosen))
+    if len(chosen) > 1:
+        first, last = swept.index(chosen[0]), swept.index(chosen[-1])
+        if swept[first : last + 1] == chosen:
+            return f"W = {chosen[0]}–{chosen[-1]}"
+    return "W = " + ", ".join(map(str, chosen))
+
+
+def grouped_notes(records: Sequence[dict[str, Any]], field: str = "notes") -> list[str]:
+    """Every distinct record note (of `field`: notes or details) once, followed by the models, dtypes and W's it applies to
+    ("... — Mixtral-8x7B bf16 at W = 16–128; OLMoE-1B-7B fp16 at W = 4"); a note that holds for every
+    record says so instead. In first-seen order."""
+    all_gpus = sorted({int(r["gpus"]) for r in records})
+    where: dict[str, dict[tuple[str, str], set[int]]] = {}
+    everywhere: dict[str, int] = {}
+    for record in records:
+        for note in dict.fromkeys(record.get(field) or []):
+            where.setdefault(note, {}).setdefault((record["model"], record["dtype"]), set()).add(
+                int(record["gpus"])
+            )
+            everywhere[note] = everywhere.get(note, 0) + 1
+    lines = []
+    for note, places in where.items():
+        if everywhere[note] == len(records):
+            lines.append(f"{note} (every record)")
+            continue
+        scope = "; ".join(
+            f"{model} {dtype} at {w_ranges(sorted(gpus), all_gpus)}"
+            for (model, dtype), gpus in places.items()
+        )
+        lines.append(f"{note} — {scope}")
+    return lines

@@ -157,16 +157,21 @@ def _simulate_sensitivity(
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
+        transient=True,
+        disable=not console.is_terminal,
     ) as progress:
         task = progress.add_task("sensitivity", total=None)
-        sweep, summary = simulate_bandwidth_sweep(
-            sim,
-            bundle,
-            cluster or DEFAULT_CLUSTER,
-            overrides,
-            records,
-            progress=lambda done, total: progress.update(task, completed=done, total=total),
-        )
+        try:
+            sweep, summary = simulate_bandwidth_sweep(
+                sim,
+                bundle,
+                cluster or DEFAULT_CLUSTER,
+                overrides,
+                records,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+        except sim.SimInputError as error:  # e.g. the records' preset file is gone: the section says why
+            sweep, summary = None, f"No link bandwidth sensitivity: {error}"
     if sweep is None:
         console.print(f"note: {summary}", markup=False, highlight=False)
     else:
@@ -205,7 +210,13 @@ def _simulate_sweep(
     sweep_gpus = gpus or list(sim.DEFAULT_GPUS)
     sweep_dtypes = [dtype] if dtype else list(sim.DTYPES)
     with Progress(
-        TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        TextColumn("simulating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
     ) as progress:
         task = progress.add_task("sweep", total=None)
         sim_records = sim.simulate(
@@ -335,6 +346,7 @@ def report_command(
     from traces import default_bundle_path, read_bundle, resolve_bundle
 
     console = Console(stderr=True)
+    console = console if console.is_terminal else Console(stderr=True, width=150)
     started_s = time.perf_counter()
     if dtype is not None and dtype not in DTYPES:
         raise ReportInputError(f"--dtype: {dtype!r}, expected one of {', '.join(DTYPES)}")
@@ -406,8 +418,16 @@ def report_command(
         sensitivity, sensitivity_missing = _simulate_sensitivity(
             bundle, records, cluster, overrides or [], console
         )
+    elif bundle is not None and metadata.get("cluster_option"):
+        # The records say how they were simulated: the sweep runs on the same preset and overrides.
+        sensitivity, sensitivity_missing = _simulate_sensitivity(
+            bundle, records, str(metadata["cluster_option"]), list(metadata.get("overrides") or []), console
+        )
     else:
-        sensitivity_missing = "--records was given without --sensitivity: no link bandwidth sensitivity data."
+        sensitivity_missing = (
+            "--records was given without --sensitivity, and the records do not say which preset they were "
+            "simulated on (a file from before `ciera simulate` wrote it): no link bandwidth sensitivity data."
+        )
         console.print(f"note: {sensitivity_missing}", markup=False, highlight=False)
 
     if validation.missing_kinds:
@@ -435,6 +455,33 @@ def report_command(
         f"wrote [bold]{html_path}[/bold] ({len(document.encode()) / 1e6:.1f} MB, {len(records)} records) "
         f"in {elapsed_s:.1f} s"
     )
+    out = Console()
+    _print_verdicts(records, out if out.is_terminal else Console(width=150))
+
+
+def _print_verdicts(records: list[dict[str, Any]], console: Console) -> None:
+    """The report's summary in a line per model and dtype, last on the console (the same verdicts as the
+    report's Summary section and `ciera simulate`'s table: sim.verdict)."""
+    if not records:
+        return
+    from .inputs import provenance_label
+    from .summary import PAYS_ABOVE, summary_rows
+
+    sim = _import_sim()
+    rows = summary_rows(records, provenance_label)
+    console.print(
+        f"Summary (pays: ≥ {PAYS_ABOVE:.2f}× over ZeRO-3; the report's first section):",
+        markup=False,
+        highlight=False,
+    )
+    for row in rows:
+        console.print(f"  {sim.verdict_line(row)}", markup=False, highlight=False)
+    for boundary in dict.fromkeys(sim.node_boundary_text(row) for row in rows if row.pays_from is not None):
+        if boundary:
+            console.print(f"  where CIERA pays from {boundary}", markup=False, highlight=False)
+    for inter_node in dict.fromkeys(row.inter_node for row in rows):
+        if inter_node:
+            console.print(f"  every verdict rests on the {inter_node}", markup=False, highlight=False)
 
 
 def register(app: typer.Typer) -> None:

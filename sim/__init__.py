@@ -17,7 +17,8 @@ Records of `ciera simulate` on a cluster preset, on the same path:
 - `select_shards`: benefit-driven shard selection (BSC) as a pure function.
 - `MemoryEstimate`, `fit_text`: one GPU's memory of a configuration (sim/memory.py), in every record.
 - Verdicts from record dicts, shared by the console and the report (sim/verdict.py): `summary_rows`,
-  `pays_text`, `pays_basis`, `lossy_faster`, `grouped_notes`, `w_ranges`, the threshold `PAYS_ABOVE`.
+  `pays_text`, `pays_basis`, `lossy_faster`, `grouped_notes`, `w_ranges`, `verdict_line`, the console's
+  `summary_table`, the threshold `PAYS_ABOVE`.
 """
 
 from .cluster import ClusterPreset, list_clusters, load_cluster, parse_overrides
@@ -51,9 +52,12 @@ from .verdict import (
     SummaryRow,
     grouped_notes,
     lossy_faster,
+    node_boundary_text,
     pays_basis,
     pays_text,
     summary_rows,
+    summary_table,
+    verdict_line,
     w_ranges,
 )
 
@@ -65,9 +69,12 @@ __all__ = [
     "fit_text",
     "grouped_notes",
     "lossy_faster",
+    "node_boundary_text",
     "pays_basis",
     "pays_text",
     "summary_rows",
+    "summary_table",
+    "verdict_line",
     "w_ranges",
     "Costs",
     "OpGraph",

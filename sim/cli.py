@@ -69,67 +69,11 @@ def _format_speedup(value: float | None) -> str:
 
 
 def _print_summary(records: list[SimRecord], console: Console) -> None:
-    """What a reader decides on, last on the console: per model and dtype, CIERA's speedup at each W (or
-    why it was left out), the fastest lossless system where it is not CIERA, ZeRO++ where its lossy
-    gathers are faster still, and from which W CIERA pays — with what that verdict rests on
-    (sim/verdict.py, the rules the report's summary uses too)."""
+    """What a reader decides on, last on the console (sim/verdict.py: the rules the report uses too)."""
     dicts = [record.to_dict() for record in records]
-    rows = verdict.summary_rows(dicts, lambda r: r["source"] + (", projected" if r["projected"] else ""))
-    world_sizes = sorted({int(r.gpus) for r in records})
-    table = Table(title="Summary: CIERA's speedup over ZeRO-3 (p50 iteration time)")
-    for name in ("model", "dtype", *(f"W={w}" for w in world_sizes), "CIERA pays"):
-        table.add_column(name, justify="left" if name in ("model", "dtype", "CIERA pays") else "right")
-    lossy_seen = False
-    for row in rows:
-        cells = []
-        lossy_speedups = []
-        for w in world_sizes:
-            if w not in row.gpus:
-                cells.append("-")
-                continue
-            why = row.does_not_fit(w, "ciera") or row.does_not_fit(w, "zero3")
-            cell = f"{row.ciera[w]:.2f}×" if w in row.ciera else (why or "-")
-            lossless = row.best_lossless.get(w)
-            if (
-                lossless
-                and lossless[0] != "ciera"
-                and w in row.ciera
-                and lossless[1] >= row.ciera[w] * verdict.PAYS_ABOVE
-            ):
-                cell += f" ({lossless[0]} {lossless[1]:.2f}×)"
-            lossy = verdict.lossy_faster(row, w)
-            if lossy is not None:
-                lossy_speedups.append(lossy[1])
-            cells.append(cell)
-        pays = verdict.pays_text(row)
-        if lossy_speedups:
-            lossy_seen = True
-            span = (
-                f"{min(lossy_speedups):.2f}×"
-                if min(lossy_speedups) == max(lossy_speedups)
-                else (f"{min(lossy_speedups):.2f}–{max(lossy_speedups):.2f}×")
-            )
-            pays += f" over ZeRO-3; ZeRO++ (lossy) is faster, {span}"
-        table.add_row(row.model, row.dtype, *cells, pays)
-    captions = [
-        f"pays: ≥ {verdict.PAYS_ABOVE:.2f}× over ZeRO-3 (below that, within the simulation's noise). "
-        "In brackets: a faster lossless system. A configuration that does not fit one GPU's memory "
-        '(memory per GPU, docs/simulator.md) or CIERA\'s cache budget is left out of "fastest" and "pays".'
-    ]
-    if lossy_seen:
-        captions.append(
-            "ZeRO++ sends int8 weights: faster where named, but not the same training run (lossy)."
-        )
-    for basis in dict.fromkeys(verdict.pays_basis(row) for row in rows if row.pays_from is not None):
-        if basis:
-            captions.append(
-                f"CIERA pays from: {basis} — `ciera simulate --sweep inter_node.beta_Bps=...` or the "
-                'report\'s "Speedup vs link bandwidth" shows where that moves'
-            )
-    if any(r.source != "measured" for r in records):
-        captions.append("From analytic traces: model output, not measurements.")
-    table.caption = "\n".join(captions)
-    console.print(table)
+    console.print(
+        verdict.summary_table(dicts, lambda r: r["source"] + (", projected" if r["projected"] else ""))
+    )
 
 
 def _memory_cell(record: SimRecord) -> str:
@@ -347,7 +291,14 @@ def simulate_command(
             layers=layers,
         )
     if json_path is not None:
-        write_json_atomic(records_to_json(records, preset), json_path, "--json")
+        document = records_to_json(
+            records,
+            preset,
+            cluster_option=cluster,
+            overrides=list(overrides or []),
+            bundle=str(_bundle_path(bundle).resolve()),
+        )
+        write_json_atomic(document, json_path, "--json")
     if timeline_path is not None:
         first = records[0]
         write_json_atomic(
@@ -366,7 +317,12 @@ def simulate_command(
     # What the simulation substituted or chose belongs on the console: each distinct note once, with the
     # models, dtypes and W's it holds for. Then the table (when short, or --verbose), the summary last.
     dicts = [record.to_dict() for record in records]
-    notes += verdict.grouped_notes(dicts)
+    # The inter-node β every verdict rests on is stated under the summary; elsewhere it is a note.
+    notes += [
+        note
+        for note in verdict.grouped_notes(dicts)
+        if not ("ciera" in system_names and note.startswith("inter-node β "))
+    ]
     details = verdict.grouped_notes(dicts, "details")
     out = Console()
     out = out if out.is_terminal else Console(width=150)
@@ -393,8 +349,12 @@ def simulate_command(
         _print_summary(records, out)
 
 
+def _bundle_path(bundle: str | None) -> Path:
+    return traces.resolve_bundle(bundle) if bundle is not None else traces.default_bundle_path()
+
+
 def _read_bundle(bundle: str | None) -> traces.TraceBundle:
-    bundle_path = traces.resolve_bundle(bundle) if bundle is not None else traces.default_bundle_path()
+    bundle_path = _bundle_path(bundle)
     if bundle is None and not bundle_path.is_dir():
         raise SimInputError(
             f"--bundle: the packaged default bundle is missing at {bundle_path}; "

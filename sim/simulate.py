@@ -888,10 +888,24 @@ def _op_name(graph: OpGraph, index: int) -> str:
     return what if layer < 0 else f"{what} L{layer}" + ("" if stream in ("compute", "optim") else f" {phase}")
 
 
-def records_to_json(records: Sequence[SimRecord], cluster: ClusterPreset | None = None) -> dict[str, Any]:
+def records_to_json(
+    records: Sequence[SimRecord],
+    cluster: ClusterPreset | None = None,
+    *,
+    cluster_option: str | None = None,
+    overrides: Sequence[str] = (),
+    bundle: str | None = None,
+) -> dict[str, Any]:
+    """The `ciera.simulate/1` document. `cluster_option`, `overrides` and `bundle` say how to simulate the
+    same preset again (`ciera report --records` does, for its bandwidth sweep)."""
     document: dict[str, Any] = {"schema": SCHEMA, "records": [record.to_dict() for record in records]}
     if cluster is not None:
         document["cluster"] = cluster.name
+    if cluster_option is not None:
+        document["cluster_option"] = cluster_option
+        document["overrides"] = list(overrides)
+    if bundle is not None:
+        document["bundle"] = bundle
     return document
 
 

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rich.table import Table
+
 PAYS_ABOVE = 1.01
 LOSSY_SYSTEMS = frozenset({"zeropp"})
 CIERA = "ciera"
@@ -160,21 +162,108 @@ def pays_text(row: SummaryRow) -> str:
     return f"only at W = {', '.join(map(str, row.pays_at))} (not at the largest W)"
 
 
+def first_multi_node_w(row: SummaryRow) -> int | None:
+    """The smallest simulated W that spans more than one node (None when every W fits in one)."""
+    if not row.gpus_per_node:
+        return None
+    return next((g for g in row.gpus if g > row.gpus_per_node), None)
+
+
+def node_boundary_text(row: SummaryRow) -> str:
+    """'' unless CIERA pays from the first W that spans nodes: then that is what the verdict rests on."""
+    boundary = first_multi_node_w(row)
+    if boundary is None or row.pays_from != boundary or not row.gpus_per_node:
+        return ""
+    nodes = -(-boundary // row.gpus_per_node)
+    return (
+        f"W = {boundary}, the first W that spans nodes ({nodes} × {row.gpus_per_node} GPUs; below it every "
+        "gather stays inside one node)"
+    )
+
+
 def pays_basis(row: SummaryRow) -> str:
     """What "pays from W = n" rests on: whether n is the first W that spans nodes, and the inter-node
     bandwidth the simulation used (and how it was set)."""
-    parts = []
-    if row.pays_from is not None and row.gpus_per_node:
-        nodes = -(-row.pays_from // row.gpus_per_node)
-        smaller = [g for g in row.gpus if g < row.pays_from]
-        if nodes > 1 and all(g <= row.gpus_per_node for g in smaller):
-            parts.append(
-                f"W = {row.pays_from} is the first W that spans nodes ({nodes} × {row.gpus_per_node} GPUs): "
-                "inside one node the gathers are cheap and CIERA's codec has nothing to hide"
-            )
-    if row.inter_node:
-        parts.append(row.inter_node)
-    return "; ".join(parts)
+    boundary = node_boundary_text(row)
+    return "; ".join(part for part in (f"from {boundary}" if boundary else "", row.inter_node) if part)
+
+
+def speedup_span(values: Sequence[float]) -> str:
+    """'1.42×' or '1.13–1.14×' (one value when both ends agree to two decimals)."""
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{low}×" if low == high else f"{low}–{high}×"
+
+
+def verdict_line(row: SummaryRow) -> str:
+    """One line per (model, dtype): where CIERA pays and by how much, what does not fit, and ZeRO++ where
+    its lossy gathers are faster."""
+    text = f"{row.model} {row.dtype}: CIERA pays {pays_text(row)}"
+    if row.pays_at:
+        text += f" ({speedup_span([row.ciera[g] for g in row.pays_at])})"
+    lossy = [found[1] for g in row.gpus if (found := lossy_faster(row, g)) is not None]
+    if lossy:
+        text += f" over ZeRO-3; ZeRO++ (lossy) is faster, {speedup_span(lossy)}"
+    unfit = sorted(
+        {g for system, g, why in row.left_out if system == "zero3" and why.startswith("does not fit")}
+    )
+    if unfit:
+        text += f"; does not fit one GPU at {w_ranges(unfit, row.gpus)}"
+    return text
+
+
+def summary_table(records: Sequence[dict[str, Any]], provenance: Callable[[dict[str, Any]], str]) -> Table:
+    """The console's summary (`ciera simulate`): per model and dtype, CIERA's speedup at each W or why it
+    was left out, a faster lossless system in brackets, where CIERA pays and what that rests on."""
+    rows = summary_rows(records, provenance)
+    world_sizes = sorted({int(r["gpus"]) for r in records})
+    table = Table(title="Summary: CIERA's speedup over ZeRO-3 (p50 iteration time)")
+    for name in ("model", "dtype", *(f"W={w}" for w in world_sizes), "CIERA pays"):
+        table.add_column(name, justify="left" if name in ("model", "dtype", "CIERA pays") else "right")
+    for row in rows:
+        cells = []
+        for w in world_sizes:
+            if w not in row.gpus:
+                cells.append("-")
+                continue
+            cell = f"{row.ciera[w]:.2f}×" if w in row.ciera else (
+                row.does_not_fit(w, "zero3") or row.does_not_fit(w, CIERA) or "-"
+            )  # fmt: skip
+            lossless = row.best_lossless.get(w)
+            if (
+                lossless
+                and lossless[0] != CIERA
+                and w in row.ciera
+                and lossless[1] >= row.ciera[w] * PAYS_ABOVE
+            ):
+                cell += f" ({lossless[0]} {lossless[1]:.2f}×)"
+            cells.append(cell)
+        pays_cell = pays_text(row)
+        lossy = [found[1] for g in row.gpus if (found := lossy_faster(row, g)) is not None]
+        if lossy:
+            pays_cell += f"; ZeRO++ (lossy) faster: {speedup_span(lossy)}"
+        table.add_row(row.model, row.dtype, *cells, pays_cell)
+    captions = [
+        f"pays: ≥ {PAYS_ABOVE:.2f}× over ZeRO-3 (less is within the simulation's noise). In brackets: a faster "
+        "lossless system. What does not fit one GPU (memory per GPU, docs/simulator.md) or CIERA's cache "
+        "budget is left out of both."
+    ]
+    if any(lossy_faster(row, g) for row in rows for g in row.gpus):
+        captions.append(
+            "ZeRO++ sends int8 weights: faster where named, but not the same training run (lossy)."
+        )
+    boundaries = {node_boundary_text(row) for row in rows} - {""}
+    for boundary in sorted(boundaries):
+        paying = sum(node_boundary_text(row) == boundary for row in rows)
+        captions.append(f"In {paying} of {len(rows)} rows CIERA pays from {boundary}.")
+    for inter_node in sorted({row.inter_node for row in rows} - {""}):
+        captions.append(
+            f"Every verdict rests on the {inter_node}; `ciera simulate --sweep inter_node.beta_Bps=2e9,4e9,...` "
+            '(or the report\'s "Speedup vs link bandwidth") shows where CIERA stops paying.'
+        )
+    if any(r.get("source") != "measured" for r in records):
+        captions.append("From analytic traces: model output, not measurements.")
+    table.caption = "\n".join(captions)
+    return table
 
 
 def lossy_faster(row: SummaryRow, gpus: int) -> tuple[str, float] | None:

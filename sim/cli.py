@@ -76,6 +76,10 @@ def _print_summary(records: list[SimRecord], console: Console) -> None:
     )
 
 
+def _fit_mark(record: SimRecord) -> str:
+    return " ✗" if record.memory.get("fits") is False else ""
+
+
 def _memory_cell(record: SimRecord) -> str:
     memory = record.memory
     if not memory:
@@ -402,6 +406,7 @@ def _measured_cluster_command(
         "simulated",
         "error",
         "vs zero3",
+        "memory/rank",
         "how",
     ):
         table.add_column(name, justify="left" if name in ("model", "dtype", "system", "how") else "right")
@@ -421,6 +426,7 @@ def _measured_cluster_command(
             f"{record.iteration_s * 1e3:.0f} ms",
             error,
             "—" if record.speedup_vs_zero3 != record.speedup_vs_zero3 else f"{record.speedup_vs_zero3:.2f}×",
+            f"{record.memory['total_bytes'] / 2**20:.0f} MiB" if record.memory else "—",
             record.kind,
         )
     table.caption = (
@@ -458,7 +464,7 @@ def _sweep_command(
     system_names = _split(systems) or list(SYSTEMS)
     dtypes = [dtype] if dtype else list(DTYPES)
     loaded = _read_bundle(bundle)
-    runs, notes = [], set()
+    runs = []
     for value in values:
         parsed_overrides = parse_overrides([*overrides, f"{key.strip()}={value}"])
         check_simulate_overrides(parsed_overrides)
@@ -467,7 +473,6 @@ def _sweep_command(
             loaded, preset, models=_split(models) or None, gpus=parse_gpus(gpus), systems=system_names,
             dtypes=dtypes, layers=layers,
         )  # fmt: skip
-        notes.update(note for record in records for note in record.notes)
         runs.append((value, records))
     table = Table(title=f"speedup vs zero3 (p50) as {key.strip()} varies ({cluster})")
     for column in ("model", "dtype", "gpus", "system", *values):
@@ -477,15 +482,20 @@ def _sweep_command(
     for record in first:
         row_key = (record.model, record.dtype, record.gpus, record.system)
         cells = [
-            f"{table_of[row_key].speedup_vs_zero3:.2f}×" if row_key in table_of else "-"
+            f"{table_of[row_key].speedup_vs_zero3:.2f}×" + _fit_mark(table_of[row_key])
+            if row_key in table_of
+            else "-"
             for table_of in by_value
         ]
         table.add_row(record.model, record.dtype, str(record.gpus), record.system, *cells)
+    if any(_fit_mark(record) for _, records in runs for record in records):
+        table.caption = "✗: does not fit one GPU's memory (memory per GPU, docs/simulator.md)"
     console = Console()
     console.print(table)
-    for note in sorted(notes):
+    every_record = [record.to_dict() for _, records in runs for record in records]
+    for note in verdict.grouped_notes(every_record):
         if not note.startswith("inter-node β"):  # that one differs per value and is in the JSON
-            console.print(note, markup=False, highlight=False)
+            console.print(f"note: {note}", markup=False, highlight=False)
     if json_path is not None:
         write_json_atomic(
             {

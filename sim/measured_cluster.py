@@ -24,12 +24,17 @@ import pandas as pd
 import traces
 
 from .errors import SimInputError
+from .memory import estimate, model_footprint
 from .predict import predict_run
 from .replay import replay_run
 from .rewrite import ClusterSpec, measured_cluster, projected_cluster
 
 SCHEMA = "ciera.simulate.measured/2"
 MAX_PROJECTED_RANKS = 4096
+MEMORY_NOTE = (
+    "memory per rank: model states, gathered parameters and CIERA's cache only (no activations: the "
+    "width-scaled model has no shape in traces/data/models); the host's memory is not stated, the fit not checked"
+)
 
 
 @dataclass(frozen=True)
@@ -49,9 +54,34 @@ class MeasuredClusterRecord:
     compute: str  # where compute comes from: the trace, and on which host assumption
     simulated_events: int
     notes: list[str] = field(default_factory=list)
+    # One rank's memory (sim/memory.py): the ranks of a measured cluster share their host's memory, which
+    # no run states, so the fit is not checked (memory["fits"] is None).
+    memory: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _rank_memory(
+    bundle: traces.TraceBundle, anchor: pd.Series, depth: int, world_size: int
+) -> dict[str, Any]:
+    """One rank's memory of the anchor's system at `depth` blocks and W = `world_size`: CIERA's runtime
+    compresses every shard, so its receivers cache every other rank's exponents. Activations need the
+    model's shape, which a width-scaled measured model has not in traces/data/models: left at 0."""
+    footprint = model_footprint(bundle, str(anchor["run_id"]), int(anchor["layers"]), depth)
+    ciera = str(anchor["system"]).startswith("ciera")
+    shard_values = footprint.parameters / world_size if ciera else 0.0
+    return estimate(
+        str(anchor["system"]),
+        world_size,
+        int(anchor["gpus_per_node"]),
+        footprint,
+        1,
+        0.0,
+        shard_values,
+        shard_values * (world_size - 1),
+        0.0,
+    ).to_dict()
 
 
 def measured_clusters(bundle: traces.TraceBundle) -> list[str]:
@@ -154,6 +184,7 @@ def simulate_measured_cluster(
                                 model, dtype, cluster, world_size, int(depth), system, "replayed",
                                 float(replayed["replayed_s"].median()), float(measured_s[run_id]), float("nan"),
                                 f"replay of run {run_id}", cluster, "traced", int(replayed["events"].sum()),
+                                [MEMORY_NOTE], _rank_memory(bundle, traced.iloc[0], int(depth), world_size),
                             )  # fmt: skip
                             continue
                         anchor = (traced if len(traced) else template).iloc[-1]
@@ -169,7 +200,8 @@ def simulate_measured_cluster(
                         times[system] = MeasuredClusterRecord(
                             model, dtype, target_cluster.name, world_size, int(depth), system, "projected",
                             prediction.iteration_s, None, float("nan"), prediction.basis, cluster, compute,
-                            prediction.events, list(prediction.notes),
+                            prediction.events, [*prediction.notes, MEMORY_NOTE],
+                            _rank_memory(bundle, anchor, int(depth), world_size),
                         )  # fmt: skip
                     baseline = times.get("zero3")
                     for system in wanted:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import typer
+import typer.core
 
 # (module, attribute) pairs: each module has `register(app)` and `USER_ERRORS`, a tuple of exception types.
 STAGE_CLI_MODULES = (
@@ -39,6 +41,18 @@ def _version(value: bool) -> None:
         except PackageNotFoundError:  # run from a source tree that was never installed
             print("ciera (not installed: no version metadata)")
         raise typer.Exit()
+
+
+# Typer 0.29 prints the type of every flag in help as `<bool>` (its own --help and --version included), yet a
+# flag takes no value: help shows no type for flags, in every command.
+_display_type_rich = typer.core.TyperOption.display_type_rich
+
+
+def _no_type_for_flags(self: typer.core.TyperOption, ctx: Any) -> str | None:
+    return None if self.is_flag else _display_type_rich(self, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _no_type_for_flags  # type: ignore[method-assign]
 
 
 @app.callback()

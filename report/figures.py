@@ -186,11 +186,12 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 # --------------------------------------------------------------------------------------------- speedup
 
 # Lines that can lie on each other get their own dash pattern, marker and width, drawn widest first, so
-# a line under another still shows around it. Projections keep dashed patterns, measurements are solid.
+# a line under another still shows around it or through its gaps (no two systems share a dash and width:
+# ZeRO-3 and FSDP gather the same bytes). Projections keep dashed patterns, measurements are solid.
 SYSTEM_STYLES: dict[str, dict[str, Any]] = {
-    "zero3": {"dash": "dash", "symbol": "circle", "width": 2, "size": 9},
-    "fsdp": {"dash": "dash", "symbol": "triangle-up", "width": 2, "size": 10},
-    "zeropp": {"dash": "dash", "symbol": "x", "width": 2, "size": 9},
+    "zero3": {"dash": "dash", "symbol": "circle", "width": 3, "size": 9},
+    "fsdp": {"dash": "longdashdot", "symbol": "triangle-up", "width": 2, "size": 10},
+    "zeropp": {"dash": "dashdot", "symbol": "x", "width": 2, "size": 9},
     "ciera-er": {"dash": "longdash", "symbol": "square", "width": 7, "size": 15},
     "ciera-er-bsc": {"dash": "dot", "symbol": "diamond", "width": 4.5, "size": 12},
     "ciera": {"dash": "dash", "symbol": "circle", "width": 2, "size": 8},
@@ -221,13 +222,15 @@ def bound_text(record: dict[str, Any]) -> str:
 
 
 def bytes_split_text(record: dict[str, Any]) -> str:
-    """Allgather bytes per iteration, split intra/inter-node when the record has the split."""
+    """Allgather bytes per iteration, and what one rank receives over each network when the record has
+    the split. The two received parts do not add up to the total: the total counts every gathered tensor
+    as a rank assembles it, own shard included, which is never received."""
     total = record.get("allgather_bytes_per_iter")
     intra = record.get("allgather_bytes_intra_node_per_iter")
     inter = record.get("allgather_bytes_inter_node_per_iter")
-    text = "n/a" if total is None else f"{total / 1e9:.3g} GB"
+    text = "n/a" if total is None else f"{total / 1e9:.3g} GB gathered"
     if intra is not None and inter is not None:
-        return f"{text} (intra-node {intra / 1e9:.3g} GB · inter-node {inter / 1e9:.3g} GB)"
+        return f"{text} (one rank receives intra-node {intra / 1e9:.3g} GB · inter-node {inter / 1e9:.3g} GB)"
     return f"{text} (intra/inter split not in these records)"
 
 
@@ -320,7 +323,8 @@ def _speedup_traces(
 
 def _bytes_traces(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Allgather GB per iteration per system on the right panel (BF16 views: there is no ZeRO++ to
-    compare with); where the records split intra/inter-node, the inter-node part as a thin dotted line."""
+    compare with); where the records split intra/inter-node, what one rank receives over the inter-node
+    network as a thin line without markers."""
     traces: list[dict[str, Any]] = []
     by_system: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
@@ -368,11 +372,14 @@ def _bytes_traces(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "legendgroup": system,
                     "showlegend": False,
                     "x": [r["gpus"] for r in inter],
-                    "y": [max(r["allgather_bytes_inter_node_per_iter"], 1.0) / 1e9 for r in inter],
-                    "line": {"color": colour, "width": 1.2, "dash": "dot"},
+                    # Nothing crosses nodes while W fits in one: a gap, not a dive to a log axis's floor.
+                    "y": [r["allgather_bytes_inter_node_per_iter"] / 1e9 or None for r in inter],
+                    # Thin and without markers, in the system's own dash: systems that send the same
+                    # inter-node bytes (ZeRO-3 and FSDP) still show through each other's gaps.
+                    "line": {"color": colour, "width": 1.2, "dash": style["dash"]},
                     "customdata": [bytes_split_text(r) for r in inter],
-                    "hovertemplate": f"<b>{system_label(system)}</b> · %{{x}} GPUs<br>inter-node part of "
-                    "%{customdata}<extra></extra>",
+                    "hovertemplate": f"<b>{system_label(system)}</b> · %{{x}} GPUs<br>one rank receives "
+                    "over the inter-node network; all: %{customdata}<extra></extra>",
                     "xaxis": "x2",
                     "yaxis": "y2",
                 }
@@ -451,6 +458,7 @@ def _bound_traces(records: list[dict[str, Any]], show_legend: bool) -> list[dict
 # Log-axis tick mantissas: fine steps when the values span less than a factor of 3, coarse otherwise.
 FINE_MANTISSAS = (1, 1.1, 1.2, 1.3, 1.4, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)
 COARSE_MANTISSAS = (1, 1.5, 2, 3, 5, 7)
+MIN_LOG_TICKS = 3
 
 
 def log_axis_ticks(values: Iterable[float], suffix: str = "×") -> dict[str, Any]:
@@ -462,16 +470,21 @@ def log_axis_ticks(values: Iterable[float], suffix: str = "×") -> dict[str, Any
         return {"type": "log"}
     low, high = min(positive), max(positive)
     padding = 0.04 + 0.04 * (math.log10(high) - math.log10(low))
-    span = [math.log10(low) - padding, math.log10(high) + padding]
     mantissas = FINE_MANTISSAS if high / low < 3 else COARSE_MANTISSAS
-    decades = range(math.floor(span[0]), math.ceil(span[1]) + 1)
-    inside = [
-        t
-        for t in sorted({float(f"{m * 10.0**e:.6g}") for e in decades for m in mantissas})
-        if span[0] <= math.log10(t) <= span[1]
-    ]
-    if high / low > 1000:  # many decades: powers of ten only
-        inside = [t for t in inside if math.log10(t).is_integer()]
+    while True:
+        span = [math.log10(low) - padding, math.log10(high) + padding]
+        decades = range(math.floor(span[0]), math.ceil(span[1]) + 1)
+        inside = [
+            t
+            for t in sorted({float(f"{m * 10.0**e:.6g}") for e in decades for m in mantissas})
+            if span[0] <= math.log10(t) <= span[1]
+        ]
+        if high / low > 1000:  # many decades: powers of ten only
+            inside = [t for t in inside if math.log10(t).is_integer()]
+        # A flat view (every speedup 1.00×) would get one tick and no sense of scale: widen until 3 show.
+        if len(inside) >= MIN_LOG_TICKS:
+            break
+        padding += 0.02
     return {
         "type": "log",
         "range": span,
@@ -529,8 +542,12 @@ def speedup_figure(records: list[dict[str, Any]]) -> Figure:
             right_title = "vs ZeRO++ (int8 weights, lossy; FP16 only)"
         else:
             view_traces += _bytes_traces(selected)
+            # The inter-node lines too (where anything crosses nodes), or the axis cuts them off.
             right_values = [
-                r["allgather_bytes_per_iter"] / 1e9 for r in selected if r.get("allgather_bytes_per_iter")
+                r[key] / 1e9
+                for r in selected
+                for key in ("allgather_bytes_per_iter", "allgather_bytes_inter_node_per_iter")
+                if r.get(key)
             ]
             right_axis = {
                 **log_axis_ticks(right_values, suffix=""),
@@ -684,8 +701,16 @@ def breakdown_figure(records: list[dict[str, Any]]) -> Figure:
     owners: list[int] = []
     view_layouts: list[dict[str, Any]] = []
     for view_index, (model, dtype) in enumerate(views):
+        # Rows of the systems this view holds only: ZeRO++ is simulated in FP16 alone, and an empty
+        # ZeRO++ row in a BF16 panel reads as a missing number.
+        in_view = {r["system"] for r in records if r["model"] == model and r["dtype"] == dtype}
+        view_systems = [s for s in systems if s in in_view]
+        view_layout: dict[str, Any] = {
+            "title": {"text": f"<b>{model}</b> · {dtype.upper()}", "x": 0.5, "y": 0.985}
+        }
         for panel, gpus in enumerate(all_gpus):
             suffix = "" if panel == 0 else str(panel + 1)
+            view_layout[f"yaxis{suffix}.categoryarray"] = [short_label(s) for s in reversed(view_systems)]
             selected = [
                 r for r in records if r["model"] == model and r["dtype"] == dtype and r["gpus"] == gpus
             ]
@@ -766,13 +791,14 @@ def breakdown_figure(records: list[dict[str, Any]]) -> Figure:
                 }
             )
             owners.append(view_index)
-        view_layouts.append({"title": {"text": f"<b>{model}</b> · {dtype.upper()}", "x": 0.5, "y": 0.985}})
+        view_layouts.append(view_layout)
     menus = _view_menus(data, owners, views, view_layouts)
     top_px, bottom_px = 120, 110
     height_px = top_px + bottom_px + rows * BREAKDOWN_PANEL_PX
     layout = _base_layout(height_px)
-    layout.update(view_layouts[0] if view_layouts else {})
     plot_px = rows * BREAKDOWN_PANEL_PX
+    for menu in menus:  # under the title (a long model name reaches the left edge), above the panels
+        menu["y"] = 1 + (top_px - 45) / plot_px
     row_gap = 0.36 / rows  # room for each panel's tick labels, axis title and the next panel's title
     column_gap = 0.14  # room for the right column's system names
     width = (1 - column_gap * (columns - 1)) / columns
@@ -820,6 +846,8 @@ def breakdown_figure(records: list[dict[str, Any]]) -> Figure:
             "hovermode": "closest",
         }
     )
+    if view_layouts:  # the page opens showing exactly what picking view 0 shows
+        _apply_relayout(layout, view_layouts[0])
     return {"data": data, "layout": layout}
 
 
@@ -915,6 +943,25 @@ def timeline_figure(timeline_events: list[dict[str, Any]]) -> Figure:
 # ------------------------------------------------------------------------------------------- exponents
 
 
+# Each category's own dash, marker and width, drawn widest first and solid before dashed, so a category
+# whose q lies on another's still shows around it or through its gaps (attention and router often do).
+CATEGORY_STYLES: dict[str, dict[str, Any]] = {
+    "expert_ffn": {"dash": "solid", "symbol": "circle", "width": 2.5},
+    "attention": {"dash": "solid", "symbol": "square", "width": 6},
+    "router": {"dash": "dot", "symbol": "diamond", "width": 2.5},
+    "norm": {"dash": "dashdot", "symbol": "triangle-up", "width": 2.5},
+    "embedding": {"dash": "longdash", "symbol": "x", "width": 2.5},
+}
+# The left panel's two rates: greys, since every colour of the right panel means a category.
+CHURN_RATE_COLOURS = {"exp": "#9ca3af", "block": "#374151"}
+# Two categories' q closer than this at every B draw as one line (the plot is a few hundred px tall).
+CATEGORY_COINCIDE_Q = 0.01
+
+
+def category_style(category: str) -> dict[str, Any]:
+    return CATEGORY_STYLES.get(category, {"dash": "dash", "symbol": "circle", "width": 2})
+
+
 def _weighted_rate_lines(
     rows: pd.DataFrame,
     categories: list[str],
@@ -924,24 +971,48 @@ def _weighted_rate_lines(
     marker_size: int,
     showlegend: bool = True,
 ) -> list[dict[str, Any]]:
-    """One line per category: block change rate weighted by parameter count, against `x_column`."""
+    """One line per category: block change rate weighted by parameter count, against `x_column`. A line
+    that lies on one drawn before it says so in its legend entry."""
     weighted = rows.assign(weighted_rate=rows["block_change_rate"] * rows["numel"])
     grouped = weighted.groupby(["category", x_column])[["weighted_rate", "numel"]].sum().reset_index()
     grouped["block_change_rate"] = grouped["weighted_rate"] / grouped["numel"].clip(lower=1)
+    drawn = sorted(
+        categories, key=lambda c: (-category_style(c)["width"], category_style(c)["dash"] != "solid")
+    )
+    series_by_category: dict[str, tuple[list[Any], list[float]]] = {}
     lines = []
-    for category in categories:
+    for category in drawn:
         series = grouped[grouped["category"] == category].sort_values(x_column)
+        x, y = series[x_column].tolist(), series["block_change_rate"].tolist()
+        under = next(
+            (
+                other
+                for other, (other_x, other_y) in series_by_category.items()
+                if other_x == x
+                and x
+                and max(abs(a - b) for a, b in zip(y, other_y, strict=True)) <= CATEGORY_COINCIDE_Q
+            ),
+            None,
+        )
+        series_by_category[category] = (x, y)
+        style = category_style(category)
+        colour = CATEGORY_COLOURS.get(category, "#333333")
         lines.append(
             {
                 "type": "scatter",
                 "mode": "lines+markers",
-                "name": category,
+                "name": category if under is None else f"{category} (on {under}'s line)",
                 "legendgroup": category,
+                "legendrank": 10 + categories.index(category),  # category order, whatever the draw order
                 "showlegend": showlegend,
-                "x": series[x_column].tolist(),
-                "y": series["block_change_rate"].tolist(),
-                "line": {"color": CATEGORY_COLOURS.get(category, "#333333"), "width": 2},
-                "marker": {"size": marker_size},
+                "x": x,
+                "y": y,
+                "line": {
+                    "color": _translucent(colour, 0.55) if style["width"] > 3 else colour,
+                    "width": style["width"],
+                    "dash": style["dash"],
+                },
+                "marker": {"color": colour, "size": marker_size, "symbol": style["symbol"]},
                 "hovertemplate": f"{category} · {x_hover}<br>block change rate %{{y:.4f}}<extra></extra>",
                 "xaxis": f"x{axis}",
                 "yaxis": f"y{axis}",
@@ -970,9 +1041,10 @@ def iteration_spread(exponents: pd.DataFrame, block_size: int) -> tuple[int, flo
 
 
 def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
-    """Per-category distribution of exponent and block change rates (box from precomputed quartiles, so
-    the page stays small however many shards the bundle has) and the numel-weighted block change rate over
-    iterations at the default block size B (or the bundle's most common one), and how q grows with B."""
+    """Per (model, dtype), a dropdown picking one: the per-category distribution of exponent and block
+    change rates (box from precomputed quartiles, so the page stays small however many shards the bundle
+    has) at the default block size B (or the bundle's most common one), and how the numel-weighted block
+    change rate q grows with B. The title names the model: categories of different models differ."""
     block_sizes = set(exponents["block_size"].astype(int))
     block_size = (
         DEFAULT_BLOCK_SIZE
@@ -980,54 +1052,85 @@ def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
         else int(exponents["block_size"].mode().iloc[0])
     )
     all_rows = exponents.merge(runs[["run_id", "model", "dtype", "source"]], on="run_id", how="left")
-    rows = all_rows[all_rows["block_size"] == block_size]
-    categories = [c for c in CATEGORY_COLOURS if c in set(rows["category"])]
-    categories += sorted(set(rows["category"]) - set(CATEGORY_COLOURS))
+    present_categories = set(all_rows["category"])
+    categories = [c for c in CATEGORY_COLOURS if c in present_categories]
+    categories += sorted(present_categories - set(CATEGORY_COLOURS))
+    views = _views(all_rows[["model", "dtype"]].drop_duplicates().to_dict("records"))
     data: list[dict[str, Any]] = []
-    for rate_column, label, offset_group in (
-        ("exp_change_rate", "values with a changed exponent", "exp"),
-        ("block_change_rate", f"B={block_size} blocks with a change", "block"),
-    ):
-        quantiles = (
-            rows.groupby("category")[rate_column].quantile([0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0]).unstack()
+    owners: list[int] = []
+    view_layouts: list[dict[str, Any]] = []
+    for view_index, (model, dtype) in enumerate(views):
+        view_rows = all_rows[(all_rows["model"] == model) & (all_rows["dtype"] == dtype)]
+        rows = view_rows[view_rows["block_size"] == block_size]
+        view_traces: list[dict[str, Any]] = []
+        for rank, (rate_column, label, offset_group) in enumerate(
+            (
+                ("exp_change_rate", "values with a changed exponent", "exp"),
+                ("block_change_rate", f"B={block_size} blocks with a change", "block"),
+            )
+        ):
+            quantiles = (
+                rows.groupby("category")[rate_column]
+                .quantile([0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0])
+                .unstack()
+            )
+            means = rows.groupby("category")[rate_column].mean()
+            present = [c for c in categories if c in quantiles.index]
+            view_traces.append(
+                {
+                    "type": "box",
+                    "name": label,
+                    "legendgroup": offset_group,
+                    "legendrank": 1 + rank,
+                    "offsetgroup": offset_group,
+                    "x": present,
+                    "q1": [_floor(quantiles.loc[c, 0.25]) for c in present],
+                    "median": [_floor(quantiles.loc[c, 0.5]) for c in present],
+                    "q3": [_floor(quantiles.loc[c, 0.75]) for c in present],
+                    "lowerfence": [_floor(quantiles.loc[c, 0.05]) for c in present],
+                    "upperfence": [_floor(quantiles.loc[c, 0.95]) for c in present],
+                    "mean": [_floor(means.loc[c]) for c in present],
+                    "marker": {"color": CHURN_RATE_COLOURS[offset_group]},
+                    "hoverinfo": "x+y",
+                    "xaxis": "x",
+                    "yaxis": "y",
+                }
+            )
+        view_traces += _weighted_rate_lines(view_rows, categories, "block_size", "B=%{x}", "2", marker_size=6)
+        data += view_traces
+        owners += [view_index] * len(view_traces)
+        sources = sorted(set(rows["source"].dropna()))
+        provenance = (
+            " + ".join("analytic traces" if s == "analytic" else f"{s} traces" for s in sources)
+            or "unknown source"
         )
-        means = rows.groupby("category")[rate_column].mean()
-        present = [c for c in categories if c in quantiles.index]
-        data.append(
+        view_layouts.append(
             {
-                "type": "box",
-                "name": label,
-                "offsetgroup": offset_group,
-                "x": present,
-                "q1": [_floor(quantiles.loc[c, 0.25]) for c in present],
-                "median": [_floor(quantiles.loc[c, 0.5]) for c in present],
-                "q3": [_floor(quantiles.loc[c, 0.75]) for c in present],
-                "lowerfence": [_floor(quantiles.loc[c, 0.05]) for c in present],
-                "upperfence": [_floor(quantiles.loc[c, 0.95]) for c in present],
-                "mean": [_floor(means.loc[c]) for c in present],
-                "marker": {"color": "#4c78a8" if offset_group == "exp" else "#f58518"},
-                "hoverinfo": "x+y",
-                "xaxis": "x",
-                "yaxis": "y",
+                "title": {
+                    "text": f"<b>{model}</b> · {dtype.upper()} · block size B={block_size} · {provenance}",
+                    # Left, as in the bandwidth plot: centred, a long model name runs under the mode bar.
+                    "xref": "paper",
+                    "x": 0,
+                    "xanchor": "left",
+                    "y": 0.97,
+                }
             }
         )
-    data += _weighted_rate_lines(all_rows, categories, "block_size", "B=%{x}", "2", marker_size=6)
-    sources = sorted(set(rows["source"].dropna()))
-    provenance = (
-        " + ".join("analytic traces" if s == "analytic" else f"{s} traces" for s in sources)
-        or "unknown source"
-    )
-    layout = _base_layout(500)
+    menus = _view_menus(data, owners, views, view_layouts)
+    # With a dropdown, room for it between the title and the panel titles: it sits 100 px above the plot.
+    margin = {"l": 70, "r": 30, "t": 150 if menus else 90, "b": 120}
+    height_px = 500 + (60 if menus else 0)
+    for menu in menus:
+        menu["y"] = 1 + 100 / (height_px - margin["t"] - margin["b"])
+    layout = _base_layout(height_px)
+    layout.update(view_layouts[0] if view_layouts else {})
     layout.update(
         {
-            "title": {
-                "text": f"Exponent churn, block size B={block_size} · {provenance}",
-                "x": 0.5,
-                "y": 0.97,
-            },
             "boxmode": "group",
             # Log: value churn (~10⁻³) and block churn q (~0.5) differ by orders of magnitude.
-            "xaxis": _axis("parameter category", domain=[0, 0.5]),
+            "xaxis": _axis(
+                "parameter category", domain=[0, 0.5], categoryorder="array", categoryarray=categories
+            ),
             "yaxis": _axis(
                 "change rate between iterations (log)", type="log", **_log_ticks([RATE_FLOOR, 1.0])
             ),
@@ -1039,8 +1142,9 @@ def exponent_figure(exponents: pd.DataFrame, runs: pd.DataFrame) -> Figure:
                 _panel_title("per category (box p25–p75, whiskers p5–p95)", "x domain", "y domain"),
                 _panel_title("q vs block size (numel-weighted)", "x2 domain", "y2 domain"),
             ],
-            "margin": {"l": 70, "r": 30, "t": 90, "b": 120},
+            "margin": margin,
             "legend": {"orientation": "h", "y": -0.3, "x": 0, "font": {"size": 12}},
+            "updatemenus": menus,
         }
     )
     return {"data": data, "layout": layout}
@@ -1062,6 +1166,34 @@ def _bandwidth_ticks(bandwidths_Bps: Iterable[float]) -> dict[str, Any]:
     }
 
 
+# Two systems whose speedups differ by less than this (relative) at a bandwidth draw as one line there.
+SWEEP_COINCIDE_RELATIVE = 0.002
+
+
+def _coinciding_below(
+    system: str, drawn: Sequence[str], lines: dict[str, list[tuple[float, dict[str, Any]]]]
+) -> str:
+    """Where `system`'s sweep line lies on that of a system drawn before it, in words for its legend
+    entry: 'CIERA-ER' when at every bandwidth, 'CIERA-ER at 2, 4 GB/s' when at some; '' when nowhere."""
+
+    def speedups(name: str) -> dict[float, float]:
+        return {b: r["speedup_vs_zero3"] for b, r in lines[name]}
+
+    own = speedups(system)
+    for other in drawn[: drawn.index(system)]:
+        theirs = speedups(other)
+        same = [
+            b
+            for b, value in sorted(own.items())
+            if b in theirs and abs(value - theirs[b]) <= SWEEP_COINCIDE_RELATIVE * abs(value)
+        ]
+        if len(same) == len(own):
+            return short_label(other)
+        if same:
+            return f"{short_label(other)} at {', '.join(f'{b / 1e9:.3g}' for b in same)} GB/s"
+    return ""
+
+
 def sensitivity_figure(
     views: Sequence[SweepView],
     axis_title: str,
@@ -1073,7 +1205,8 @@ def sensitivity_figure(
     `report.sensitivity.SweepView`s (a dropdown picks the view); the 1.0 "no gain" line and, when known,
     the cluster's own bandwidth as a vertical marker (named in the legend, not ticked: its label would
     collide with a neighbouring swept value's). The x axis is ticked at `tick_Bps`. Every point is a simulated projection (the bandwidth
-    is set, not measured), so every line is dashed with hollow markers."""
+    is set, not measured), so every line is dashed with hollow markers. A line lying on one drawn before
+    it says so in its legend entry ("· on CIERA-ER")."""
     data: list[dict[str, Any]] = []
     owners: list[int] = []
     view_layouts: list[dict[str, Any]] = []
@@ -1082,19 +1215,35 @@ def sensitivity_figure(
         all_bandwidths_Bps.append(reference_Bps)
     for view_index, view in enumerate(views):
         speedups = []
-        for system, points in view.lines.items():
+        # Widest first, in each system's own dash and marker (as in the speedup plot): CIERA-ER, ER+BSC
+        # and CIERA often give one speedup at every bandwidth, and each must still show.
+        drawn = sorted(view.lines, key=lambda s: -system_style(s)["width"])
+        for system in drawn:
+            points = view.lines[system]
             colour = system_colour(system)
+            style = system_style(system)
             speedups += [r["speedup_vs_zero3"] for _, r in points]
+            under = _coinciding_below(system, drawn, view.lines)
             data.append(
                 {
                     "type": "scatter",
                     "mode": "lines+markers",
-                    "name": system_label(system),
+                    "name": system_label(system) + (f" · on {under}" if under else ""),
                     "legendgroup": system,
+                    "legendrank": 10 + SYSTEMS.index(system) if system in SYSTEMS else 100,
                     "x": [b / 1e9 for b, _ in points],
                     "y": [r["speedup_vs_zero3"] for _, r in points],
-                    "line": {"color": colour, "width": 2, "dash": "dash"},
-                    "marker": {"color": colour, "size": 9, "symbol": "circle-open", "line": {"width": 2}},
+                    "line": {
+                        "color": _translucent(colour, 0.55) if style["width"] > 3 else colour,
+                        "width": style["width"],
+                        "dash": style["dash"],
+                    },
+                    "marker": {
+                        "color": colour,
+                        "size": style["size"],
+                        "symbol": _marker_symbol(system, measured=False),
+                        "line": {"width": 2, "color": colour},
+                    },
                     "customdata": [
                         [r["iteration_s"]["p50"], r["iteration_s"]["p5"], r["iteration_s"]["p95"]]
                         for _, r in points

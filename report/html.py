@@ -10,7 +10,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from traces import TraceBundle
+import traces
+from traces import NAMED_BUNDLES, TraceBundle
 
 from .figures import (
     DEFAULT_BLOCK_SIZE,
@@ -45,7 +46,7 @@ from .sensitivity import (
     sweep_views,
     validate_sweep_records,
 )
-from .summary import PAYS_ABOVE, SummaryRow, pays_text, summary_rows
+from .summary import PAYS_ABOVE, SummaryRow, lossy_faster, node_boundary_text, pays_text, summary_rows
 from .validation import (
     PRODUCERS,
     REPLAY_TARGET,
@@ -103,6 +104,8 @@ table.summary td { white-space:normal; vertical-align:top; }
 table.summary td:first-child { min-width:150px; }
 table.summary td .lossy { color:var(--muted); font-size:12px; }
 table.summary td.pays { font-weight:600; }
+table.summary td.unfit { color:var(--muted); font-size:12px; }
+table.records td.unfit { color:#f87171; }
 .verdict { margin:8px 0 4px; font-size:15px; max-width:980px; }
 table.records th { position:sticky; top:0; background:#f3f4f6; cursor:pointer; user-select:none; }
 table.records td.text, table.records th.text { text-align:left; }
@@ -201,6 +204,34 @@ def _format_number(value: float | None, digits: int = 4) -> str:
     return "—" if value is None else f"{value:.{digits}g}"
 
 
+def _memory_cell(memory: dict[str, Any]) -> str:
+    """One GPU's memory and whether it fits; the parts in the hover title (sim/memory.py)."""
+    if not memory:
+        return '<td data-sort="0">—</td>'
+    total = memory["total_bytes"]
+    parts = ", ".join(
+        f"{label} {memory[key] / 2**30:.1f}"
+        for key, label in (
+            ("model_states_bytes", "model states"),
+            ("gathered_parameters_bytes", "gathered layers"),
+            ("activations_bytes", "activations"),
+            ("ciera_bytes", "CIERA state"),
+            ("zeropp_bytes", "hpZ partition"),
+        )
+        if memory.get(key)
+    )
+    device = memory.get("device_bytes") or 0
+    fit = (
+        "fit not checked (no device memory in the preset)"
+        if memory.get("fits") is None
+        else ("fits" if memory["fits"] else "does not fit")
+        + f" ({total / 2**30:.0f} GiB of {device / 2**30:.0f})"
+    )
+    css = ' class="wrap unfit"' if memory.get("fits") is False else ' class="wrap"'
+    mark = " ✗" if memory.get("fits") is False else ""
+    return f'<td{css} data-sort="{total}" title="{html.escape(fit)}: {html.escape(parts)} GiB">{total / 2**30:.0f}{mark}</td>'
+
+
 def _records_table(records: list[dict[str, Any]]) -> str:
     system_rank = {s: i for i, s in enumerate(SYSTEMS)}
     ordered = sorted(
@@ -225,8 +256,12 @@ def _records_table(records: list[dict[str, Any]]) -> str:
         ("× ZeRO-3", ""),
         ("× ZeRO++", ""),
         ("own bound × / overlap-only ×", ""),
-        ("Allgather GB/iter" + (" (intra / inter-node)" if has_split else ""), ""),
+        (
+            "Allgather GB/iter gathered" + (" (one rank receives: intra / inter-node)" if has_split else ""),
+            "",
+        ),
         ("shards selected", ""),
+        ("GiB / GPU", ""),
     ]
     head = "".join(f'<th class="{css}">{html.escape(name)}</th>' for name, css in headers)
     rows = []
@@ -260,11 +295,25 @@ def _records_table(records: list[dict[str, Any]]) -> str:
             f'<td data-sort="{allgather_bytes or 0}">'
             f"{_format_number(None if allgather_bytes is None else allgather_bytes / 1e9)}{split}</td>",
             f'<td class="wrap">{shards}</td>',
+            _memory_cell(r.get("memory") or {}),
         ]
         row_class = "measured" if is_measured_point(r) else "projected"
         rows.append(f'<tr class="{row_class}">{"".join(cells)}</tr>')
     missing = []
-    if not has_split:
+    if any(r.get("memory") for r in records):
+        missing.append(
+            "“GiB / GPU”: one GPU's memory at the peak of the iteration — model states, the gathered layers, "
+            "activations, CIERA's exponent state, ZeRO++'s hpZ partition (hover for the parts); ✗: it does "
+            "not fit the preset's device memory, and the summary leaves it out."
+        )
+    if has_split:  # the split is per receiving rank, the total per assembled tensor: say why they differ
+        missing.append(
+            "“Allgather GB/iter gathered” is the sum of the gathered tensors' sizes (wire format) as every "
+            "rank assembles them; the two figures under it are what one rank receives over the intra-node "
+            "and the inter-node network. They do not add up to the total: a rank's own shard (1/W of it) is "
+            "never received, and while W fits in one node nothing crosses nodes (inter-node 0)."
+        )
+    else:
         missing.append(
             "The intra/inter-node split of the Allgather bytes is not in these records (older simulator "
             "output); the total is shown."
@@ -412,7 +461,10 @@ def _sensitivity_body(sweep: BandwidthSweep, views: list) -> str:
     caption = (
         f'<p class="caption">{reference}{html.escape(sweep.scope_note)} Every point is a simulated '
         "projection at a set bandwidth, not a measurement. The crossing is interpolated between the two "
-        "swept bandwidths around it (linear in speedup over log bandwidth).</p>"
+        "swept bandwidths around it (linear in speedup over log bandwidth). Each system keeps the dash, "
+        "marker and width of the speedup plot, the CIERA variants widest first, so lines that coincide "
+        "stay visible; a legend entry “· on CIERA-ER” says that line lies on CIERA-ER's (at the bandwidths "
+        "named, or at every one).</p>"
     )
     return _system_key(systems) + _plot_div("fig-sensitivity") + table + caption
 
@@ -764,6 +816,12 @@ def _validation_body(results: ValidationResults | None) -> tuple[str, dict[str, 
     return "".join(blocks), figures
 
 
+def _speedup_range(values: Sequence[float]) -> str:
+    """'1.06–1.46×', or one value when both ends print the same ('1.00×', not '1.00–1.00×')."""
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{low}×" if low == high else f"{low}–{high}×"
+
+
 def _summary_body(records: list[dict[str, Any]]) -> str:
     """Per model and dtype: the best system and its speedup over ZeRO-3 at each W (the best lossless one,
     and a lossy ZeRO++ beneath it when that is faster), and from which W the full CIERA pays."""
@@ -779,7 +837,8 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
 
     def cell(row: SummaryRow, g: int) -> str:
         if g not in row.best:
-            return "<td>—</td>"
+            why = row.does_not_fit(g) or "not simulated"
+            return f'<td class="unfit">{html.escape(why)}</td>'
         system, speedup = row.best_lossless.get(g, row.best[g])
         text = (
             f'<span style="color:{system_colour(system)};font-weight:600">{html.escape(short_label(system))}'
@@ -795,10 +854,18 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
             )
         return f"<td>{text}</td>"
 
+    def pays_cell(row: SummaryRow) -> str:
+        text = html.escape(pays_text(row))
+        lossy = [found[1] for g in row.gpus if (found := lossy_faster(row, g)) is not None]
+        if lossy:
+            text += f"; ZeRO++ (lossy) is faster, {_speedup_range(lossy)}"
+        return f'<td class="text pays">{text}</td>'
+
     body = "".join(
         f'<tr><td class="text">{html.escape(row.model)} · {row.dtype}</td>'
         + "".join(cell(row, g) for g in gpus)
-        + f'<td class="text pays">{html.escape(pays_text(row))}</td></tr>'
+        + pays_cell(row)
+        + "</tr>"
         for row in rows
     )
     target = 64 if 64 in gpus else gpus[-1]
@@ -808,31 +875,56 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
         if not at_target:
             continue
         values = [row.ciera[target] for row in at_target]
-        paying = sum(v > PAYS_ABOVE for v in values)
+        paying = sum(v >= PAYS_ABOVE for v in values)
         better = [
             row.model
             for row in at_target
             if row.best_lossless.get(target, ("ciera", 0))[0] != "ciera"
             and row.best_lossless[target][1] > row.ciera[target] + 1e-3
         ]
-        line = (
-            f"{dtype.upper()}: {system_label('ciera')} is {min(values):.2f}–{max(values):.2f}× ZeRO-3's speed "
-            f"across the {len(values)} models and pays for {paying} of them"
+        lossy = [found[1] for row in at_target if (found := lossy_faster(row, target)) is not None]
+        over = " over ZeRO-3" if lossy else ""
+        line = f"{dtype.upper()}: {system_label('ciera')} is {_speedup_range(values)} ZeRO-3's speed " + (
+            f"for {at_target[0].model} and {'pays' if paying else 'does not pay'}{over}"
+            if len(values) == 1
+            else f"across the {len(values)} models and pays{over} for {paying} of them"
         )
+        if lossy:
+            line += (
+                f"; ZeRO++ (lossy, int8 weights) is faster for {len(lossy)} of them "
+                f"({_speedup_range(lossy)} ZeRO-3's speed)"
+            )
         if better:
             line += f"; a simpler CIERA variant or another lossless system is faster for {', '.join(better)}"
         verdicts.append(html.escape(line) + ".")
-    left_out = sorted(
-        {f"{system_label(system)} ({row.model}, W = {g})" for row in rows for system, g in row.over_budget}
-    )
+    unfit = [(row.model, g, system, why) for row in rows for system, g, why in row.left_out]
+    left_out = [
+        f"{system_label(system)} ({model}, W = {g}: {why})"
+        for model, g, system, why in sorted(set(unfit), key=lambda item: (item[0], item[1], item[2]))
+    ]
     budget_note = (
-        '<p class="caption">Left out of “fastest”: '
+        '<p class="caption">Left out of “fastest” and “pays from”: '
         + html.escape(
             ", ".join(left_out[:6]) + (f" and {len(left_out) - 6} more" if len(left_out) > 6 else "")
         )
-        + " — compressing every shard needs more receiver cache per GPU than the preset's budget "
-        "(<code>ciera.cache_budget_bytes</code>), so that plan does not fit; its records carry the figure.</p>"
+        + " — a plan that does not fit one GPU's memory (the records' memory per GPU, against the preset's "
+        "device memory) or, compressing every shard, the receiver cache budget "
+        "(<code>ciera.cache_budget_bytes</code>) cannot run; its records carry the figures.</p>"
         if left_out
+        else ""
+    )
+    bases = []
+    for boundary in dict.fromkeys(node_boundary_text(row) for row in rows if row.pays_from is not None):
+        if boundary:
+            count = sum(node_boundary_text(row) == boundary for row in rows)
+            bases.append(f"In {count} of {len(rows)} rows CIERA pays from {boundary}.")
+    for inter_node in dict.fromkeys(row.inter_node for row in rows):
+        if inter_node:
+            bases.append(f"Every verdict here rests on the {inter_node}.")
+    basis_note = (
+        f'<p class="caption">{html.escape(" ".join(bases))} How the verdicts move with that bandwidth: '
+        '<a href="#sensitivity">Speedup vs link bandwidth</a>.</p>'
+        if bases
         else ""
     )
     provenance = sorted({row.provenance for row in rows})
@@ -850,11 +942,25 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
         f"</thead><tbody>{body}</tbody></table></div>"
         '<p class="caption">Each cell: the fastest <em>lossless</em> system at that W and its speedup over '
         f"ZeRO-3 (p50 iteration times); below it, {html.escape(system_label('ciera'))}'s own speedup when "
-        "another system is faster, and ZeRO++ when its int8 (lossy) gathers are faster still. CIERA is "
-        "ER+BSC+CCP, ER+BSC is CIERA-ER+BSC. A speedup of "
-        f"at most {PAYS_ABOVE:.3f}× counts as not paying (a CIERA that selects no shard replays ZeRO-3 "
-        "exactly). “Pays from W = n”: at n and every larger swept W.</p>" + budget_note
+        "another system is faster, and ZeRO++ when its int8 (lossy) gathers are faster still; “does not fit” "
+        "where not even ZeRO-3's step fits one GPU. CIERA is ER+BSC+CCP, ER+BSC is CIERA-ER+BSC. Pays: a "
+        f"speedup of at least {PAYS_ABOVE:.2f}× over ZeRO-3 (less is within the simulation's own noise; the "
+        "same threshold as <code>ciera simulate</code>'s summary). “Pays from W = n”: at n and every larger "
+        "swept W where it fits.</p>" + basis_note + budget_note
     )
+
+
+def _bundle_name(bundle_path: str | None) -> str:
+    """The bundle as the user names it to the CLI: 'analytic (traces/data/default)' for a shipped one,
+    else the path as given."""
+    if not bundle_path:
+        return "<code>none</code>"
+    path = Path(bundle_path)
+    for name, shipped in NAMED_BUNDLES.items():  # 'analytic' before its alias 'default'
+        if path.exists() and shipped().exists() and path.resolve() == shipped().resolve():
+            shown = shipped().resolve().relative_to(Path(traces.__file__).resolve().parent.parent)
+            return f"<code>{html.escape(name)}</code> ({html.escape(str(shown))})"
+    return f"<code>{html.escape(bundle_path)}</code>"
 
 
 def _provenance_banner(records: list[dict[str, Any]], bundle: TraceBundle | None) -> str:
@@ -978,7 +1084,9 @@ def build_report(
             "Iteration-time speedup (ratio of p50 iteration times) of each system over ZeRO-3 as the world "
             "size grows, on log axes so ZeRO++ at several × and CIERA near 1× both read. Right: in FP16 "
             "views the speedup over ZeRO++ (int8 weight gathers: lossy, FP16 only); in BF16 views, where "
-            "ZeRO++ does not exist, the Allgather bytes per iteration that CIERA's compression cuts. Filled "
+            "ZeRO++ does not exist, the Allgather bytes per iteration that CIERA's compression cuts (thin "
+            "lines without markers: what one rank receives over the inter-node network, from the first W "
+            "that spans nodes). Filled "
             "markers on solid lines are measured; hollow markers on dashed lines are projections. Each system "
             "has its own marker and dash, and the CIERA variants are drawn widest first (ER wide and pale, "
             "ER+BSC dotted, CIERA thin on top), so lines that coincide stay visible; which ones coincide, and "
@@ -1018,7 +1126,8 @@ def build_report(
             "time axis, because W = 4 takes a fraction of what W = 128 takes (compare bars within a panel; "
             "the axis values across panels). The vertical tick with whiskers is the p50 iteration time and its "
             "p5–p95 band over the anchor run's iterations. ER+BSC is CIERA-ER+BSC, CIERA is ER+BSC+CCP. Paler bars are "
-            "projections, full-colour bars measured.",
+            "projections, full-colour bars measured. ZeRO++ is simulated in FP16 only, so BF16 views have "
+            "no ZeRO++ row.",
             _plot_div("fig-breakdown") if records else no_records,
         ),
         section(
@@ -1041,8 +1150,11 @@ def build_report(
             "How often exponents change between iterations, per parameter category: the fraction of values "
             "whose exponent changed, and the fraction of B-value blocks holding any change (the block change "
             "rate q that sets CIERA's payload ratio r(q) ≈ 0.5 + 1/(16B) + q·H/16 for BF16), on a log axis "
-            "(a rate of exactly 0 is drawn at 10⁻⁵); and how q grows with the block size B."
-            + (f" {html.escape(exponent_note)}" if exponent_note else ""),
+            "(a rate of exactly 0 is drawn at 10⁻⁵), in greys; and how q grows with the block size B, one "
+            "colour, dash and marker per category. Categories whose q lie on each other (often attention "
+            "and router) stay visible: the lower line is wider or shows through the dashes, and the upper "
+            "one's legend entry says which line it lies on. The title names the model and dtype; with "
+            "several, the dropdown picks one." + (f" {html.escape(exponent_note)}" if exponent_note else ""),
             _plot_div("fig-exponents")
             if has_exponents
             else '<p class="empty">The trace bundle holds no exponent statistics.</p>',
@@ -1090,11 +1202,12 @@ def build_report(
     meta_items = []
     if cluster:
         meta_items.append(f"cluster <code>{html.escape(cluster)}</code>")
-    meta_items.append(f"trace bundle <code>{html.escape(bundle_path) if bundle_path else 'none'}</code>")
+    meta_items.append(f"trace bundle {_bundle_name(bundle_path)}")
     models = list(dict.fromkeys(r["model"] for r in records))
     gpus = sorted({r["gpus"] for r in records})
     if records:
-        meta_items.append(f"{len(models)} models, W ∈ {{{', '.join(map(str, gpus))}}}")
+        plural = "s" if len(models) != 1 else ""
+        meta_items.append(f"{len(models)} model{plural}, W ∈ {{{', '.join(map(str, gpus))}}}")
     nav = "".join(
         f'<a href="#{anchor}">{name}</a>'
         for anchor, name in (

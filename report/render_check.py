@@ -53,7 +53,10 @@ PLOT_STATUS_EXPRESSION = """JSON.stringify((function () {
 
 # Layout problems inside one element (`check_render(layout_selector=...)`): plot divs that overlap each
 # other or stick out of it, text of a plot's SVG (titles, tick labels, annotations) that overlaps other
-# text or leaves its plot, HTML that runs past the element's right edge, and tables that need scrolling.
+# text or leaves its plot, a dropdown over text, a line hidden under another (the same path drawn later, at least as wide and
+# solid or in the same dash: coinciding data must stay visible; a trace's own overlay, such as its
+# measured points, shares its legend group and does not count), HTML that runs past the element's right
+# edge, and tables that need scrolling.
 LAYOUT_CHECK_EXPRESSION = """JSON.stringify((function (selector) {
   const root = document.querySelector(selector);
   if (!root) return ['no element matches ' + selector];
@@ -89,6 +92,31 @@ LAYOUT_CHECK_EXPRESSION = """JSON.stringify((function (selector) {
       texts.slice(j + 1).forEach(function (other) {
         if (hit(a, box(other))) problems.push('#' + plot.id + ': text "' + text.textContent.trim().slice(0, 40) +
           '" overlaps "' + other.textContent.trim().slice(0, 40) + '"');
+      });
+    });
+    Array.from(plot.querySelectorAll('.updatemenu-header-group')).filter(shown).forEach(function (menu) {
+      texts.forEach(function (text) {  // a closed dropdown is a box over whatever lies under it
+        if (!menu.contains(text) && hit(box(menu), box(text)))
+          problems.push('#' + plot.id + ': the dropdown covers "' + text.textContent.trim().slice(0, 40) + '"');
+      });
+    });
+    const lines = Array.from(plot.querySelectorAll('.scatterlayer .trace')).map(function (trace) {
+      const path = trace.querySelector('path.js-line');
+      if (!path || !path.getAttribute('d')) return null;
+      const style = getComputedStyle(path);
+      const r = box(path);  // a flat line has no height: only a path with no extent at all is not drawn
+      if (style.display === 'none' || style.visibility === 'hidden' || style.opacity === '0' ||
+          (r.width === 0 && r.height === 0)) return null;
+      const data = trace.__data__ && trace.__data__[0] && trace.__data__[0].trace;
+      return {d: path.getAttribute('d'), width: parseFloat(style.strokeWidth) || 0,
+              dash: (style.strokeDasharray || 'none').replace(/\\s+/g, ''),
+              name: data ? String(data.name) : '?', group: data ? data.legendgroup : ''};
+    }).filter(Boolean);
+    lines.forEach(function (lower, k) {
+      lines.slice(k + 1).forEach(function (upper) {  // document order is drawing order: later on top
+        if (upper.d === lower.d && !(lower.group && lower.group === upper.group) &&
+            upper.width + 0.01 >= lower.width && (upper.dash === 'none' || upper.dash === lower.dash))
+          problems.push('#' + plot.id + ': line "' + lower.name + '" is hidden under "' + upper.name + '"');
       });
     });
   });

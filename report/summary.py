@@ -11,7 +11,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sim import LOSSY_SYSTEMS, PAYS_ABOVE, SummaryRow, pays_basis, pays_text, summary_rows, w_ranges
+from sim import (
+    LOSSY_SYSTEMS,
+    PAYS_ABOVE,
+    SummaryRow,
+    lossy_faster,
+    node_boundary_text,
+    pays_basis,
+    pays_text,
+    summary_rows,
+    w_ranges,
+)
 
 CIERA = "ciera"
 
@@ -22,6 +32,8 @@ __all__ = [
     "SummaryRow",
     "coincidence_lines",
     "coincidences",
+    "lossy_faster",
+    "node_boundary_text",
     "pays_basis",
     "pays_text",
     "summary_rows",

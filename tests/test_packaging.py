@@ -33,3 +33,22 @@ def test_console_script_lists_every_stage_command():
         "validate",
     ):
         assert command in result.stdout
+
+
+def test_help_and_version_show_no_bool_type():
+    from typer.testing import CliRunner
+
+    from ciera_cli.main import app
+
+    runner = CliRunner()
+    help_result = runner.invoke(app, ["--help"])
+    assert help_result.exit_code == 0, help_result.output
+    assert "--version" in help_result.output and "--help" in help_result.output
+    assert "<bool>" not in help_result.output, "a flag takes no value: no type after it"
+    version_result = runner.invoke(app, ["--version"])
+    assert version_result.exit_code == 0 and version_result.output.startswith("ciera ")
+    assert "<bool>" not in version_result.output
+    # Every command's flags, its own --help included.
+    for command in ("simulate", "report", "train", "measure", "validate", "replay", "models"):
+        result = runner.invoke(app, [command, "--help"])
+        assert result.exit_code == 0 and "<bool>" not in result.output, command

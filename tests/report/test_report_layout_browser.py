@@ -1,5 +1,6 @@
-"""The whole report laid out in headless Chromium at 1024 and 1600 px: no plot or text overlaps, nothing
-runs past its section, no table scrolls sideways — in the BF16 and the FP16 view, with real model names."""
+"""The whole report laid out in headless Chromium at 1024 and 1600 px: no plot or text overlaps, no line
+hides under another, nothing runs past its section, no table scrolls sideways — in the BF16 and the FP16
+view, with real model names."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 from report import build_report, write_report
 from report.render_check import check_render
 
-from .conftest import crafted_bundle, crafted_records, crafted_timeline
+from .conftest import crafted_records, crafted_timeline
 from .test_report_browser import _require_chromium
+from .test_report_defects import coinciding_bundle, coinciding_sweep
 
 pytestmark = pytest.mark.browser
 
@@ -24,7 +26,12 @@ def test_whole_report_has_no_layout_problems(tmp_path, width_px, dtype):
     for r in records:  # coinciding CIERA lines: the notes under the speedup plot must fit too
         if r["system"] == "ciera-er-bsc":
             r["shards_selected"], r["shards_total"] = 40, 40
-    page = build_report(records, crafted_timeline(), crafted_bundle(), "Layout test")
+    # Lines that coincide exactly (router on attention, the CIERA variants over bandwidth) must all show,
+    # and the exponent figure's model dropdown must fit above its panel titles.
+    sweep = coinciding_sweep(models=MODELS, gpus=128)
+    page = build_report(
+        records, crafted_timeline(), coinciding_bundle(MODELS), "Layout test", sensitivity=sweep
+    )
     html_path = write_report(tmp_path / "report.html", page)
     result = check_render(
         html_path,
@@ -34,7 +41,7 @@ def test_whole_report_has_no_layout_problems(tmp_path, width_px, dtype):
         screenshot_path=tmp_path / "main.png",
     )
     assert result.console_errors == []
-    assert result.plots_rendered == result.plots_expected == 4
+    assert result.plots_rendered == result.plots_expected == 5
     assert result.layout_problems == []
     assert (tmp_path / "main.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

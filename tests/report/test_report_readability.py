@@ -153,7 +153,7 @@ def test_new_record_fields_shown_when_present_and_their_absence_said():
         r["allgather_bytes_intra_node_per_iter"] = 1e9
         r["allgather_bytes_inter_node_per_iter"] = r["allgather_bytes_per_iter"] - 1e9
     page = build_report(new, [], None, "t")
-    assert "not in these records" not in page and "(intra / inter-node)" in page
+    assert "not in these records" not in page and "(one rank receives: intra / inter-node)" in page
     assert "intra-node 1 GB" in bytes_split_text(new[0])
     speedup = _figures(page)["fig-speedup"]
     assert any("inter-node GB" in t["name"] for t in speedup["data"])

@@ -2,7 +2,8 @@
 
 Two sources, one shape (`BandwidthSweep`): `ciera report` simulating the sweep itself through the `sim`
 API (`simulate_bandwidth_sweep`), or a `ciera simulate --sweep inter_node.beta_Bps=... --json FILE`
-document (`load_sensitivity`). `break_even` finds where a system's speedup falls to 1.0 or below.
+document (`load_sensitivity`). `break_even` finds where a system's speedup falls below the one "pays"
+threshold (`PAYS_ABOVE`, 1.01×: below it a difference is the simulation's own noise).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
+
+from sim import PAYS_ABOVE
 
 from .errors import ReportInputError
 from .figures import system_label
@@ -67,7 +70,9 @@ class SweepView:
 @dataclass(frozen=True)
 class BreakEven:
     kind: Literal["crosses", "always", "never", "rises"]
-    bandwidth_Bps: float | None  # where the speedup reaches 1.0 (log-linear interpolation), if it does
+    bandwidth_Bps: (
+        float | None
+    )  # where the speedup falls to PAYS_ABOVE (log-linear interpolation), if it does
     text: str  # the full statement, with the speedups around the crossing
     short: str  # a few words, for a table cell holding several systems
 
@@ -90,8 +95,12 @@ def sweep_command(records: Sequence[dict[str, Any]]) -> str:
     return command + " --json sweep.json"
 
 
+def pays(speedup: float) -> bool:
+    return speedup >= PAYS_ABOVE
+
+
 def break_even(points: Sequence[tuple[float, float]]) -> BreakEven:
-    """Where the speedup (second of each pair) falls to <= 1.0 as the bandwidth (first, B/s) grows.
+    """Where the speedup (second of each pair) falls below `PAYS_ABOVE` as the bandwidth (first, B/s) grows.
 
     The crossing is interpolated linearly in speedup over log bandwidth between the last swept point
     that pays and the first that does not; a sweep that never crosses says so instead."""
@@ -101,22 +110,22 @@ def break_even(points: Sequence[tuple[float, float]]) -> BreakEven:
     bandwidths = [b for b, _ in ordered]
     speedups = [s for _, s in ordered]
     span = f"{_gbps(bandwidths[0])}–{_gbps(bandwidths[-1])}"
-    if all(s > 1.0 for s in speedups):
+    if all(pays(s) for s in speedups):
         return BreakEven(
             "always",
             None,
             f"pays at every swept bandwidth ({span}): still {speedups[-1]:.3f}× at {_gbps(bandwidths[-1])}",
             "pays at every swept bandwidth",
         )
-    if all(s <= 1.0 for s in speedups):
+    if not any(pays(s) for s in speedups):
         return BreakEven(
             "never",
             None,
             f"never pays in the swept range ({span}): at most {max(speedups):.3f}×",
             "never pays",
         )
-    first_paying = next(i for i, s in enumerate(speedups) if s > 1.0)
-    crossing = next((i for i in range(first_paying + 1, len(speedups)) if speedups[i] <= 1.0), None)
+    first_paying = next(i for i, s in enumerate(speedups) if pays(s))
+    crossing = next((i for i in range(first_paying + 1, len(speedups)) if not pays(speedups[i])), None)
     if crossing is None:  # no gain at the slowest links, a gain from some bandwidth on
         return BreakEven(
             "rises",
@@ -126,18 +135,20 @@ def break_even(points: Sequence[tuple[float, float]]) -> BreakEven:
             f"pays from {_gbps(bandwidths[first_paying])} on",
         )
     (b0, s0), (b1, s1) = ordered[crossing - 1], ordered[crossing]
-    fraction = (s0 - 1.0) / (s0 - s1)
+    fraction = (s0 - PAYS_ABOVE) / (s0 - s1)
     at_Bps = math.exp(math.log(b0) + fraction * (math.log(b1) - math.log(b0)))
-    # A speedup of exactly 1.0 is CIERA falling back to the plain schedule: the crossing lies somewhere in
-    # the interval, so the interval leads and the interpolation is only stated when it says more.
-    interpolated = "" if math.isclose(at_Bps, b1, rel_tol=1e-6) else f" (interpolated ≈ {_gbps(at_Bps)})"
+    # A speedup of 1.0 is CIERA falling back to the plain schedule: the crossing lies somewhere in the
+    # interval, so the interval leads and the interpolation is only stated when it says more.
+    fell_back = math.isclose(s1, 1.0, abs_tol=1e-3)
+    at_Bps = b1 if fell_back else at_Bps
+    interpolated = "" if fell_back else f" (interpolated ≈ {_gbps(at_Bps)})"
     text = (
         f"stops paying between {_gbps(b0)} and {_gbps(b1)}{interpolated}: "
         f"{s0:.3f}× at {_gbps(b0)}, {s1:.3f}× at {_gbps(b1)}"
     )
-    again = next((i for i in range(crossing + 1, len(speedups)) if speedups[i] > 1.0), None)
+    again = next((i for i in range(crossing + 1, len(speedups)) if pays(speedups[i])), None)
     if again is not None:
-        text += f"; above 1.0 again at {_gbps(bandwidths[again])} ({speedups[again]:.3f}×)"
+        text += f"; pays again at {_gbps(bandwidths[again])} ({speedups[again]:.3f}×)"
     return BreakEven("crosses", at_Bps, text, f"stops paying at {b0 / 1e9:.3g}–{_gbps(b1)}")
 
 

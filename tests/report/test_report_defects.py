@@ -306,3 +306,25 @@ def test_layout_check_sees_a_hidden_line_and_a_dropdown_over_text(tmp_path):
         '#fig-speedup: line "flat under" is hidden under "flat over"',
     ]
     assert '#fig-breakdown: the dropdown covers "a panel title"' in result.layout_problems
+
+
+def test_cieras_timelines_show_their_codec_rows():
+    """CIERA-ER and ER+BSC run their codec on the main thread's side rows (codec_send/recv), CIERA on its
+    CCP streams: each has its own rows in the timeline, wherever it compresses a shard."""
+    import traces
+    from sim import load_cluster, timeline
+
+    bundle = traces.read_bundle(traces.default_bundle_path())
+    document = timeline(bundle, load_cluster("a100-hdr-testbed"), "olmoe", "bf16", 64)
+    processes = {
+        e["pid"]: e["args"]["name"].split(" ")[0]
+        for e in document["traceEvents"]
+        if e["name"] == "process_name"
+    }
+    threads: dict[str, set[str]] = {}
+    for event in document["traceEvents"]:
+        if event["name"] == "thread_name":
+            threads.setdefault(processes[event["pid"]], set()).add(event["args"]["name"])
+    assert {"codec_send", "codec_recv"} <= threads["ciera-er"]
+    assert {"codec_send", "codec_recv"} <= threads["ciera-er-bsc"]
+    assert {"ccp_send", "ccp_recv"} <= threads["ciera"]

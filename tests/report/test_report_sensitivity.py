@@ -134,11 +134,12 @@ def files(tmp_path: Path) -> dict[str, Path]:
 
 def test_break_even_interpolates_the_crossing_in_log_bandwidth():
     result = break_even([(8e9, 1.2), (2e9, 1.5), (32e9, 0.9)])  # unordered on purpose
-    # 1.2 -> 0.9 over 8 -> 32 GB/s reaches 1.0 two thirds of the way in log bandwidth: 8·4^(2/3).
+    # 1.2 -> 0.9 over 8 -> 32 GB/s falls to the 1.01× "pays" threshold 0.19/0.3 of the way in log
+    # bandwidth: 8·4^(0.19/0.3).
     assert result.kind == "crosses"
-    assert result.bandwidth_Bps == pytest.approx(8e9 * 4 ** (2 / 3))
+    assert result.bandwidth_Bps == pytest.approx(8e9 * 4 ** (0.19 / 0.3))
     assert result.text == (
-        "stops paying between 8 GB/s and 32 GB/s (interpolated ≈ 20.2 GB/s): 1.200× at 8 GB/s, 0.900× at 32 GB/s"
+        "stops paying between 8 GB/s and 32 GB/s (interpolated ≈ 19.2 GB/s): 1.200× at 8 GB/s, 0.900× at 32 GB/s"
     )
     assert result.short == "stops paying at 8–32 GB/s"
 
@@ -157,7 +158,9 @@ def test_break_even_at_exactly_one_names_the_interval_only():
         ([(2e9, 1.5), (4e9, 1.2), (8e9, 1.01)], "always", "pays at every swept bandwidth (2 GB/s–8 GB/s)"),
         ([(2e9, 1.0), (4e9, 0.97)], "never", "never pays in the swept range (2 GB/s–4 GB/s): at most 1.000×"),
         ([(2e9, 0.95), (4e9, 1.1)], "rises", "no gain up to 2 GB/s (0.950×), pays from 4 GB/s"),
-        ([(2e9, 1.2), (4e9, 0.9), (8e9, 1.1)], "crosses", "; above 1.0 again at 8 GB/s (1.100×)"),
+        ([(2e9, 1.2), (4e9, 0.9), (8e9, 1.1)], "crosses", "; pays again at 8 GB/s (1.100×)"),
+        # Noise around 1.0 is no crossing: one threshold (1.01×) for "pays", as in the summary.
+        ([(2e9, 1.0000083), (4e9, 0.999995)], "never", "never pays in the swept range"),
     ],
 )
 def test_break_even_without_a_single_crossing(points, kind, text):
@@ -190,7 +193,7 @@ def test_sensitivity_file_draws_the_section(monkeypatch, capsys, files):
     assert '<a href="#sensitivity">' in document
     section = _section(document)
     assert 'id="fig-sensitivity"' in section and 'id="sensitivity-table"' in section
-    assert "stops paying between 8 GB/s and 32 GB/s (interpolated ≈ 20.2 GB/s)" in section
+    assert "stops paying between 8 GB/s and 32 GB/s (interpolated ≈ 19.2 GB/s)" in section
     assert "4.42 GB/s" in section and "simulated projection" in section
     figure = _figures(document)["fig-sensitivity"]
     lines = {trace["name"]: trace for trace in figure["data"]}

@@ -59,7 +59,12 @@ class MemoryEstimate:
         return None if self.device_bytes <= 0 else self.total_bytes <= self.device_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "total_bytes": self.total_bytes, "fits": self.fits}
+        return {
+            **asdict(self),
+            "total_bytes": self.total_bytes,
+            "fits": self.fits,
+            "verdict": fit_text(self.total_bytes, self.device_bytes),
+        }
 
 
 def fit_text(total_bytes: float, device_bytes: float) -> str:

@@ -166,3 +166,4 @@ def test_ciera_simulate_marks_what_does_not_fit(tmp_path: Path) -> None:
     assert "✗" in done.stdout  # the per-record table (short enough to print) marks each record
     records = json.loads(out.read_text())["records"]
     assert all(r["memory"]["fits"] is False for r in records if r["gpus"] in (4, 8))
+    assert records[0]["memory"]["verdict"].startswith("does not fit (465 GiB of 80)")

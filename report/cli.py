@@ -35,7 +35,7 @@ from .sensitivity import (
     reference_from_records,
     simulate_bandwidth_sweep,
 )
-from .validation import load_validation, split_paths
+from .validation import load_validation, shipped_validation, split_paths
 
 # TraceError: a bad --bundle is reported the same way when the report is driven on its own.
 USER_ERRORS: tuple[type[BaseException], ...] = (ReportInputError, TraceError)
@@ -380,7 +380,8 @@ def report_command(
         model_names = resolve_model_names(model_names)
     # Read before any simulation: a bad file fails in a moment, not after the sweep.
     sensitivity = load_sensitivity(sensitivity_path) if sensitivity_path is not None else None
-    validation = load_validation(split_paths(validation_paths))
+    given_validation = split_paths(validation_paths)
+    validation = load_validation(given_validation) if given_validation else shipped_validation()
     resolved_bundle_path = (resolve_bundle(bundle_path) if bundle_path else None) or (
         Path(metadata["bundle"]) if records_path and metadata.get("bundle") else None
     )
@@ -430,7 +431,17 @@ def report_command(
         )
         console.print(f"note: {sensitivity_missing}", markup=False, highlight=False)
 
-    if validation.missing_kinds:
+    if not given_validation:
+        shipped = validation.files[0].document
+        console.print(
+            "note: no --validation file given: the Validation section shows the shipped `ciera validate sim` "
+            f"of the measured bundle (held-out mean {shipped['held_out_mean_abs_error'] * 100:.1f} %, max "
+            f"{shipped['held_out_max_abs_error'] * 100:.1f} %: {'passed' if shipped['passed'] else 'FAILED'}) "
+            "and names the commands for the lossless and divergence checks",
+            markup=False,
+            highlight=False,
+        )
+    elif validation.missing_kinds:
         missing = ", ".join(validation.missing_kinds)
         console.print(
             f"note: no {missing} validation JSON given (--validation); the Validation section says which "

@@ -479,6 +479,14 @@ def _verdict(passed: bool) -> str:
 
 
 def _command_line(result: ValidationFile) -> str:
+    if result.shipped:
+        return (
+            '<p class="caption"><b>Shipped with CIERA</b> (no <code>--validation</code> file was given): the '
+            "simulator's own check of the shipped measured bundle — the same op-graph rewrites that make every "
+            "projection in this report, against measured runs they were not given. Rerun it on this checkout "
+            "with the command below; pass your own files with <code>ciera report --validation</code>.</p>"
+            f'<code class="command">{html.escape(producing_command(result))}</code>'
+        )
     return (
         f'<p class="caption">Read from <code>{html.escape(result.origin)}</code>; the run\'s own fields '
         "give the equivalent command:</p>"
@@ -784,8 +792,12 @@ def _sim_block(index: int, result: ValidationFile) -> str:
         f"{noise['iteration_spread_mean'] * 100:.1f} % on average and up to "
         f"{noise['iteration_spread_max'] * 100:.1f} % (max − min over median).{depth_line}</p>"
         + _command_line(result)
-        + '<p class="caption">The file does not record which bundle was checked; without '
-        "<code>--bundle</code> it is the shipped measured bundle.</p>"
+        + (
+            ""
+            if isinstance(d.get("bundle"), str)
+            else '<p class="caption">The file does not record which bundle was checked; without '
+            "<code>--bundle</code> it is the shipped measured bundle.</p>"
+        )
     )
 
 
@@ -807,7 +819,13 @@ def _validation_body(results: ValidationResults | None) -> tuple[str, dict[str, 
     missing = results.missing_kinds
     if missing:
         commands = "; ".join(f"{kind}: <code>{html.escape(PRODUCERS[kind])}</code>" for kind in missing)
-        lead = "No validation results were given." if not results.files else "Not given:"
+        lead = (
+            "No validation results were given."
+            if not results.files
+            else "Not shown (no file given):"
+            if all(f.shipped for f in results.files)
+            else "Not given:"
+        )
         blocks.append(
             f'<p class="empty">{lead} They come from training runs and measured traces, not from the '
             f"simulator. Make them with {commands}; then pass the files with "

@@ -14,7 +14,7 @@ import os
 import shlex
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +40,18 @@ HELD_OUT_WINDOW_TOKENS = 64  # `ciera validate divergence --held-out-sequences` 
 REPLAY_TARGET = 0.01  # `ciera validate sim`: the replay of the seen runs must be within 1 %
 
 
+# What the report shows when no --validation file is given: the simulator's own check of the shipped
+# measured bundle, written by `ciera validate sim --held-out traces/data/measured.held-out.toml --json
+# report/data/validate-sim-measured.json` (a heavy test checks it still matches what that command computes).
+SHIPPED_SIM_VALIDATION = Path(__file__).resolve().parent / "data" / "validate-sim-measured.json"
+
+
 @dataclass(frozen=True)
 class ValidationFile:
     kind: str  # lossless, divergence or sim (SCHEMAS' values)
     origin: str  # the file it was read from
     document: dict[str, Any]
+    shipped: bool = False  # the package's own result, shown when the user gave none
 
 
 @dataclass(frozen=True)
@@ -296,12 +303,25 @@ def validate_validation_document(document: object, origin: str) -> ValidationFil
 
 def validate_results(results: ValidationResults) -> ValidationResults:
     """The same checks for results built in Python as for files."""
-    return ValidationResults(tuple(validate_validation_document(f.document, f.origin) for f in results.files))
+    return ValidationResults(
+        tuple(
+            replace(validate_validation_document(f.document, f.origin), shipped=f.shipped)
+            for f in results.files
+        )
+    )
 
 
 def split_paths(values: Sequence[str] | None) -> list[Path]:
     """`--validation a.json,b.json` and `--validation a.json --validation b.json` alike."""
     return [Path(item.strip()) for value in values or [] for item in value.split(",") if item.strip()]
+
+
+def shipped_validation() -> ValidationResults:
+    """The simulator's check of the shipped measured bundle (SHIPPED_SIM_VALIDATION)."""
+    checked = validate_validation_document(
+        read_json(SHIPPED_SIM_VALIDATION), "report/data/validate-sim-measured.json"
+    )
+    return ValidationResults((ValidationFile(checked.kind, checked.origin, checked.document, shipped=True),))
 
 
 def load_validation(paths: Sequence[str | os.PathLike[str]]) -> ValidationResults:
@@ -359,7 +379,11 @@ def producing_command(result: ValidationFile) -> str:
         )
     return _command(
         ["ciera", "validate", "sim"],
-        [("--held-out", d["held_out_file"]), ("--tolerance", f"{d['tolerance']:g}")],
+        [
+            *([("--bundle", d["bundle"])] if isinstance(d.get("bundle"), str) else []),
+            ("--held-out", d["held_out_file"]),
+            ("--tolerance", f"{d['tolerance']:g}"),
+        ],
         result.origin,
     )
 

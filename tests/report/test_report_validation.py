@@ -166,7 +166,7 @@ def test_section_from_the_sample_files(monkeypatch, capsys, files):
         "all held-out runs 56 7.6 % 29.6 %",
         "differ by 14.6 % on average and up to 42.1 %",
         "misses its own points by 1.9 % on average, 7.2 % at most",
-        "ciera validate sim --held-out",
+        "ciera validate sim --bundle measured --held-out",
     ):
         assert expected in text, expected
 
@@ -215,19 +215,25 @@ def test_kl_rounded_below_zero_is_drawn_on_the_zero_strip_and_said():
     assert "KL below 0 by rounding (-2e-12 at step 0)" in _text(_section(page))
 
 
-def test_without_validation_files_the_section_names_the_commands(monkeypatch, capsys, files):
+def test_without_validation_files_the_section_shows_the_shipped_sim_check(monkeypatch, capsys, files):
+    """No --validation: the section is not empty — it shows the simulator's shipped check of the measured
+    bundle (labelled as shipped, with the command that remakes it) and names the commands for the rest."""
     code, err = _run(monkeypatch, capsys, "--html", str(files["html"]), "--records", str(files["records"]))
     assert code == 0, err
-    assert "no lossless, divergence, sim validation JSON given (--validation)" in _words(err)
+    assert (
+        "no --validation file given: the Validation section shows the shipped `ciera validate sim`"
+        in _words(err)
+    )
     text = _text(_section(files["html"].read_text()))
-    assert "No validation results were given." in text
+    assert "Shipped with CIERA" in text and "Not shown (no file given):" in text
     for command in (
+        "ciera validate sim --bundle measured --held-out traces/data/measured.held-out.toml",
         "ciera validate lossless --engine zero3 --json lossless.json",
         "ciera validate divergence --engine zero3 --json divergence.json",
-        "ciera validate sim --json validate-sim.json",
         "ciera report --validation FILE[,FILE…]",
     ):
-        assert command in text
+        assert command in text, command
+    assert "No validation results were given." not in text
 
 
 def test_a_partial_set_says_what_is_missing(monkeypatch, capsys, files):

@@ -168,14 +168,25 @@ def test_cli_refuses_a_bad_tolerance_in_one_line() -> None:
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --tolerance 2.0")
 
 
-@pytest.mark.slow
-def test_the_shipped_check_writes_its_json_and_exits_by_the_verdict(tmp_path: Path) -> None:
+def test_the_shipped_check_writes_its_json_exits_by_the_verdict_and_matches_the_reports_copy(
+    tmp_path: Path,
+) -> None:
+    """~25 s. The report shows report/data/validate-sim-measured.json when no --validation file is given:
+    it must be what this checkout's `ciera validate sim` computes."""
     out = tmp_path / "validate.json"
     done = subprocess.run(
-        [sys.executable, "-m", "ciera_cli.main", "validate", "sim", "--json", str(out)],
-        capture_output=True, text=True, timeout=1800,
+        [sys.executable, "-m", "ciera_cli.main", "validate", "sim", "--held-out", "traces/data/measured.held-out.toml",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=1800, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     written = json.loads(out.read_text())
+    shipped = json.loads(
+        (Path(__file__).resolve().parents[2] / "report" / "data" / "validate-sim-measured.json").read_text()
+    )
+    assert [row["run_id"] for row in written["held_out"]] == [row["run_id"] for row in shipped["held_out"]]
+    for mine, theirs in zip(written["held_out"], shipped["held_out"], strict=True):
+        assert mine["predicted_s"] == pytest.approx(theirs["predicted_s"], rel=1e-9), mine["run_id"]
+    assert written["held_out_mean_abs_error"] == pytest.approx(shipped["held_out_mean_abs_error"], rel=1e-9)
     assert done.returncode == (0 if written["passed"] else 1), done.stderr[-2000:]
     assert ("PASSED" if written["passed"] else "FAILED") in done.stdout
     assert written["replay_max_abs_error"] <= 0.01

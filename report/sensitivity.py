@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from sim import PAYS_ABOVE
+from sim import PAYS_ABOVE, pays
 
 from .errors import ReportInputError
 from .figures import system_label
@@ -93,10 +93,6 @@ def sweep_command(records: Sequence[dict[str, Any]]) -> str:
         if len(clusters) == 1:
             command += f" --cluster {clusters.pop()}"
     return command + " --json sweep.json"
-
-
-def pays(speedup: float) -> bool:
-    return speedup >= PAYS_ABOVE
 
 
 def break_even(points: Sequence[tuple[float, float]]) -> BreakEven:

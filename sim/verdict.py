@@ -21,12 +21,13 @@ from typing import Any
 
 from rich.table import Table
 
+from .memory import fit_text
+
 PAYS_ABOVE = 1.01
 LOSSY_SYSTEMS = frozenset({"zeropp"})
 CIERA = "ciera"
 # Ties go to the simpler system (earlier here): it needs less to deploy.
 SYSTEM_ORDER = ("zero3", "fsdp", "zeropp", "ciera-er", "ciera-er-bsc", "ciera")
-GIB = 2**30
 
 
 def pays(speedup: float) -> bool:
@@ -43,7 +44,7 @@ def why_left_out(record: dict[str, Any]) -> str:
     """'' for a record that can run, else the reason in a few words."""
     memory = record.get("memory") or {}
     if memory.get("fits") is False:
-        return f"does not fit ({memory['total_bytes'] / GIB:.0f} GiB of {memory['device_bytes'] / GIB:.0f})"
+        return fit_text(memory["total_bytes"], memory["device_bytes"])
     if not record.get("within_cache_budget", True):
         return "receiver cache over budget"
     return ""
@@ -53,9 +54,8 @@ def why_left_out(record: dict[str, Any]) -> str:
 class SummaryRow:
     model: str
     dtype: str
-    best: dict[
-        int, tuple[str, float]
-    ]  # W -> (system, speedup vs ZeRO-3) among the plans that fit, lossy included
+    # W -> (system, speedup vs ZeRO-3) among the plans that fit, lossy included
+    best: dict[int, tuple[str, float]]
     best_lossless: dict[int, tuple[str, float]]
     ciera: dict[int, float]  # W -> CIERA (ER+BSC+CCP) speedup vs ZeRO-3, where it fits
     pays_from: int | None  # the smallest W from which CIERA pays at every larger swept W

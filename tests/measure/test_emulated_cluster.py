@@ -210,6 +210,18 @@ def test_open_close_leaves_nothing(interactive_sigint):
         assert description["addresses"] == [cluster.address(0), cluster.address(1)]
         qdiscs = description["qdiscs"]
         assert len(qdiscs) == 4 and all("tbf" in line and "200Mbit" in line for line in qdiscs)
+        # 64 KB frames on both ends of every veth (per-packet shaping in software costs the ranks' CPU),
+        # and a bucket that holds two of them (tbf drops a packet larger than its bucket).
+        assert description["link_mtu_bytes"] == 65000 and description["link_burst_bytes"] >= 2 * 65000
+        for node in range(2):
+            for ns, dev in (
+                (cluster.namespace(node), cluster.interface(node)),
+                (cluster.hub_namespace, f"cm{os.getpid()}h{node}"),
+            ):
+                shown = subprocess.run(
+                    ["ip", "-n", ns, "link", "show", "dev", dev], capture_output=True, text=True
+                )
+                assert " mtu 65000 " in shown.stdout, (ns, dev, shown.stdout)
         assert signal.getsignal(signal.SIGINT) is not handlers[signal.SIGINT]
         # A rank's own address is delivered over the namespace's loopback, another node's over the veth.
         ns = cluster.namespace(0)

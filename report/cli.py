@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+import sim
 from traces import TraceBundle, TraceError
 
 from .errors import ReportInputError
@@ -24,6 +25,7 @@ from .inputs import (
     load_records,
     load_timeline,
     parse_context,
+    provenance_label,
     timeline_contexts,
     write_text_atomically,
 )
@@ -35,6 +37,7 @@ from .sensitivity import (
     reference_from_records,
     simulate_bandwidth_sweep,
 )
+from .summary import PAYS_ABOVE, pays_bases, summary_rows
 from .validation import load_validation, shipped_validation, split_paths
 
 # TraceError: a bad --bundle is reported the same way when the report is driven on its own.
@@ -129,15 +132,17 @@ def _check_timeline_matches(
             )
 
 
-def _import_sim() -> Any:
-    """Imported on use so `ciera report --records` (and the CLI's start) never loads the simulator."""
-    try:
-        import sim
-    except ImportError as error:
-        raise ReportInputError(
-            f"the simulator package is unavailable ({error}); pass --records FILE"
-        ) from None
-    return sim
+def _progress(console: Console, label: str) -> Progress:
+    """A progress bar for a simulation the report runs: gone when done, silent when not on a terminal."""
+    return Progress(
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
 
 
 def _simulate_sensitivity(
@@ -149,17 +154,8 @@ def _simulate_sensitivity(
 ) -> tuple[BandwidthSweep | None, str]:
     """The link bandwidth sweep at the report's largest world size (report.sensitivity), timed on the
     console so its cost stays visible."""
-    sim = _import_sim()
     started_s = time.perf_counter()
-    with Progress(
-        TextColumn("bandwidth sweep"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,
-    ) as progress:
+    with _progress(console, "bandwidth sweep") as progress:
         task = progress.add_task("sensitivity", total=None)
         try:
             sweep, summary = simulate_bandwidth_sweep(
@@ -185,7 +181,6 @@ def _simulate_sensitivity(
 
 def _not_simulated_on(bundle: TraceBundle, cluster: str | None, overrides: list[str]) -> str:
     """Why the bundle cannot be simulated on the report's preset ('' when it can)."""
-    sim = _import_sim()
     preset = sim.load_cluster(cluster or DEFAULT_CLUSTER, sim.parse_overrides(overrides))
     return sim.other_device(bundle, preset)
 
@@ -203,21 +198,12 @@ def _simulate_sweep(
     """Run the simulator's sweep through its public API, plus one timeline: `timeline_of` (model, W,
     dtype) when given, else the first model, FP16 when swept (so all six systems, ZeRO++ included,
     appear), at the largest world size — and the console says which."""
-    sim = _import_sim()
     parsed_overrides = sim.parse_overrides(overrides)
     sim.check_simulate_overrides(parsed_overrides)
     preset = sim.load_cluster(cluster or DEFAULT_CLUSTER, parsed_overrides)
     sweep_gpus = gpus or list(sim.DEFAULT_GPUS)
     sweep_dtypes = [dtype] if dtype else list(sim.DTYPES)
-    with Progress(
-        TextColumn("simulating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,
-    ) as progress:
+    with _progress(console, "simulating") as progress:
         task = progress.add_task("sweep", total=None)
         sim_records = sim.simulate(
             bundle,
@@ -475,10 +461,6 @@ def _print_verdicts(records: list[dict[str, Any]], console: Console) -> None:
     report's Summary section and `ciera simulate`'s table: sim.verdict)."""
     if not records:
         return
-    from .inputs import provenance_label
-    from .summary import PAYS_ABOVE, summary_rows
-
-    sim = _import_sim()
     rows = summary_rows(records, provenance_label)
     console.print(
         f"Summary (pays: ≥ {PAYS_ABOVE:.2f}× over ZeRO-3; the report's first section):",
@@ -487,12 +469,11 @@ def _print_verdicts(records: list[dict[str, Any]], console: Console) -> None:
     )
     for row in rows:
         console.print(f"  {sim.verdict_line(row)}", markup=False, highlight=False)
-    for boundary in dict.fromkeys(sim.node_boundary_text(row) for row in rows if row.pays_from is not None):
-        if boundary:
-            console.print(f"  where CIERA pays from {boundary}", markup=False, highlight=False)
-    for inter_node in dict.fromkeys(row.inter_node for row in rows):
-        if inter_node:
-            console.print(f"  every verdict rests on the {inter_node}", markup=False, highlight=False)
+    boundaries, inter_nodes = pays_bases(rows)
+    for boundary in boundaries:
+        console.print(f"  where CIERA pays from {boundary}", markup=False, highlight=False)
+    for inter_node in inter_nodes:
+        console.print(f"  every verdict rests on the {inter_node}", markup=False, highlight=False)
 
 
 def register(app: typer.Typer) -> None:

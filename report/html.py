@@ -46,7 +46,16 @@ from .sensitivity import (
     sweep_views,
     validate_sweep_records,
 )
-from .summary import PAYS_ABOVE, SummaryRow, lossy_faster, node_boundary_text, pays_text, summary_rows
+from .summary import (
+    PAYS_ABOVE,
+    SummaryRow,
+    lossy_faster,
+    lossy_speedups,
+    pays_bases,
+    pays_text,
+    speedup_span,
+    summary_rows,
+)
 from .validation import (
     PRODUCERS,
     REPLAY_TARGET,
@@ -834,12 +843,6 @@ def _validation_body(results: ValidationResults | None) -> tuple[str, dict[str, 
     return "".join(blocks), figures
 
 
-def _speedup_range(values: Sequence[float]) -> str:
-    """'1.06–1.46×', or one value when both ends print the same ('1.00×', not '1.00–1.00×')."""
-    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
-    return f"{low}×" if low == high else f"{low}–{high}×"
-
-
 def _summary_body(records: list[dict[str, Any]]) -> str:
     """Per model and dtype: the best system and its speedup over ZeRO-3 at each W (the best lossless one,
     and a lossy ZeRO++ beneath it when that is faster), and from which W the full CIERA pays."""
@@ -874,9 +877,9 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
 
     def pays_cell(row: SummaryRow) -> str:
         text = html.escape(pays_text(row))
-        lossy = [found[1] for g in row.gpus if (found := lossy_faster(row, g)) is not None]
+        lossy = lossy_speedups(row)
         if lossy:
-            text += f"; ZeRO++ (lossy) is faster, {_speedup_range(lossy)}"
+            text += f"; ZeRO++ (lossy) is faster, {speedup_span(lossy)}"
         return f'<td class="text pays">{text}</td>'
 
     body = "".join(
@@ -902,7 +905,7 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
         ]
         lossy = [found[1] for row in at_target if (found := lossy_faster(row, target)) is not None]
         over = " over ZeRO-3" if lossy else ""
-        line = f"{dtype.upper()}: {system_label('ciera')} is {_speedup_range(values)} ZeRO-3's speed " + (
+        line = f"{dtype.upper()}: {system_label('ciera')} is {speedup_span(values)} ZeRO-3's speed " + (
             f"for {at_target[0].model} and {'pays' if paying else 'does not pay'}{over}"
             if len(values) == 1
             else f"across the {len(values)} models and pays{over} for {paying} of them"
@@ -910,7 +913,7 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
         if lossy:
             line += (
                 f"; ZeRO++ (lossy, int8 weights) is faster for {len(lossy)} of them "
-                f"({_speedup_range(lossy)} ZeRO-3's speed)"
+                f"({speedup_span(lossy)} ZeRO-3's speed)"
             )
         if better:
             line += f"; a simpler CIERA variant or another lossless system is faster for {', '.join(better)}"
@@ -931,14 +934,12 @@ def _summary_body(records: list[dict[str, Any]]) -> str:
         if left_out
         else ""
     )
-    bases = []
-    for boundary in dict.fromkeys(node_boundary_text(row) for row in rows if row.pays_from is not None):
-        if boundary:
-            count = sum(node_boundary_text(row) == boundary for row in rows)
-            bases.append(f"In {count} of {len(rows)} rows CIERA pays from {boundary}.")
-    for inter_node in dict.fromkeys(row.inter_node for row in rows):
-        if inter_node:
-            bases.append(f"Every verdict here rests on the {inter_node}.")
+    boundaries, inter_nodes = pays_bases(rows)
+    bases = [
+        f"In {count} of {len(rows)} rows CIERA pays from {boundary}."
+        for boundary, count in boundaries.items()
+    ]
+    bases += [f"Every verdict here rests on the {inter_node}." for inter_node in inter_nodes]
     basis_note = (
         f'<p class="caption">{html.escape(" ".join(bases))} How the verdicts move with that bandwidth: '
         '<a href="#sensitivity">Speedup vs link bandwidth</a>.</p>'

@@ -318,10 +318,9 @@ def split_paths(values: Sequence[str] | None) -> list[Path]:
 
 def shipped_validation() -> ValidationResults:
     """The simulator's check of the shipped measured bundle (SHIPPED_SIM_VALIDATION)."""
-    checked = validate_validation_document(
-        read_json(SHIPPED_SIM_VALIDATION), "report/data/validate-sim-measured.json"
-    )
-    return ValidationResults((ValidationFile(checked.kind, checked.origin, checked.document, shipped=True),))
+    origin = f"{SHIPPED_SIM_VALIDATION.parent.parent.name}/data/{SHIPPED_SIM_VALIDATION.name}"
+    checked = validate_validation_document(read_json(SHIPPED_SIM_VALIDATION), origin)
+    return ValidationResults((replace(checked, shipped=True),))
 
 
 def load_validation(paths: Sequence[str | os.PathLike[str]]) -> ValidationResults:

@@ -17,7 +17,7 @@ Records of `ciera simulate` on a cluster preset, on the same path:
 - `select_shards`: benefit-driven shard selection (BSC) as a pure function.
 - `MemoryEstimate`, `fit_text`: one GPU's memory of a configuration (sim/memory.py), in every record.
 - Verdicts from record dicts, shared by the console and the report (sim/verdict.py): `summary_rows`,
-  `pays_text`, `pays_basis`, `lossy_faster`, `grouped_notes`, `w_ranges`, `verdict_line`, the console's
+  `pays_text`, `pays_bases`, `lossy_faster`, `lossy_speedups`, `speedup_span`, `grouped_notes`, `w_ranges`, `verdict_line`, the console's
   `summary_table`, the threshold `PAYS_ABOVE`.
 """
 
@@ -52,10 +52,12 @@ from .verdict import (
     SummaryRow,
     grouped_notes,
     lossy_faster,
+    lossy_speedups,
     node_boundary_text,
     pays,
-    pays_basis,
+    pays_bases,
     pays_text,
+    speedup_span,
     summary_rows,
     summary_table,
     verdict_line,
@@ -70,11 +72,13 @@ __all__ = [
     "fit_text",
     "grouped_notes",
     "lossy_faster",
+    "lossy_speedups",
     "node_boundary_text",
     "pays",
-    "pays_basis",
+    "pays_bases",
     "pays_text",
     "summary_rows",
+    "speedup_span",
     "summary_table",
     "verdict_line",
     "w_ranges",

@@ -23,6 +23,7 @@ import pandas as pd
 
 import traces
 
+from .cluster import ScheduleSpec
 from .errors import SimInputError
 from .memory import estimate, model_footprint
 from .predict import predict_run
@@ -76,7 +77,7 @@ def _rank_memory(
         world_size,
         int(anchor["gpus_per_node"]),
         footprint,
-        1,
+        ScheduleSpec().zero3_prefetch_layers,  # the engines' default: one layer gathered ahead
         0.0,
         shard_values,
         shard_values * (world_size - 1),

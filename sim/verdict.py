@@ -181,11 +181,20 @@ def node_boundary_text(row: SummaryRow) -> str:
     )
 
 
-def pays_basis(row: SummaryRow) -> str:
-    """What "pays from W = n" rests on: whether n is the first W that spans nodes, and the inter-node
-    bandwidth the simulation used (and how it was set)."""
-    boundary = node_boundary_text(row)
-    return "; ".join(part for part in (f"from {boundary}" if boundary else "", row.inter_node) if part)
+def pays_bases(rows: Sequence[SummaryRow]) -> tuple[dict[str, int], list[str]]:
+    """What the rows' "pays from W = n" rests on, for every renderer to phrase: {node-boundary text: the
+    rows that pay from it} and the inter-node bandwidth notes, each once, in first-seen order."""
+    boundaries: dict[str, int] = {}
+    for row in rows:
+        boundary = node_boundary_text(row)
+        if boundary:
+            boundaries[boundary] = boundaries.get(boundary, 0) + 1
+    return boundaries, [note for note in dict.fromkeys(row.inter_node for row in rows) if note]
+
+
+def lossy_speedups(row: SummaryRow) -> list[float]:
+    """The speedups of a lossy system at every W where it is faster than every lossless one."""
+    return [found[1] for g in row.gpus if (found := lossy_faster(row, g)) is not None]
 
 
 def speedup_span(values: Sequence[float]) -> str:
@@ -200,7 +209,7 @@ def verdict_line(row: SummaryRow) -> str:
     text = f"{row.model} {row.dtype}: CIERA pays {pays_text(row)}"
     if row.pays_at:
         text += f" ({speedup_span([row.ciera[g] for g in row.pays_at])})"
-    lossy = [found[1] for g in row.gpus if (found := lossy_faster(row, g)) is not None]
+    lossy = lossy_speedups(row)
     if lossy:
         text += f" over ZeRO-3; ZeRO++ (lossy) is faster, {speedup_span(lossy)}"
     unfit = sorted(
@@ -238,7 +247,7 @@ def summary_table(records: Sequence[dict[str, Any]], provenance: Callable[[dict[
                 cell += f" ({lossless[0]} {lossless[1]:.2f}×)"
             cells.append(cell)
         pays_cell = pays_text(row)
-        lossy = [found[1] for g in row.gpus if (found := lossy_faster(row, g)) is not None]
+        lossy = lossy_speedups(row)
         if lossy:
             pays_cell += f"; ZeRO++ (lossy) faster: {speedup_span(lossy)}"
         table.add_row(row.model, row.dtype, *cells, pays_cell)
@@ -247,15 +256,14 @@ def summary_table(records: Sequence[dict[str, Any]], provenance: Callable[[dict[
         "lossless system. What does not fit one GPU (memory per GPU, docs/simulator.md) or CIERA's cache "
         "budget is left out of both."
     ]
-    if any(lossy_faster(row, g) for row in rows for g in row.gpus):
+    if any(lossy_speedups(row) for row in rows):
         captions.append(
             "ZeRO++ sends int8 weights: faster where named, but not the same training run (lossy)."
         )
-    boundaries = {node_boundary_text(row) for row in rows} - {""}
-    for boundary in sorted(boundaries):
-        paying = sum(node_boundary_text(row) == boundary for row in rows)
+    boundaries, inter_nodes = pays_bases(rows)
+    for boundary, paying in boundaries.items():
         captions.append(f"In {paying} of {len(rows)} rows CIERA pays from {boundary}.")
-    for inter_node in sorted({row.inter_node for row in rows} - {""}):
+    for inter_node in inter_nodes:
         captions.append(
             f"Every verdict rests on the {inter_node}; `ciera simulate --sweep inter_node.beta_Bps=2e9,4e9,...` "
             '(or the report\'s "Speedup vs link bandwidth") shows where CIERA stops paying.'

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,10 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise CaptureError(f"{path}: cannot read the capture's record ({error})") from None
+
+
+def _median(values: list[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
 
 
 def _versions(run: dict[str, Any], extra: dict[str, Any]) -> str:
@@ -108,6 +113,8 @@ def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
                     "ciera_enabled": SYSTEMS[job.system][1],
                     "ciera_select": bool(job.train.select),
                     "warm_steps": job.warm_steps,
+                    # Python's GC, run before each timed iteration outside its time (measure/capture.py)
+                    "gc_collect_median_s": _median(run.get("gc_collect_s", [])),
                 },
             )
         )

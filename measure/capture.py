@@ -12,11 +12,13 @@ the spread is unknown (recorded as 0, and the run's versions say `clock: barrier
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
 import platform
 import socket
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,6 +241,7 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
         if rank == 0:
             progress({"iteration": step, "of": warm + total, "loss": value, "warm": True})
     losses: list[float] = []
+    gc_collect_s: list[float] = []
     for iteration in range(total):
         if iteration == job.warmup_iterations:
             for engine in run.engines():  # CIERA's engines exist once the first gathers ran
@@ -248,15 +251,28 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
         inputs, targets = batch(warm + iteration, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
         inputs = inputs[rank * per_rank : (rank + 1) * per_rank]
         targets = targets[rank * per_rank : (rank + 1) * per_rank]
+        # Python's cyclic GC runs between iterations, not inside them. The recorder keeps every event of
+        # the run, so the heap grew with the capture and gen-2 collections (tens to hundreds of ms)
+        # landed inside timed iterations, more often in CIERA's runs, whose gathers allocate more: a
+        # cost of the recording, not of the system. Frozen objects are never scanned again; each
+        # iteration's own garbage is collected (and timed, `gc_collect_s`) before the next starts.
+        gc_start_s = time.perf_counter()
+        gc.collect()
+        gc.freeze()
+        gc_collect_s.append(time.perf_counter() - gc_start_s)
         dist.barrier()
-        with recorder.iteration(iteration):
-            with recorder.phase("fwd"):
-                loss = run.forward(inputs, targets)
-            with recorder.phase("bwd"):
-                recorder.set_backward_layer(num_layers + 1)
-                run.backward(loss)
-            with recorder.phase("optim"):
-                run.optimizer_step()
+        gc.disable()
+        try:
+            with recorder.iteration(iteration):
+                with recorder.phase("fwd"):
+                    loss = run.forward(inputs, targets)
+                with recorder.phase("bwd"):
+                    recorder.set_backward_layer(num_layers + 1)
+                    run.backward(loss)
+                with recorder.phase("optim"):
+                    run.optimizer_step()
+        finally:
+            gc.enable()
         value = float(loss.detach().float().item())
         if not math.isfinite(value):
             raise TrainError(f"loss is {value} at iteration {iteration}: capture stopped")
@@ -313,6 +329,7 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
             "iteration_s": iteration_s,
             "clock": "shared" if one_host else "barrier",
             "clock_spread_s": max(spreads) if spreads else 0.0,
+            "gc_collect_s": gc_collect_s[job.warmup_iterations :],
             "schedule": schedule,
             "mean_loss": (final_losses / world_size).tolist(),
             "gathers_per_parameter": run.gathers_per_parameter(),

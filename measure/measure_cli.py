@@ -251,6 +251,7 @@ def _run_summaries(bundle) -> list[dict]:
             "median_iteration_s": float(summaries.loc[run.run_id, "iteration_median_s"]),
             "allgather_raw_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_raw_bytes"]),
             "allgather_wire_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_wire_bytes"]),
+            "gc_collect_median_s": json.loads(run.versions).get("gc_collect_median_s"),
         }
         for run in runs.itertuples()
     ]
@@ -288,6 +289,13 @@ def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:
                 else "no warm steps: each run's warm-up starts at step 0"
             )
         )
+        collects = [s["gc_collect_median_s"] for s in summaries if s["gc_collect_median_s"] is not None]
+        if collects:
+            console.print(
+                "Python's GC ran between the timed iterations, not inside them (median "
+                f"{1e3 * min(collects):.0f}-{1e3 * max(collects):.0f} ms per iteration, untimed; "
+                "docs/measure.md)"
+            )
     console.print(
         f"{len(done['captured'])} captured, {len(done['kept'])} kept from before; wall {wall_s:.0f} s; "
         f"bundle: {path} ({len(bundle.runs)} runs, {len(bundle.events)} events)"

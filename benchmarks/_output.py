@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,3 +25,11 @@ def emit_json(result: dict[str, Any], json_path: Path | None) -> None:
     os.umask(umask)
     os.chmod(temp_name, 0o666 & ~umask)  # mkstemp makes it private; a result file should not be
     os.replace(temp_name, json_path)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``PROG: error: MESSAGE``, exit 2 (argparse prints the usage too)."""
+
+    def error(self, message: str) -> None:
+        print(f"{Path(self.prog).stem}: error: {message}")
+        sys.exit(2)

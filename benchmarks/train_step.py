@@ -71,7 +71,7 @@ import threading
 import time
 from pathlib import Path
 
-from _output import emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO_ROOT))
@@ -842,14 +842,8 @@ def _main(args) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints the usage too)
-        print(f"train_step: error: {message}")
-        sys.exit(2)
-
-
 def main() -> None:
-    parser = _Parser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--link", choices=("loopback", "netns"), default="loopback")
     parser.add_argument("--rate", default="1gbit", help="netns: tbf rate on each veth end (tc syntax)")

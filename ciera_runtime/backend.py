@@ -220,7 +220,20 @@ def _cuda_unavailable() -> CodecBackend:
     )
 
 
-_FACTORIES: dict[str, Callable[[], CodecBackend]] = {"cpu": CpuBackend, "cuda": _cuda_unavailable}
+def _torch_backend() -> CodecBackend:
+    """TorchBackend on the CPU; imported here, on first use, so importing this module stays light."""
+    try:
+        from ciera_runtime.torch_backend import TorchBackend
+    except ImportError as error:
+        raise BackendUnavailableError(f"codec backend 'torch' needs PyTorch: {error}") from None
+    return TorchBackend()
+
+
+_FACTORIES: dict[str, Callable[[], CodecBackend]] = {
+    "cpu": CpuBackend,
+    "cuda": _cuda_unavailable,
+    "torch": _torch_backend,
+}
 _INSTANCES: dict[str, CodecBackend] = {}
 
 

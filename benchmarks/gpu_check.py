@@ -1,0 +1,433 @@
+"""The device check: CIERA's codec kernels (TorchBackend) on a GPU, against a device copy and the CPU backend.
+
+    python benchmarks/gpu_check.py --json out/gpu_check.json [--device cuda] [--numel 16777216] [--world 4]
+
+One command, a few minutes on one GPU, JSON out. Without CUDA it runs the same code on the CPU (small
+sizes are enough for CI) and says so (``device_is_gpu: false``): its throughputs are then not GPU figures.
+
+Sections (every throughput in shard bytes, 2 per value, per second; best of ``--repeats``; each kernel
+timed next to a device-to-device copy of the same shard in the same run, ``*_vs_copy`` = copy time / time):
+
+- ``kernels``: split (exponent plane + sign+mantissa plane), split + detect (the fused encode pass with
+  the hash detector and the plane checksum), merge (with its checksum), checksum alone.
+- ``device_path``: what an uncoded gather does on the device per shard — sender: fused encode pass and
+  the changed blocks' exponents gathered; receiver: those scattered into its exponent cache and merged,
+  the checksum compared. Changed blocks are sent uncoded here (the entropy stage is separate, below).
+- ``bit_exact``: the device's planes, change flags, hash cache, checksums and merged values against
+  CpuBackend (numba) on the same inputs, BF16 and FP16, several block sizes, partial changes.
+- ``emulated_gather``: W ranks in one process, each encoding its shard on the device; every rank rebuilds
+  every other rank's shard from what was sent, bit for bit, over a few steps with changing exponents.
+- ``entropy``: the project's rANS (host, numba) on the changed exponents: stream size against the
+  order-0 entropy and the uncoded size, and its throughput (the stage is not on the device yet).
+- ``host_syncs``: with CUDA, the fused encode and merge passes run under
+  ``torch.cuda.set_sync_debug_mode("error")``; the count of synchronising calls they made (0 expected).
+  gather/scatter of changed blocks read the number of changed values on the host by design.
+
+Not here yet (docs/runtime.md, "The GPU path"): payload assembly (codec.py) on the device, nvCOMP's ANS,
+and the NCCL gather; the 2-GPU NCCL run is reported as not built.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
+from ciera_runtime import kernels, rans  # noqa: E402
+from ciera_runtime.backend import CpuBackend  # noqa: E402
+from ciera_runtime.selection import perturb_blocks  # noqa: E402
+from ciera_runtime.torch_backend import TorchBackend  # noqa: E402
+
+# (exp_shift, exp_mask, is_fp16) per dtype, as the codec uses them.
+LAYOUT = {"bf16": (kernels.BF16_EXP_SHIFT, kernels.BF16_EXP_MASK, False),
+          "fp16": (kernels.FP16_EXP_SHIFT, kernels.FP16_EXP_MASK, True)}  # fmt: skip
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_s(function, device: torch.device, repeats: int) -> float:
+    function()  # warm-up: allocations, kernel selection
+    synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        start_s = time.perf_counter()
+        function()
+        synchronize(device)
+        samples.append(time.perf_counter() - start_s)
+    return min(samples)
+
+
+def weights_bits(numel: int, dtype: str, rng: np.random.Generator) -> np.ndarray:
+    """N(0, 0.02) weights as 16-bit patterns of ``dtype``."""
+    values = torch.from_numpy((rng.standard_normal(numel) * 0.02).astype(np.float32))
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    return values.to(torch_dtype).view(torch.int16).numpy().view(np.uint16).copy()
+
+
+def entropy_bits(data: np.ndarray) -> float:
+    if data.size == 0:
+        return 0.0
+    counts = np.bincount(data, minlength=256)
+    probabilities = counts[counts > 0] / data.size
+    return float(-(probabilities * np.log2(probabilities)).sum())
+
+
+class DeviceShard:
+    """One sender's (or receiver's) device buffers for a shard: the codec's state, on the device."""
+
+    def __init__(self, numel: int, dtype: str, block_size: int, device: torch.device) -> None:
+        self.numel, self.dtype, self.block_size = numel, dtype, block_size
+        self.n_blocks = (numel + block_size - 1) // block_size
+        _, _, is_fp16 = LAYOUT[dtype]
+        self.exp = torch.empty(numel, dtype=torch.uint8, device=device)
+        self.sm = torch.empty(kernels.sign_mantissa_bytes(numel, is_fp16), dtype=torch.uint8, device=device)
+        self.changed = torch.zeros(self.n_blocks, dtype=torch.bool, device=device)
+        self.hash_cache = torch.zeros((self.n_blocks, 2), dtype=torch.int64, device=device)
+        self.packed = torch.empty(numel, dtype=torch.uint8, device=device)
+        self.merged = torch.empty(numel, dtype=torch.int16, device=device)
+
+
+def fused_pass(
+    backend: TorchBackend, shard: DeviceShard, bits: torch.Tensor, force_all: bool
+) -> torch.Tensor:
+    """The fused encode pass (exponent plane, hash detection, sign+mantissa plane) into ``shard``'s
+    buffers; its plane checksum as a 0-d tensor (no host read)."""
+    exp_shift, exp_mask, is_fp16 = LAYOUT[shard.dtype]
+    return backend.encode_planes_hash_tensor(
+        bits, exp_shift, exp_mask, is_fp16, shard.block_size, shard.hash_cache, shard.exp, shard.changed,
+        force_all, shard.sm,
+    )  # fmt: skip
+
+
+def encode_on_device(backend: TorchBackend, shard: DeviceShard, bits: torch.Tensor, force_all: bool):
+    """Sender: fused encode pass, then the changed blocks' exponents packed. Returns (checksum tensor,
+    changed block indices, their offsets in ``shard.packed``, values packed)."""
+    checksum = fused_pass(backend, shard, bits, force_all)
+    blocks = torch.nonzero(shard.changed).reshape(-1)
+    offsets = blocks * shard.block_size
+    backend.gather_blocks(shard.exp, blocks, offsets, shard.block_size, shard.packed)
+    return checksum, blocks, offsets
+
+
+def decode_on_device(backend: TorchBackend, receiver: DeviceShard, sender: DeviceShard, blocks, offsets):
+    """Receiver: the sent exponents scattered into its cache, merged with the sent sign+mantissa plane.
+    Returns the checksum of the plane it merged (compared with the sender's)."""
+    exp_shift, _, is_fp16 = LAYOUT[receiver.dtype]
+    backend.scatter_blocks(sender.packed, blocks, offsets, receiver.block_size, receiver.exp)
+    return backend.merge_planes_checked_tensor(receiver.exp, sender.sm, exp_shift, is_fp16, receiver.merged)
+
+
+def kernels_section(backend, device, numel, block_size, repeats, rng) -> dict:
+    bits_host = weights_bits(numel, "bf16", rng)
+    bits = torch.from_numpy(bits_host.view(np.int16)).to(device)
+    copy_target = torch.empty_like(bits)
+    shard_bytes = 2 * numel
+    shard = DeviceShard(numel, "bf16", block_size, device)
+    exp_shift, exp_mask, _ = LAYOUT["bf16"]
+    copy_s = best_s(lambda: copy_target.copy_(bits), device, repeats)
+
+    def split() -> None:
+        backend.extract_exponents(bits, exp_shift, exp_mask, shard.exp)
+        backend.pack_sign_mantissa(bits, False, shard.sm)
+
+    timings_s = {
+        "split": best_s(split, device, repeats),
+        "split_detect": best_s(
+            lambda: fused_pass(backend, shard, bits, False),
+            device,
+            repeats,
+        ),  # fmt: skip
+        "merge": best_s(
+            lambda: backend.merge_planes_checked_tensor(shard.exp, shard.sm, exp_shift, False, shard.merged),
+            device,
+            repeats,
+        ),
+        "checksum": best_s(lambda: backend.checksum64_tensor(shard.sm), device, repeats),
+    }
+    result = {"numel": numel, "block_size": block_size, "copy_GBps": round(shard_bytes / copy_s / 1e9, 2)}
+    for name, seconds in timings_s.items():
+        result[f"{name}_GBps"] = round(shard_bytes / seconds / 1e9, 2)
+        result[f"{name}_vs_copy"] = round(copy_s / seconds, 3)
+    return result
+
+
+def device_path_section(backend, device, numel, block_size, q, repeats, rng) -> dict:
+    """Per-shard sender + receiver work of an uncoded gather, at a share q of blocks changed."""
+    base = weights_bits(numel, "bf16", rng)
+    versions = [base]
+    for _ in range(repeats + 2):
+        versions.append(perturb_blocks(versions[-1], q, block_size, "bf16", rng))
+    tensors = [torch.from_numpy(v.view(np.int16)).to(device) for v in versions]
+    sender, receiver = (
+        DeviceShard(numel, "bf16", block_size, device),
+        DeviceShard(numel, "bf16", block_size, device),
+    )
+    checksum, blocks, offsets = encode_on_device(backend, sender, tensors[0], True)
+    decode_on_device(backend, receiver, sender, blocks, offsets)
+    copy_target = torch.empty_like(tensors[0])
+    encode_samples, decode_samples, copy_samples, exact = [], [], [], True
+    for version in tensors[1:]:
+        synchronize(device)
+        start_s = time.perf_counter()
+        copy_target.copy_(version)
+        synchronize(device)
+        copy_samples.append(time.perf_counter() - start_s)
+        start_s = time.perf_counter()
+        checksum, blocks, offsets = encode_on_device(backend, sender, version, False)
+        synchronize(device)
+        encode_samples.append(time.perf_counter() - start_s)
+        start_s = time.perf_counter()
+        received = decode_on_device(backend, receiver, sender, blocks, offsets)
+        synchronize(device)
+        decode_samples.append(time.perf_counter() - start_s)
+        exact &= bool(torch.equal(receiver.merged, version)) and bool(torch.equal(received, checksum))
+    copy_s, encode_s, decode_s = min(copy_samples), min(encode_samples), min(decode_samples)
+    shard_bytes = 2 * numel
+    return {
+        "numel": numel,
+        "block_size": block_size,
+        "q": q,
+        "exact": exact,
+        "encode_GBps": round(shard_bytes / encode_s / 1e9, 2),
+        "decode_GBps": round(shard_bytes / decode_s / 1e9, 2),
+        "encode_vs_copy": round(copy_s / encode_s, 3),
+        "decode_vs_copy": round(copy_s / decode_s, 3),
+        "encode_us": round(encode_s * 1e6, 1),
+        "decode_us": round(decode_s * 1e6, 1),
+    }
+
+
+def bit_exact_section(backend, device, numel, rng) -> dict:
+    """The device kernels against CpuBackend on the same inputs: every output and state array."""
+    cpu = CpuBackend(threads=1)
+    cases, mismatches = 0, []
+    for dtype in ("bf16", "fp16"):
+        exp_shift, exp_mask, is_fp16 = LAYOUT[dtype]
+        for block_size in (16, 64, 512):
+            n_blocks = (numel + block_size - 1) // block_size
+            sm_bytes = kernels.sign_mantissa_bytes(numel, is_fp16)
+            host = {
+                "exp": np.empty(numel, np.uint8), "sm": np.empty(sm_bytes, np.uint8),
+                "changed": np.zeros(n_blocks, np.uint8), "cache": np.zeros((n_blocks, 2), np.uint64),
+                "merged": np.empty(numel, np.uint16),
+            }  # fmt: skip
+            shard = DeviceShard(numel, dtype, block_size, device)
+            bits = weights_bits(numel, dtype, rng)
+            for step in range(3):
+                if step:
+                    bits = perturb_blocks(bits, 0.3, block_size, dtype, rng)
+                force_all = step == 0
+                cpu_sum = cpu.encode_planes_hash(
+                    bits, exp_shift, exp_mask, is_fp16, block_size, host["cache"], host["exp"],
+                    host["changed"], force_all, host["sm"],
+                )  # fmt: skip
+                device_bits = torch.from_numpy(bits.view(np.int16)).to(device)
+                device_sum = fused_pass(backend, shard, device_bits, force_all)
+                cpu_merged_sum = cpu.merge_planes_checked(
+                    host["exp"], host["sm"], exp_shift, is_fp16, host["merged"]
+                )
+                device_merged_sum = backend.merge_planes_checked_tensor(
+                    shard.exp, shard.sm, exp_shift, is_fp16, shard.merged
+                )
+                checks = {
+                    "exponents": np.array_equal(shard.exp.cpu().numpy(), host["exp"]),
+                    "sign_mantissa": np.array_equal(shard.sm.cpu().numpy(), host["sm"]),
+                    "changed": np.array_equal(shard.changed.cpu().numpy().astype(np.uint8), host["changed"]),
+                    "hash_cache": np.array_equal(
+                        shard.hash_cache.cpu().numpy().view(np.uint64), host["cache"]
+                    ),
+                    "checksum": int(device_sum.item()) % (1 << 64) == cpu_sum,
+                    "merge_checksum": int(device_merged_sum.item()) % (1 << 64) == cpu_merged_sum,
+                    "merged": np.array_equal(shard.merged.cpu().numpy().view(np.uint16), host["merged"]),
+                    "merged_is_input": np.array_equal(host["merged"], bits),
+                }
+                cases += 1
+                mismatches += [
+                    f"{dtype} B={block_size} step {step}: {name}" for name, ok in checks.items() if not ok
+                ]
+    return {"cases": cases, "numel": numel, "exact": not mismatches, "mismatches": mismatches}
+
+
+def emulated_gather_section(backend, device, numel, world, block_size, steps, rng) -> dict:
+    """W ranks in one process: each encodes its shard on the device; each rank rebuilds the others'."""
+    shards = [weights_bits(numel, "bf16", rng) for _ in range(world)]
+    senders = [DeviceShard(numel, "bf16", block_size, device) for _ in range(world)]
+    # receivers[r][s]: rank r's cache of rank s's shard
+    receivers = [[DeviceShard(numel, "bf16", block_size, device) for _ in range(world)] for _ in range(world)]
+    rebuilt, wrong, sent_bytes, raw_bytes = 0, 0, 0, 0
+    for step in range(steps):
+        if step:
+            shards = [perturb_blocks(bits, 0.3, block_size, "bf16", rng) for bits in shards]
+        sent = []
+        for source in range(world):
+            bits = torch.from_numpy(shards[source].view(np.int16)).to(device)
+            checksum, blocks, offsets = encode_on_device(backend, senders[source], bits, step == 0)
+            sent.append((checksum, blocks, offsets))
+            # What an uncoded message carries: the sign+mantissa plane, the block bitmap, changed exponents.
+            bitmap_bytes = (senders[source].n_blocks + 7) // 8
+            sent_bytes += senders[source].sm.numel() + bitmap_bytes + min(numel, blocks.numel() * block_size)
+            raw_bytes += 2 * numel
+        for rank in range(world):
+            for source in range(world):
+                if source == rank:
+                    continue
+                checksum, blocks, offsets = sent[source]
+                received = decode_on_device(
+                    backend, receivers[rank][source], senders[source], blocks, offsets
+                )
+                ok = torch.equal(
+                    receivers[rank][source].merged.cpu(), torch.from_numpy(shards[source].view(np.int16))
+                )
+                ok = ok and torch.equal(received, checksum)
+                rebuilt += 1
+                wrong += not ok
+    return {
+        "world": world,
+        "numel_per_rank": numel,
+        "steps": steps,
+        "shards_rebuilt": rebuilt,
+        "wrong": wrong,
+        "exact": wrong == 0,
+        "uncoded_bytes_over_raw": round(sent_bytes / raw_bytes, 4),
+    }
+
+
+def entropy_section(numel, block_size, q, repeats, rng) -> dict:
+    """The host rANS stage on the exponents of a share q of changed blocks (what the uncoded path sends)."""
+    bits = weights_bits(numel, "bf16", rng)
+    exponents = ((bits >> kernels.BF16_EXP_SHIFT) & kernels.BF16_EXP_MASK).astype(np.uint8)
+    n_blocks = (numel + block_size - 1) // block_size
+    chosen = np.sort(rng.choice(n_blocks, size=max(1, int(q * n_blocks)), replace=False))
+    changed = np.concatenate([exponents[b * block_size : (b + 1) * block_size] for b in chosen])
+    stream = rans.encode(changed)
+    decoded = np.empty_like(changed)
+    encode_s = min(_timed(lambda: rans.encode(changed)) for _ in range(repeats))
+    decode_s = min(_timed(lambda: rans.decode(stream, decoded)) for _ in range(repeats))
+    rans.decode(stream, decoded)
+    entropy = entropy_bits(changed)
+    return {
+        "where": "host (numba rANS; not on the device yet)",
+        "changed_values": int(changed.size),
+        "uncoded_bytes": int(changed.size),
+        "rans_bytes": int(len(stream)),
+        "entropy_bytes": round(entropy * changed.size / 8, 1),
+        "rans_over_entropy": round(len(stream) / max(1e-9, entropy * changed.size / 8), 4),
+        "exact": bool(np.array_equal(decoded, changed)),
+        "encode_MBps": round(changed.size / encode_s / 1e6, 1),
+        "decode_MBps": round(changed.size / decode_s / 1e6, 1),
+    }
+
+
+def _timed(function) -> float:
+    start_s = time.perf_counter()
+    function()
+    return time.perf_counter() - start_s
+
+
+def host_syncs_section(backend, device, numel, block_size, rng) -> dict:
+    if device.type != "cuda":
+        return {"checked": False, "why": "no CUDA device: host syncs are a device notion"}
+    shard = DeviceShard(numel, "bf16", block_size, device)
+    bits = torch.from_numpy(weights_bits(numel, "bf16", rng).view(np.int16)).to(device)
+    exp_shift, exp_mask, _ = LAYOUT["bf16"]
+    steady = {
+        "encode_planes_hash_tensor": lambda: fused_pass(backend, shard, bits, False),  # fmt: skip
+        "merge_planes_checked_tensor": lambda: backend.merge_planes_checked_tensor(
+            shard.exp, shard.sm, exp_shift, False, shard.merged
+        ),
+        "checksum64_tensor": lambda: backend.checksum64_tensor(shard.sm),
+    }
+    syncs = {}
+    for name, call in steady.items():
+        call()  # warm-up outside the check (allocator, kernels)
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            syncs[name] = 0
+        except RuntimeError as error:
+            syncs[name] = 1
+            syncs[f"{name}_error"] = str(error).splitlines()[0]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return {
+        "checked": True,
+        "syncs": syncs,
+        "total": sum(v for k, v in syncs.items() if not k.endswith("_error")),
+    }
+
+
+def environment(device: torch.device) -> dict:
+    info = {"device": str(device), "device_is_gpu": device.type == "cuda", "torch": torch.__version__}
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        info |= {
+            "device_name": properties.name,
+            "device_memory_bytes": int(properties.total_memory),
+            "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "gpus": torch.cuda.device_count(),
+        }
+    info["nccl_gather"] = "not built (docs/runtime.md, 'The GPU path')"
+    return info
+
+
+def main() -> None:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the results to this file")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--numel", type=int, default=1 << 24, help="values per shard for the throughputs")
+    parser.add_argument(
+        "--check-numel", type=int, default=100_003, help="values per shard for the exactness checks"
+    )
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--q", type=float, default=0.4, help="share of blocks changed per step")
+    parser.add_argument("--world", type=int, default=4, help="ranks of the emulated gather")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for name in ("numel", "check_numel", "block_size", "world", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} is {getattr(args, name)}: expected a whole number >= 1")
+    if not 0.0 <= args.q <= 1.0:
+        parser.error(f"--q is {args.q}: expected a share in [0, 1]")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device here")
+    device = torch.device(args.device)
+    backend = TorchBackend(device)
+    rng = np.random.default_rng(args.seed)
+    start_s = time.perf_counter()
+    result = {
+        "schema": "ciera.bench.gpu_check/1",
+        "environment": environment(device),
+        "kernels": kernels_section(backend, device, args.numel, args.block_size, args.repeats, rng),
+        "device_path": device_path_section(
+            backend, device, args.numel, args.block_size, args.q, args.repeats, rng
+        ),
+        "bit_exact": bit_exact_section(backend, device, args.check_numel, rng),
+        "emulated_gather": emulated_gather_section(
+            backend, device, args.check_numel, args.world, args.block_size, 3, rng
+        ),
+        "entropy": entropy_section(args.numel, args.block_size, args.q, args.repeats, rng),
+        "host_syncs": host_syncs_section(backend, device, args.numel, args.block_size, rng),
+    }
+    result["wall_s"] = round(time.perf_counter() - start_s, 1)
+    emit_json(result, args.json)
+    failed = [name for name in ("bit_exact", "emulated_gather", "device_path") if not result[name]["exact"]]
+    if failed:
+        print(f"NOT EXACT: {', '.join(failed)}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

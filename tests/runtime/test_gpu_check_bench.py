@@ -1,0 +1,55 @@
+"""benchmarks/gpu_check.py on CPU (the same code a GPU runs): bad arguments are one line and exit 2; a tiny
+run writes a well-formed JSON whose exactness checks all hold and which says it did not run on a GPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
+from _bench_script import run_benchmark  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--numel", "0"], "--numel is 0"),
+        (["--world", "0"], "--world is 0"),
+        (["--q", "1.5"], "--q is 1.5"),
+        (["--repeats", "x"], "--repeats"),
+        (["--device", "cuda"], "--device cuda: torch sees no CUDA device here"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(args: list[str], words: str) -> None:
+    done = run_benchmark("gpu_check.py", *args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: error:"), lines
+    assert words in lines[0]
+
+
+def test_tiny_cpu_run_is_exact_and_says_it_is_not_a_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    done = run_benchmark(
+        "gpu_check.py",
+        *("--device", "cpu", "--numel", "8192", "--check-numel", "1001", "--world", "3", "--repeats", "1"),
+        *("--json", str(out)),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["schema"] == "ciera.bench.gpu_check/1"
+    assert result["environment"]["device_is_gpu"] is False
+    assert result["bit_exact"] == {"cases": 18, "numel": 1001, "exact": True, "mismatches": []}
+    gather = result["emulated_gather"]
+    assert gather["exact"] and gather["wrong"] == 0 and gather["shards_rebuilt"] == 3 * 2 * 3
+    assert 0.5 < gather["uncoded_bytes_over_raw"] < 1.0
+    assert result["device_path"]["exact"] is True
+    assert result["entropy"]["exact"] is True
+    assert result["entropy"]["rans_bytes"] < result["entropy"]["uncoded_bytes"]
+    assert result["host_syncs"]["checked"] is False
+    for name in ("split", "split_detect", "merge", "checksum"):
+        assert result["kernels"][f"{name}_GBps"] > 0

@@ -180,15 +180,20 @@ def fit_codec_figures(
     if not encode_rows:
         raise SimInputError("codec runs: no CIERA gathers to fit the codec figures to")
     encode, decode, wire = (np.vstack(rows) for rows in (encode_rows, decode_rows, wire_rows))
-    first_ratio, repeat_ratio, overhead = _nonnegative_fit([wire[:, 0], wire[:, 1], wire[:, 2]], wire[:, 3])
     dtype = str(bundle.runs[bundle.runs["run_id"] == codec_runs[0]].iloc[0]["dtype"])
-    repeat_ratio = repeat_ratio or SIGN_MANTISSA_FRACTION[dtype]
+    # Every payload carries the whole sign+mantissa plane: the ratios are fitted as what lies above that
+    # floor, so the fit cannot trade a ratio below the format's minimum for a larger per-shard overhead.
+    floor = SIGN_MANTISSA_FRACTION[dtype]
+    first_excess, repeat_excess, overhead = _nonnegative_fit(
+        [wire[:, 0], wire[:, 1], wire[:, 2]], wire[:, 3] - floor * (wire[:, 0] + wire[:, 1])
+    )
+    first_ratio, repeat_ratio = floor + first_excess, floor + repeat_excess
     return CodecFigures(
         encode_s=tuple(_nonnegative_fit([encode[:, k] for k in range(3)], encode[:, 3])),
         decode_s=tuple(_nonnegative_fit([decode[:, k] for k in range(3)], decode[:, 3])),
         glue_s_per_gather=float(np.median(glue)) if glue else 0.0,
         shard_overhead_bytes=overhead,
-        first_ratio=first_ratio or repeat_ratio,
+        first_ratio=max(first_ratio, repeat_ratio),
         repeat_ratio=repeat_ratio,
         block_change_rate=change_rate,
         overflow_rate=overflows / max(first_calls, 1),

@@ -218,7 +218,8 @@ def test_codec_figures_give_back_the_codec_runs_own_bytes_and_codec_seconds(
         - events.loc[events["stream"] == "codec_send", "start_s"]
     ).sum()
     assert encode == pytest.approx(measured_encode, rel=0.05)
-    assert 0.5 < figures.repeat_ratio <= figures.first_ratio < 1.0
+    # A payload carries at least the sign+mantissa plane (half of BF16's bytes): the fit keeps to that floor.
+    assert 0.5 <= figures.repeat_ratio <= figures.first_ratio < 1.0
     assert 0.0 <= figures.overflow_rate < 0.5
 
 

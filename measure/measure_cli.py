@@ -294,7 +294,7 @@ def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:
             console.print(
                 "Python's GC ran between the timed iterations, not inside them (median "
                 f"{1e3 * min(collects):.0f}-{1e3 * max(collects):.0f} ms per iteration, untimed; "
-                "docs/measure.md)"
+                "docs/measurement.md)"
             )
     console.print(
         f"{len(done['captured'])} captured, {len(done['kept'])} kept from before; wall {wall_s:.0f} s; "

@@ -283,26 +283,9 @@ class TorchBackend:
                 f"changed_out holds {changed_out.numel()} flags, {numel} values make {n_blocks} blocks"
             )
 
-    def encode_planes_hash(
-        self,
-        bits,
-        exp_shift: int,
-        exp_mask: int,
-        is_fp16: bool,
-        block_size: int,
-        hash_cache,
-        exp_out,
-        changed_out,
-        force_all,
-        sm_out,
-    ) -> int:
-        """``kernels.encode_planes_hash``: returns ``checksum64(sm_out)`` (host read)."""
-        return self._unsigned(
-            self.encode_planes_hash_tensor(
-                bits, exp_shift, exp_mask, is_fp16, block_size, hash_cache, exp_out, changed_out, force_all,
-                sm_out,
-            )
-        )  # fmt: skip
+    def encode_planes_hash(self, *args) -> int:
+        """``kernels.encode_planes_hash``: returns ``checksum64(sm_out)`` (host read); the arguments of ``encode_planes_hash_tensor``."""
+        return self._unsigned(self.encode_planes_hash_tensor(*args))
 
     def encode_planes_hash_tensor(
         self,
@@ -329,32 +312,11 @@ class TorchBackend:
         # numba stores the new hash only for changed blocks; an unchanged block's hash equals the cached
         # one, so storing every hash leaves the same cache.
         cache_tensor.copy_(hashes)
-        changed_tensor.copy_(changed)
-        _as_tensor(exp_out)[: exp.numel()].copy_(exp)
-        plane = self._sign_mantissa(patterns, bool(is_fp16))
-        sm_tensor.copy_(plane)
-        return self.checksum64_tensor(plane)
+        return self._store_planes(patterns, exp, changed, changed_tensor, exp_out, sm_tensor, is_fp16)
 
-    def encode_planes_exact(
-        self,
-        bits,
-        exp_shift: int,
-        exp_mask: int,
-        is_fp16: bool,
-        block_size: int,
-        exp_out,
-        last_exp,
-        changed_out,
-        force_all,
-        sm_out,
-    ) -> int:
-        """``kernels.encode_planes_exact``: returns ``checksum64(sm_out)`` (host read)."""
-        return self._unsigned(
-            self.encode_planes_exact_tensor(
-                bits, exp_shift, exp_mask, is_fp16, block_size, exp_out, last_exp, changed_out, force_all,
-                sm_out,
-            )
-        )  # fmt: skip
+    def encode_planes_exact(self, *args) -> int:
+        """``kernels.encode_planes_exact``: returns ``checksum64(sm_out)`` (host read); the arguments of ``encode_planes_exact_tensor``."""
+        return self._unsigned(self.encode_planes_exact_tensor(*args))
 
     def encode_planes_exact_tensor(
         self,
@@ -382,10 +344,15 @@ class TorchBackend:
         # numba copies a block into last_exp when it changed (or force_all); an unchanged block already
         # equals it, so copying the whole plane leaves the same state.
         last_tensor[:numel].copy_(exp)
-        changed_tensor.copy_(changed)
-        _as_tensor(exp_out)[:numel].copy_(exp)
+        return self._store_planes(patterns, exp, changed, changed_tensor, exp_out, sm_tensor, is_fp16)
+
+    def _store_planes(self, patterns, exp, changed, changed_out, exp_out, sm_out, is_fp16) -> torch.Tensor:
+        """What both encode passes write: change flags, exponent plane, sign+mantissa plane; returns the
+        plane's checksum as a 0-d tensor."""
+        changed_out.copy_(changed)
+        _as_tensor(exp_out)[: exp.numel()].copy_(exp)
         plane = self._sign_mantissa(patterns, bool(is_fp16))
-        sm_tensor.copy_(plane)
+        sm_out.copy_(plane)
         return self.checksum64_tensor(plane)
 
     # ---- block gather / scatter --------------------------------------------------------------------

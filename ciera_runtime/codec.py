@@ -5,7 +5,9 @@ Payload (little-endian; sections start on 8-byte boundaries)::
     header      80 bytes, see HEADER_FORMAT; its own CRC-32 is checked before any field is used
     bitmap      ceil(n_blocks / 8) bytes, bit k (LSB first) set = block k carries exponents
     sign+mant   BF16: n bytes; FP16: n bytes + ceil(3n / 8) bytes (see kernels.pack_sign_mantissa)
-    exponents   exp_bytes: rANS stream of the changed blocks' exponents, or them raw (FLAG_RAW_EXPONENTS)
+    exponents   exp_bytes: rANS stream of the changed blocks' exponents, or them raw (FLAG_RAW_EXPONENTS);
+                with FLAG_EXPONENT_DELTAS (exact detector, not a full payload) each value's difference
+                (new - cached, mod 256) instead of the exponent itself
 
 Everything before ``exponents`` has a size fixed by (dtype, numel, block size): the *fixed part*. The
 all-gather sends it in its first round and the variable part in a second one.
@@ -32,7 +34,8 @@ MAGIC = b"CIER"
 # 4: 80-byte header: the sender's epoch (replay protection), a configuration fingerprint and a CRC-32
 #    of the header itself, checked before any field steers the decoder; meta_crc32 covers bitmap and
 #    exponent section only.
-FORMAT_VERSION = 4
+# 5: exponent deltas (FLAG_EXPONENT_DELTAS) under the exact detector, its default since.
+FORMAT_VERSION = 5
 # magic, version, dtype, flags, shard_id, source_rank, generation, epoch, numel, block_size,
 # changed_blocks, exp_bytes, shard_crc32, meta_crc32, sign_mantissa_checksum64, config_fingerprint,
 # header_crc32
@@ -45,6 +48,12 @@ assert struct.calcsize(HEADER_FORMAT) == HEADER_BYTES
 FLAG_FULL_EXPONENTS = 1  # every block carries exponents: decodable without any cache
 FLAG_RAW_EXPONENTS = 2  # exponent section is raw bytes (rANS did not pay off, or a resync payload)
 FLAG_CHECKSUM = 4  # shard_crc32 holds the CRC-32 of the shard's 16-bit patterns (verify mode)
+# The exponent section codes, per value of a changed block, (new exponent - the receiver's cached one)
+# mod 256. Set on every non-full payload of the exact detector (whose sender keeps exactly what the
+# receivers' caches hold) and on no other: a changed block's exponents mostly equal the cached ones (one
+# value in ~100 crosses a power of two per step), so its deltas are nearly all 0 and code to well under a
+# bit per value, where the exponents themselves take ~2.6 bits.
+FLAG_EXPONENT_DELTAS = 8
 
 
 class DType(IntEnum):
@@ -77,14 +86,16 @@ _DETECTOR_CODES = {"hash": 1, "exact": 2}
 class CodecConfig:
     """Codec settings shared by senders and receivers of one group.
 
-    block_size: values per change-detection block. detector: 'hash' (16 B of sender state per block)
-    or 'exact' (sender keeps the last exponents it sent, 1 B per value, no collision risk).
+    block_size: values per change-detection block. detector: 'exact' (the sender keeps the last exponents
+    it sent, 1 B per value, plus a copy of them while it encodes: no collision risk, and changed blocks
+    travel as deltas against the receivers' caches) or 'hash' (16 B of sender state per block; changed
+    blocks travel as exponents).
     verify_every: put a CRC-32 of the shard in every K-th payload (0 = never); receivers check it.
     backend: name of the codec backend (see backend.get_backend).
     """
 
     block_size: int = 64
-    detector: str = "hash"
+    detector: str = "exact"
     verify_every: int = 0
     backend: str = "cpu"
 
@@ -168,7 +179,7 @@ class PayloadHeader:
         return bool(self.flags & FLAG_FULL_EXPONENTS)
 
 
-_KNOWN_FLAGS = FLAG_FULL_EXPONENTS | FLAG_RAW_EXPONENTS | FLAG_CHECKSUM
+_KNOWN_FLAGS = FLAG_FULL_EXPONENTS | FLAG_RAW_EXPONENTS | FLAG_CHECKSUM | FLAG_EXPONENT_DELTAS
 
 
 def as_payload_bytes(payload, shard_id: int, source_rank: int) -> np.ndarray:
@@ -275,24 +286,29 @@ class ShardEncoder:
             self._hash_cache = np.zeros((n_blocks, 2), dtype=np.uint64)
         else:
             self._last_exp = np.zeros(numel, dtype=np.uint8)
+            # What the receivers hold while the encode pass updates _last_exp: the deltas' base.
+            self._sent_exp = np.zeros(numel, dtype=np.uint8)
         self._changed = np.zeros(n_blocks, dtype=np.uint8)
         self.last_changed_blocks = 0
         self._full_next = False  # the next payload carries every exponent (after a failed or raw gather)
 
     @staticmethod
     def state_bytes_for(numel: int, block_size: int, detector: str) -> int:
-        """Memory an encoder keeps between gathers: change-detection state (16 B per block for hash, 1 B
-        per value for exact), the exponent-plane scratch (1 B per value) and the changed flags (1 B per
-        block)."""
+        """Memory an encoder keeps between gathers: change-detection state (16 B per block for hash; for
+        exact 1 B per value, and 1 B per value more for the deltas' base), the exponent-plane scratch (1 B
+        per value) and the changed flags (1 B per block)."""
         n_blocks = (numel + block_size - 1) // block_size
-        detection = 16 * n_blocks if detector == "hash" else numel
+        detection = 16 * n_blocks if detector == "hash" else 2 * numel
         return detection + numel + n_blocks
 
     @property
     def state_bytes(self) -> int:
         """Persistent sender memory, counted from the arrays themselves."""
-        detection = self._hash_cache if self.config.detector == "hash" else self._last_exp
-        return detection.nbytes + self._exp_scratch.nbytes + self._changed.nbytes
+        if self.config.detector == "hash":
+            detection = self._hash_cache.nbytes
+        else:
+            detection = self._last_exp.nbytes + self._sent_exp.nbytes
+        return detection + self._exp_scratch.nbytes + self._changed.nbytes
 
     def encode(self, shard, out: np.ndarray | None = None) -> np.ndarray:
         """Payload for this gather (uint8 array); advances the generation and the change-detection state.
@@ -317,6 +333,7 @@ class ShardEncoder:
                 full, sm_out,
             )  # fmt: skip
         else:
+            np.copyto(self._sent_exp, self._last_exp)  # the pass below overwrites changed blocks
             sm_checksum = self.backend.encode_planes_exact(
                 bits, shift, mask, is_fp16, block_size, self._exp_scratch, self._last_exp, self._changed,
                 full, sm_out,
@@ -325,14 +342,20 @@ class ShardEncoder:
         self.last_changed_blocks = int(changed_blocks.size)
         offsets, changed_values = kernels.changed_block_offsets(changed_blocks, block_size, self.numel)
         flags = FLAG_FULL_EXPONENTS if full else 0
+        deltas = not full and self.config.detector == "exact"
         exp_region = buffer[layout.fixed_bytes : layout.fixed_bytes + changed_values]
         exp_bytes = 0
         if changed_values:
-            if changed_values == self.numel:  # every block changed (a full payload; early training)
+            if changed_values == self.numel and not deltas:  # a full payload (or early training)
                 packed_exp = self._exp_scratch
             else:
                 packed_exp = np.empty(changed_values, dtype=np.uint8)
                 self.backend.gather_blocks(self._exp_scratch, changed_blocks, offsets, block_size, packed_exp)
+            if deltas:
+                flags |= FLAG_EXPONENT_DELTAS
+                base = np.empty(changed_values, dtype=np.uint8)
+                self.backend.gather_blocks(self._sent_exp, changed_blocks, offsets, block_size, base)
+                np.subtract(packed_exp, base, out=packed_exp)  # mod 256: uint8 wraps
             # rANS straight into the payload; it must come out smaller than the raw exponents to be used.
             exp_bytes = self.backend.ans_encode_into(packed_exp, exp_region)
             if exp_bytes < 0 or exp_bytes >= changed_values:
@@ -605,6 +628,12 @@ class ShardDecoder:
             )
         if header.full and changed_blocks.size != layout.n_blocks:
             raise self._fail("full-exponent payload does not flag every block")
+        deltas = bool(header.flags & FLAG_EXPONENT_DELTAS)
+        if deltas != (not header.full and self.config.detector == "exact" and bool(changed_blocks.size)):
+            raise self._fail(
+                f"exponent deltas flag is {'set' if deltas else 'clear'} on a "
+                f"{'full' if header.full else 'delta'} payload of the {self.config.detector} detector"
+            )
         offsets, changed_values = kernels.changed_block_offsets(
             changed_blocks, self.config.block_size, self.numel
         )
@@ -622,6 +651,10 @@ class ShardDecoder:
                 raise self._fail(f"exponent stream invalid: {error}") from None
         elif exp_section.size:
             raise self._fail(f"no changed blocks but {exp_section.size} exponent bytes")
+        if deltas:  # exponent = cached exponent + delta, mod 256
+            base = np.empty(changed_values, dtype=np.uint8)
+            self.backend.gather_blocks(self.exp_cache, changed_blocks, offsets, self.config.block_size, base)
+            np.add(packed_exp, base, out=packed_exp)
         # Only now, with header, bitmap and exponents verified, touch the cache.
         if changed_values:
             self.backend.scatter_blocks(

@@ -746,7 +746,7 @@ def enable_ciera(
     if config is None:
         config = CodecConfig(
             block_size=section.get("block_size", CodecConfig().block_size),
-            detector=section.get("detector", "hash"),
+            detector=section.get("detector", CodecConfig().detector),
             verify_every=section.get("verify_every", 0),
         )
     if cache_budget_bytes is None:

@@ -68,7 +68,7 @@ class TrainConfig:
     # report, no state digest, no exponent statistics — and they are not timed. `steps` counts them: the
     # run still ends after step `steps`. Checkpoints (save_at), snapshots and exit_rank_at count every step.
     warm_steps: int = 0
-    detector: str = "hash"
+    detector: str = "exact"  # CodecConfig's default: exponent deltas
     cache_budget_bytes: int | None = None
     timeout_s: float = 300.0
     checkpoint_dir: str | None = None

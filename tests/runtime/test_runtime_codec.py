@@ -277,3 +277,72 @@ def test_codec_threads_default_to_the_cores_of_one_local_rank_and_cap_every_call
     worker.start()
     worker.join()
     assert seen == {"before": pool, "after": 1, "exact": True}
+
+
+def _adam_like_step(bits: np.ndarray, rng: np.random.Generator, lr: float) -> np.ndarray:
+    """BF16 weights after one update of relative size ~lr/|w| (what Adam does early in training)."""
+    weights = (bits.astype(np.uint32) << 16).view(np.float32)
+    stepped = weights - lr * np.sign(rng.standard_normal(weights.size)).astype(np.float32)
+    return (stepped.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def test_exact_detector_sends_changed_blocks_as_deltas_and_full_payloads_as_exponents() -> None:
+    from ciera_runtime.codec import FLAG_EXPONENT_DELTAS, FLAG_RAW_EXPONENTS
+
+    numel = 1 << 16
+    rng = np.random.default_rng(7)
+    bits = ((rng.standard_normal(numel) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    exact, exact_rx = _pair(numel, "bf16", detector="exact")
+    hashed, hashed_rx = _pair(numel, "bf16", detector="hash")
+    first = exact.encode(bits)
+    assert not parse_header(first, 5, 1).flags & FLAG_EXPONENT_DELTAS  # full: receivers may hold nothing
+    exact_rx.decode(first), hashed_rx.decode(hashed.encode(bits))
+    sizes = {"exact": 0, "hash": 0}
+    for _ in range(5):
+        bits = _adam_like_step(bits, rng, 1e-4)
+        for name, encoder, decoder in (("exact", exact, exact_rx), ("hash", hashed, hashed_rx)):
+            payload = encoder.encode(bits)
+            header = parse_header(payload, 5, 1)
+            assert header.changed_blocks > 0
+            assert bool(header.flags & FLAG_EXPONENT_DELTAS) == (name == "exact")
+            assert not header.flags & FLAG_RAW_EXPONENTS
+            np.testing.assert_array_equal(decoder.decode(payload), bits)
+            sizes[name] += header.exp_bytes
+    # Same blocks flagged, a fraction of the exponent bytes: most deltas in a changed block are 0.
+    assert sizes["exact"] < sizes["hash"] / 4
+    exact.force_full()
+    full = parse_header(exact.encode(bits), 5, 1)
+    assert full.full and not full.flags & FLAG_EXPONENT_DELTAS
+
+
+def test_a_delta_flag_that_does_not_match_the_payload_kind_is_rejected() -> None:
+    """A payload re-signed by a hostile sender with the deltas flag flipped (header CRC recomputed) is
+    refused before it touches the cache, in both directions."""
+    import struct
+    import zlib
+
+    from ciera_runtime.codec import _HEADER_CRC_OFFSET, FLAG_EXPONENT_DELTAS, PayloadError
+
+    def flipped(payload: np.ndarray) -> np.ndarray:
+        forged = payload.copy()
+        forged[7] ^= FLAG_EXPONENT_DELTAS  # the flags byte (after magic, version, dtype)
+        header = bytearray(forged[:HEADER_BYTES].tobytes())
+        struct.pack_into("<I", header, _HEADER_CRC_OFFSET, zlib.crc32(header[:_HEADER_CRC_OFFSET]))
+        forged[:HEADER_BYTES] = np.frombuffer(bytes(header), dtype=np.uint8)
+        return forged
+
+    numel = 4096
+    rng = np.random.default_rng(8)
+    bits = rng.integers(0, 1 << 16, numel).astype(np.uint16)
+    encoder, decoder = _pair(numel, "bf16", detector="exact", block_size=64)
+    full = encoder.encode(bits)
+    with pytest.raises(PayloadError, match="deltas flag is set on a full payload"):
+        decoder.decode(flipped(full))
+    decoder.decode(full)
+    bits[::97] ^= 0x0080
+    delta = encoder.encode(bits)
+    cache_before = decoder.exp_cache.copy()
+    with pytest.raises(PayloadError, match="deltas flag is clear on a delta payload"):
+        decoder.decode(flipped(delta))
+    np.testing.assert_array_equal(decoder.exp_cache, cache_before)
+    np.testing.assert_array_equal(decoder.decode(delta), bits)

@@ -1,8 +1,8 @@
 """Block size B against exponent churn, early and mid-training: the real codec over real weights.
 
     python benchmarks/block_size.py --json out/block_size.json [--engine fsdp|zero3] [--warm-steps 500]
-        [--window 10] [--block-sizes 64,128,256,512] [--layers 2] [--seq-len 64] [--global-batch 4]
-        [--timeout-s 300]
+        [--detector exact|hash] [--window 10] [--block-sizes 64,128,256,512] [--layers 2] [--seq-len 64]
+        [--global-batch 4] [--timeout-s 300]
 
 Training: ``small-moe`` as ``benchmarks/train_step.py`` trains it (2 blocks, 64 tokens, 4 sequences per
 step, 2 gloo ranks on loopback, one torch thread per rank, TrainConfig's default learning rate), the plain
@@ -15,7 +15,8 @@ completed steps of two windows: **early**, steps 0..W (``--window`` W), and **la
 Codec: for every B of ``--block-sizes`` and each window, every parameter is split into W = 2 contiguous
 rank shards by ZeRO-3's rule (the flattened values, ceil(numel / 2) to rank 0, the rest to rank 1; FSDP2
 cuts dim 0, which moves the boundary by less than a row), and each shard goes through its own
-``ciera_runtime.codec.ShardEncoder`` and ``ShardDecoder`` (CodecConfig(block_size=B), hash detector), one
+``ciera_runtime.codec.ShardEncoder`` and ``ShardDecoder`` (CodecConfig(block_size=B, detector=--detector):
+``exact``, the default, sends changed blocks as exponent deltas; ``hash`` as exponents), one
 gather per snapshot in order, exactly as a rank's shard is encoded from gather to gather. The window's
 first snapshot primes them (a full payload, not counted); each of the W later snapshots is one counted
 gather, its decode checked bit for bit against the snapshot. Per window and B: the share of blocks whose
@@ -148,7 +149,7 @@ def _shards(numel: int) -> list[tuple[int, int]]:
     return [(min(rank * size, numel), min((rank + 1) * size, numel)) for rank in range(RANKS)]
 
 
-def _window_figures(snapshots: list[Path], block_sizes, categories: dict[str, str]) -> dict:
+def _window_figures(snapshots: list[Path], block_sizes, categories: dict[str, str], detector: str) -> dict:
     """Encode and decode every rank shard of every parameter over the window's snapshots, per B."""
     import numpy as np
     import torch
@@ -172,7 +173,7 @@ def _window_figures(snapshots: list[Path], block_sizes, categories: dict[str, st
                 for block_size in block_sizes:
                     key = (block_size, name, rank)
                     if index == 0:  # the window's first gather: a full payload, not counted
-                        config = CodecConfig(block_size=block_size)
+                        config = CodecConfig(block_size=block_size, detector=detector)
                         shard_id = len(coders)
                         encoder = ShardEncoder(shard_id, shard.size, "bf16", rank, config)
                         decoder = ShardDecoder(shard_id, rank, shard.size, "bf16", config)
@@ -270,7 +271,7 @@ def _main(args) -> int:
             codec_start_s = time.perf_counter()
             figures[name] = {
                 "snapshot_steps": [steps[0], steps[-1]],
-                **_window_figures(snapshots, args.block_sizes, categories),
+                **_window_figures(snapshots, args.block_sizes, categories, args.detector),
                 "codec_s": round(time.perf_counter() - codec_start_s, 1),
             }
     best = {
@@ -290,7 +291,7 @@ def _main(args) -> int:
             "window": args.window,
             "block_sizes": list(args.block_sizes),
             "shards": "ZeRO-3's rule: each parameter flattened, ceil(numel / 2) values to rank 0, the rest to rank 1",
-            "detector": "hash",
+            "detector": args.detector,
             "numba_threads": numba.get_num_threads(),
         },
         "training": training,
@@ -325,6 +326,9 @@ def main() -> None:
     parser.add_argument("--engine", choices=ENGINES, default="fsdp", help="the plain engine that trains")
     parser.add_argument(
         "--warm-steps", type=int, default=500, help="the late window starts after this many steps"
+    )
+    parser.add_argument(
+        "--detector", choices=("exact", "hash"), default="exact", help="CodecConfig.detector (exact: deltas)"
     )
     parser.add_argument("--window", type=int, default=10, help="gathers counted per window (snapshots - 1)")
     parser.add_argument("--block-sizes", default="64,128,256,512")

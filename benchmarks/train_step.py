@@ -328,6 +328,7 @@ def _rank_main(args) -> None:
                         "steps": records,
                         "parameter_digest": result.parameter_digest,
                         "ciera_calls_and_overflows": _calls_and_overflows(result.ciera),
+                        "ciera_wire_bytes_by_kind": _wire_bytes_by_kind(result.ciera),
                     }
                 )
         out["probe_after"] = _probe_link(args.probe_mib)
@@ -339,6 +340,19 @@ def _rank_main(args) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _wire_bytes_by_kind(stats: dict | None) -> dict[str, int] | None:
+    """Where CIERA's bucket rows' bytes went (payloads, raw messages, headers, padding), either engine."""
+    if stats is None:
+        return None
+    if "ciera_wire_bytes_by_kind" in stats:  # ZeRO-3
+        return dict(stats["ciera_wire_bytes_by_kind"])
+    total: dict[str, int] = {}
+    for engine in stats["engines"]:
+        for kind, n in engine.get("wire_bytes_by_kind", {}).items():
+            total[kind] = total.get(kind, 0) + n
+    return total
 
 
 def _calls_and_overflows(stats: dict | None) -> list[int] | None:
@@ -417,6 +431,9 @@ def _report(
         if counted is not None:  # the whole run (warm-up steps included), rank 0's
             entry["ciera_calls"] = entry.get("ciera_calls", 0) + counted[0]
             entry["overflow_rounds"] = entry.get("overflow_rounds", 0) + counted[1]
+        for kind, n in (run0.get("ciera_wire_bytes_by_kind") or {}).items():
+            entry.setdefault("wire_by_kind", {})
+            entry["wire_by_kind"][kind] = entry["wire_by_kind"].get(kind, 0) + n
 
     table: dict[str, dict] = {}
     for system in systems:
@@ -451,6 +468,13 @@ def _report(
             "overflow_rounds": entry.get("overflow_rounds"),
             "overflow_share": round(entry["overflow_rounds"] / entry["ciera_calls"], 4)
             if entry.get("ciera_calls")
+            else None,
+            # shares of CIERA's bucket-row bytes (rank 0, every run, warm-up included)
+            "wire_share_by_kind": {
+                kind: round(n / max(1, sum(entry["wire_by_kind"].values())), 4)
+                for kind, n in entry["wire_by_kind"].items()
+            }
+            if entry.get("wire_by_kind")
             else None,
             # every timed step of every round: what the all-gathers sent (CIERA's protocol included) vs raw
             "bytes_on_wire_not_above_raw": all(

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ciera_runtime import protocol
-from ciera_runtime.codec import dtype_from_name, shard_bits
+from ciera_runtime.codec import FLAG_FULL_EXPONENTS, HEADER_FLAGS_OFFSET, dtype_from_name, shard_bits
 from ciera_runtime.errors import CieraError, ConfigMismatchError, GatherError, GatherTimeoutError
 
 if TYPE_CHECKING:
@@ -60,11 +60,16 @@ _HEADER_FIXED_BYTES = 8 * len(_HEADER_FIELDS) + protocol.REASON_BYTES
 _REGISTRATION_FIELDS = ("magic", "fingerprint", "shards", "first_shard", "failed")
 REGISTRATION_ROW_BYTES = 8 * len(_REGISTRATION_FIELDS) + protocol.REASON_BYTES + 8
 # Without a cycle to predict from, the area is sized from the largest message total of this many recent
-# gathers of the bucket (an iteration's worth: ZeRO-3 gathers a layer up to three times), times (1 + margin)
-# plus a few bytes.
+# gathers of the bucket (an iteration's worth: ZeRO-3 gathers a layer up to three times). The margin applies
+# to what lies above the bucket's floor (every payload's fixed part — header, bitmap, sign+mantissa plane —
+# whose size is known exactly), i.e. to the exponent sections, the only part that varies; plus a few bytes.
 CAPACITY_WINDOW = 8
-CAPACITY_MARGIN = 0.03
+CAPACITY_MARGIN = 0.25
 CAPACITY_SLACK_BYTES = 64
+# Non-full gathers a bucket needs finished before full-exponent gathers stop counting in its prediction: a
+# whole cycle of up to three phases (ZeRO-3: forward, recompute, backward), so that the first phase's
+# non-full gather is among them; until then the full gather bounds the first cycle's sizes from above.
+STEADY_HISTORY = 3
 # What one overflow round is worth in padding bytes when the area size is predicted: about one small
 # round's latency at 200 Mbit (1.3 ms); small buckets are padded rather than overflow, large ones are not.
 OVERFLOW_PENALTY_BYTES = 32 << 10
@@ -154,7 +159,11 @@ class Bucket:
     fingerprint: int
     initial_capacity_bytes: int
     max_capacity_bytes: int
-    # (call number, gather index, largest message total every rank saw) of this bucket's finished gathers.
+    # The smallest message total this bucket can have (compressed shards: their payloads' fixed parts;
+    # raw shards: their values), 8-aligned per shard: the capacity margin applies above it.
+    floor_bytes: int = 0
+    # (call number, gather index, largest message total every rank saw, whether a message was a full
+    # payload) of this bucket's finished gathers.
     totals: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
     started: int = 0  # gathers of this bucket started (the next one's index)
     _period: int | None = None  # the cycle length capacity_for predicts with
@@ -170,15 +179,22 @@ class Bucket:
         prediction for gather ``index`` is the largest of the same-phase gathers one and two cycles back,
         for the cycle length P that would have fitted the recent gathers best, counting each overflow
         as OVERFLOW_PENALTY_BYTES of padding (P = 0: the largest of the last 8, whatever the phase)."""
-        known = {gather: total for number, gather, total in self.totals if number <= call - CALL_LAG}
+        finished = [entry for entry in self.totals if entry[0] <= call - CALL_LAG]
+        # A gather that carried full exponents (a bucket's first, the one after an error) is an outlier no
+        # later gather repeats: sized from the others once they cover a cycle (STEADY_HISTORY).
+        steady = [entry for entry in finished if not entry[3]]
+        known = {
+            gather: total for _, gather, total, _ in (steady if len(steady) >= STEADY_HISTORY else finished)
+        }
         if not known:
             return self.initial_capacity_bytes
         gathers = sorted(known)
         position = {gather: at for at, gather in enumerate(gathers)}
 
         def planned(seen: list[int]) -> int:
-            size = _align8(int(max(seen) * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES)
-            return min(self.max_capacity_bytes, size)
+            above_floor = max(0, max(seen) - self.floor_bytes)
+            size = self.floor_bytes + int(above_floor * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES
+            return min(self.max_capacity_bytes, _align8(size))
 
         def predict(target: int, period: int) -> int | None:
             if period == 0:  # the last CAPACITY_WINDOW known gathers before target
@@ -195,7 +211,9 @@ class Bucket:
             for period in range(7):
                 overflows, used = 0, 0
                 for gather in gathers[-12:]:
-                    size = predict(gather, period)
+                    # Where this period has no history yet, the fallback it would use: every candidate
+                    # is scored on the same gathers (a longer period must not win by predicting fewer).
+                    size = predict(gather, period) or predict(gather, 0)
                     if size is not None:
                         overflows += known[gather] > size
                         used += size
@@ -205,8 +223,8 @@ class Bucket:
             self._period, self._period_chosen_at = best, gathers[-1] // 4
         return predict(index, self._period) or predict(index, 0) or self.initial_capacity_bytes
 
-    def record(self, call: int, index: int, largest_total_bytes: int) -> None:
-        self.totals.append((call, index, largest_total_bytes))
+    def record(self, call: int, index: int, largest_total_bytes: int, full: bool = False) -> None:
+        self.totals.append((call, index, largest_total_bytes, full))
 
 
 @dataclass
@@ -217,6 +235,21 @@ class BucketStats:
     raw_messages: int = 0
     payload_messages: int = 0
     failed_calls: int = 0
+    # This rank's bytes on the wire in bucket rows and overflow rounds, by what they carry: codec
+    # payloads, raw messages, headers (bucket header and entry table), and padding (the planned area's
+    # unused end and 8-byte alignment). Registration rounds are not counted here.
+    payload_bytes: int = 0
+    raw_message_bytes: int = 0
+    header_bytes: int = 0
+    padding_bytes: int = 0
+
+    def wire_bytes_by_kind(self) -> dict[str, int]:
+        return {
+            "payload": self.payload_bytes,
+            "raw": self.raw_message_bytes,
+            "header": self.header_bytes,
+            "padding": self.padding_bytes,
+        }
 
 
 class BucketHandle:
@@ -246,6 +279,21 @@ class BucketHandle:
 
     def is_completed(self) -> bool:
         return self._result is not None
+
+
+def _carries_full(headers: list[_Header], received: np.ndarray, head: int) -> bool:
+    """Whether any rank's row carries a full-exponent payload (its flags byte, read from the received rows:
+    the same bytes, so the same answer, on every rank; a message starting past the area counts as not full)."""
+    area_bytes = received.shape[1] - head
+    for source, header in enumerate(headers):
+        offset = 0
+        for entry in header.entries:
+            at = offset + HEADER_FLAGS_OFFSET
+            if _entry_kind(entry) == KIND_PAYLOAD and at < area_bytes:
+                if received[source, head + at] & FLAG_FULL_EXPONENTS:
+                    return True
+            offset += _align8(_entry_length(entry))
+    return False
 
 
 def _entry(kind: int, length: int) -> int:
@@ -373,7 +421,7 @@ class BucketGather:
                 engine._unregister(shard_id)
             raise problem
         states = [engine._shards[shard_id] for shard_id in shard_ids]
-        initial, largest = 0, 0
+        initial, largest, floor = 0, 0, 0
         for state in states:
             raw_bytes = _align8(2 * state.numel)
             if state.compressed:
@@ -381,10 +429,12 @@ class BucketGather:
                 initial += min(
                     raw_bytes, _align8(layout.fixed_bytes + int(_INITIAL_PAYLOAD_RATIO * state.numel))
                 )
+                floor += min(raw_bytes, _align8(layout.fixed_bytes))
             else:
                 initial += raw_bytes
+                floor += raw_bytes
             largest += raw_bytes
-        bucket = Bucket(shard_ids, tuple(numels), fingerprint, initial, largest)
+        bucket = Bucket(shard_ids, tuple(numels), fingerprint, initial, largest, floor)
         self.buckets[shard_ids] = bucket
         return bucket
 
@@ -607,6 +657,10 @@ class BucketGather:
                             state.encoder.force_full()
                     stats.payload_messages += kind == KIND_PAYLOAD
                     stats.raw_messages += kind == KIND_RAW
+                    if kind == KIND_PAYLOAD:
+                        stats.payload_bytes += message.size
+                    else:
+                        stats.raw_message_bytes += message.size
                     entries[index] = _entry(kind, message.size)
                     if kind == KIND_RAW:
                         crcs[index] = zlib.crc32(message)
@@ -631,6 +685,10 @@ class BucketGather:
             "message_bytes": message_bytes,
         }
         _pack_header(header_values, reason, entries, crcs, send)
+        stats.header_bytes += head
+        # The row and this rank's share of the overflow round (sized by the largest rank's spill: the
+        # rest of it is padding, added when the round runs).
+        stats.padding_bytes += send.size + len(overflow) - head - sum(_entry_length(e) for e in entries)
         encode_end_s = time.perf_counter()
         engine.stats.encode_s += encode_end_s - encode_start_s
         if engine.codec_timer is not None and error is None:
@@ -697,13 +755,16 @@ class BucketGather:
         if overflow_bytes:
             send = np.zeros(overflow_bytes, dtype=np.uint8)
             send[: len(overflow)] = np.frombuffer(overflow, dtype=np.uint8)[:overflow_bytes]
+            self.stats.padding_bytes += overflow_bytes - len(overflow)
             overflow_rows = self._exchange(send, "overflow", first, self.overflow_group)
             self.stats.overflow_rounds += 1
         problem = self._problem(headers, bucket, limit)
         if problem is not None:
             self._reset_after_error()
             raise problem
-        bucket.record(call, gather_index, max(h.message_bytes for h in headers))
+        bucket.record(
+            call, gather_index, max(h.message_bytes for h in headers), _carries_full(headers, received, head)
+        )
         if self.engine.fault_injector is not None:
             self.engine.fault_injector("receive", first, received[:, head:])
         decode_start_s = time.perf_counter()

@@ -42,6 +42,7 @@ FORMAT_VERSION = 5
 HEADER_FORMAT = "<4sHBBIIQQQIIQIIQII"
 HEADER_BYTES = 80
 _HEADER_CRC_OFFSET = HEADER_BYTES - 4
+HEADER_FLAGS_OFFSET = struct.calcsize("<4sHB")  # the flags byte: magic, version, dtype come first
 _META_CRC_OFFSET = struct.calcsize("<4sHBBIIQQQIIQI")
 assert struct.calcsize(HEADER_FORMAT) == HEADER_BYTES
 

@@ -299,6 +299,7 @@ class CieraZero3:
                     registrations=buckets.registrations,
                     overflow_rounds=buckets.overflow_rounds,
                     raw_messages=buckets.raw_messages,
+                    **{f"wire_{kind}": n for kind, n in buckets.wire_bytes_by_kind().items()},
                 )
             s = engine.stats
             ciera.update(
@@ -321,6 +322,10 @@ class CieraZero3:
             "ciera_registrations": ciera["registrations"],
             "ciera_overflow_rounds": ciera["overflow_rounds"],
             "ciera_raw_messages": ciera["raw_messages"],
+            # Where the bucket rows' bytes go: codec payloads, raw messages, headers, padding.
+            "ciera_wire_bytes_by_kind": {
+                kind: ciera[f"wire_{kind}"] for kind in ("payload", "raw", "header", "padding")
+            },
             "ciera_bytes_sent": ciera["bytes_sent"],
             "ciera_raw_bytes_equivalent": ciera["raw_bytes_equivalent"],
             "ciera_host_s": host_s,  # on the training thread, network waits left out

@@ -1,0 +1,55 @@
+"""The bucket's capacity plan (replicated state, no collective needed): sizes from same-phase history, the
+margin above the payloads' fixed floor, full-exponent gathers as outliers, candidate periods scored alike."""
+
+from __future__ import annotations
+
+from ciera_runtime.bucket import CALL_LAG, CAPACITY_MARGIN, CAPACITY_SLACK_BYTES, Bucket
+
+FLOOR, FIRST, REPEAT, FULL = 100_000, 104_000, 100_200, 140_000
+
+
+def _bucket() -> Bucket:
+    return Bucket(
+        (1,), (100_000,), 7, initial_capacity_bytes=150_000, max_capacity_bytes=200_000, floor_bytes=FLOOR
+    )
+
+
+def _run(bucket: Bucket, phases: int, gathers: int) -> list[tuple[int, int]]:
+    """Gathers of a cycle of `phases` (first one carries changes), the bucket's first full; one call each.
+    Returns (capacity, message total) per gather."""
+    out = []
+    for index in range(gathers):
+        call = index + 1
+        capacity = bucket.capacity_for(call, index)
+        total = FULL if index == 0 else FIRST if index % phases == 0 else REPEAT
+        bucket.record(call, index, total, full=index == 0)
+        out.append((capacity, total))
+    return out
+
+
+def test_steady_sizes_are_the_same_phase_totals_plus_a_margin_above_the_floor() -> None:
+    for phases in (2, 3):
+        sized = _run(_bucket(), phases, 40)
+        # At most one overflow while two cycles of history cannot yet tell a 3-phase cycle from a 2-phase
+        # one; none once they can.
+        overflows = [index for index, (capacity, total) in enumerate(sized) if capacity < total]
+        assert len(overflows) <= 1 and all(index < 12 for index in overflows), (phases, overflows)
+        for capacity, total in sized[-12:]:
+            padding = capacity - total
+            assert padding <= (total - FLOOR) * CAPACITY_MARGIN + CAPACITY_SLACK_BYTES + 8, (phases, padding)
+
+
+def test_the_full_first_gather_bounds_only_the_first_cycle() -> None:
+    sized = _run(_bucket(), 2, 20)
+    # Before a cycle of non-full gathers is known the full one's total bounds the size ...
+    assert sized[2][0] >= FULL
+    # ... and once it is, the full gather no longer inflates the rows.
+    assert all(capacity < FIRST + (FIRST - FLOOR) for capacity, _ in sized[CALL_LAG + 4 :])
+
+
+def test_a_longer_period_does_not_win_by_predicting_fewer_gathers() -> None:
+    bucket = _bucket()
+    _run(bucket, 2, 30)
+    assert bucket._period in (2, 4, 6)
+    # Repeats are sized as repeats: a period that mixes phases would pad them to the first gather's size.
+    assert bucket.capacity_for(31, 29) < FIRST

@@ -88,7 +88,7 @@ class CodecConfig:
     """Codec settings shared by senders and receivers of one group.
 
     block_size: values per change-detection block. detector: 'exact' (the sender keeps the last exponents
-    it sent, 1 B per value, plus a copy of them while it encodes: no collision risk, and changed blocks
+    it sent, 1 B per value, and one more plane as the deltas' base: no collision risk, and changed blocks
     travel as deltas against the receivers' caches) or 'hash' (16 B of sender state per block; changed
     blocks travel as exponents).
     verify_every: put a CRC-32 of the shard in every K-th payload (0 = never); receivers check it.
@@ -287,7 +287,8 @@ class ShardEncoder:
             self._hash_cache = np.zeros((n_blocks, 2), dtype=np.uint64)
         else:
             self._last_exp = np.zeros(numel, dtype=np.uint8)
-            # What the receivers hold while the encode pass updates _last_exp: the deltas' base.
+            # What the receivers hold, the deltas' base; equal to _last_exp between gathers, but the
+            # encode pass updates _last_exp, so encode rotates it with the scratch plane.
             self._sent_exp = np.zeros(numel, dtype=np.uint8)
         self._changed = np.zeros(n_blocks, dtype=np.uint8)
         self.last_changed_blocks = 0
@@ -328,34 +329,39 @@ class ShardEncoder:
         sm_out = buffer[
             layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
         ]
+        exp_plane = self._exp_scratch  # the pass writes this gather's exponent plane here
+        base_plane = None  # what the receivers hold (exact detector): the deltas' base
         if self.config.detector == "hash":
             sm_checksum = self.backend.encode_planes_hash(
-                bits, shift, mask, is_fp16, block_size, self._hash_cache, self._exp_scratch, self._changed,
+                bits, shift, mask, is_fp16, block_size, self._hash_cache, exp_plane, self._changed,
                 full, sm_out,
             )  # fmt: skip
         else:
-            np.copyto(self._sent_exp, self._last_exp)  # the pass below overwrites changed blocks
             sm_checksum = self.backend.encode_planes_exact(
-                bits, shift, mask, is_fp16, block_size, self._exp_scratch, self._last_exp, self._changed,
+                bits, shift, mask, is_fp16, block_size, exp_plane, self._last_exp, self._changed,
                 full, sm_out,
             )  # fmt: skip
+            # The pass leaves _last_exp equal to the new plane (changed blocks copied, the others equal),
+            # so the new plane is the next gather's base and the old base becomes scratch: no copy.
+            base_plane = self._sent_exp
+            self._sent_exp, self._exp_scratch = exp_plane, base_plane
         changed_blocks = np.flatnonzero(self._changed)
         self.last_changed_blocks = int(changed_blocks.size)
         offsets, changed_values = kernels.changed_block_offsets(changed_blocks, block_size, self.numel)
         flags = FLAG_FULL_EXPONENTS if full else 0
-        deltas = not full and self.config.detector == "exact"
+        deltas = not full and base_plane is not None
         exp_region = buffer[layout.fixed_bytes : layout.fixed_bytes + changed_values]
         exp_bytes = 0
         if changed_values:
             if changed_values == self.numel and not deltas:  # a full payload (or early training)
-                packed_exp = self._exp_scratch
+                packed_exp = exp_plane
             else:
                 packed_exp = np.empty(changed_values, dtype=np.uint8)
-                self.backend.gather_blocks(self._exp_scratch, changed_blocks, offsets, block_size, packed_exp)
+                self.backend.gather_blocks(exp_plane, changed_blocks, offsets, block_size, packed_exp)
             if deltas:
                 flags |= FLAG_EXPONENT_DELTAS
                 base = np.empty(changed_values, dtype=np.uint8)
-                self.backend.gather_blocks(self._sent_exp, changed_blocks, offsets, block_size, base)
+                self.backend.gather_blocks(base_plane, changed_blocks, offsets, block_size, base)
                 np.subtract(packed_exp, base, out=packed_exp)  # mod 256: uint8 wraps
             # rANS straight into the payload; it must come out smaller than the raw exponents to be used.
             exp_bytes = self.backend.ans_encode_into(packed_exp, exp_region)

@@ -290,6 +290,7 @@ class CieraZero3:
         """Bytes this rank sent for parameter gathers since enable: CIERA's engine stats (control, bulk and
         status rounds) plus the raw bytes of the gathers left on DeepSpeed's path."""
         ciera = collections.Counter()
+        wire_by_kind = collections.Counter()
         host_s = 0.0
         for engine in self.gathers.values():
             buckets = engine.bucket_stats
@@ -299,8 +300,8 @@ class CieraZero3:
                     registrations=buckets.registrations,
                     overflow_rounds=buckets.overflow_rounds,
                     raw_messages=buckets.raw_messages,
-                    **{f"wire_{kind}": n for kind, n in buckets.wire_bytes_by_kind().items()},
                 )
+                wire_by_kind.update(buckets.wire_bytes_by_kind())
             s = engine.stats
             ciera.update(
                 gathers=s.gathers,
@@ -323,9 +324,7 @@ class CieraZero3:
             "ciera_overflow_rounds": ciera["overflow_rounds"],
             "ciera_raw_messages": ciera["raw_messages"],
             # Where the bucket rows' bytes go: codec payloads, raw messages, headers, padding.
-            "ciera_wire_bytes_by_kind": {
-                kind: ciera[f"wire_{kind}"] for kind in ("payload", "raw", "header", "padding")
-            },
+            "ciera_wire_bytes_by_kind": dict(wire_by_kind),
             "ciera_bytes_sent": ciera["bytes_sent"],
             "ciera_raw_bytes_equivalent": ciera["raw_bytes_equivalent"],
             "ciera_host_s": host_s,  # on the training thread, network waits left out

@@ -22,8 +22,9 @@ Failures (docs/runtime.md, "When a failure surfaces"):
 - a rank that cannot rebuild a received message raises in this gather and posts the error in the
   group's store; the others, whose weights are exact, raise the same error at their next CIERA call
   (they find it in the store while they wait for that rank's row, which never comes). No caller receives
-  a wrong weight. The CIERA groups are then out of step: every rank's next call re-creates them (a
-  rendezvous), re-registers its buckets and sends full exponents;
+  a wrong weight. The CIERA groups are then out of step: every rank's next call drains them (pairs the
+  rounds the failure left unpaired), re-creates them (a rendezvous), re-registers its buckets and sends
+  full exponents;
 - after any error every encoder of the engine sends full exponents next, so caches are rebuilt.
 
 Every decision that sizes a collective is made from the received rows only (the rank's own row
@@ -36,6 +37,8 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
+import logging
 import struct
 import time
 import zlib
@@ -52,6 +55,8 @@ from ciera_runtime.errors import CieraError, ConfigMismatchError, GatherError, G
 
 if TYPE_CHECKING:
     from ciera_runtime.allgather import CompressedAllGather
+
+logger = logging.getLogger("ciera_runtime")
 
 BUCKET_MAGIC = 0x4349455242 << 8 | 1  # "CIERB" + version
 KIND_PAYLOAD, KIND_RAW = 1, 2
@@ -330,6 +335,12 @@ class BucketGather:
         # with the engine's own collectives. Overflow rounds have a second group: they are issued when a
         # call is finished, and ranks may interleave finishes with other calls' starts differently.
         self.row_group = self.overflow_group = None
+        # Per CIERA group (by name): rounds posted on it, and those not yet seen finished (index, send
+        # bytes, work) — what the drain after a failure needs to pair the rounds it left unpaired.
+        self._rounds_posted: collections.Counter = collections.Counter()
+        self._rounds_open: dict[str, list[tuple[int, int, object]]] = collections.defaultdict(list)
+        self.drained_rounds = 0  # rounds posted to pair another rank's unpaired one (a drain)
+        self.rounds_left_open = 0  # unpaired rounds a drain could not finish (the log says why)
         self._store = None
         self._notice_key = ""
         if engine.world_size > 1:
@@ -353,6 +364,7 @@ class BucketGather:
 
     def _recover(self) -> None:
         """After a failure that left the groups out of step: new groups, no buckets, full exponents."""
+        self._drain()
         # The old groups are dropped, not destroyed: destroying one renames later groups on this rank only
         # (names count the groups a process has), and the rendezvous of the new ones would not meet.
         self._make_groups()
@@ -362,6 +374,93 @@ class BucketGather:
         self._poison = None
         self.recoveries += 1
         self._reset_after_error()
+
+    def _post(self, recv: torch.Tensor, send: np.ndarray, group):
+        """Post one async all-gather on a CIERA group; counted, so a failure's unpaired rounds can be
+        paired later (:meth:`_drain`)."""
+        from ciera_runtime.allgather import _all_gather_single
+
+        name = group.group_name
+        open_rounds = self._rounds_open[name]
+        open_rounds[:] = [entry for entry in open_rounds if not entry[2].is_completed()]
+        work = _all_gather_single(recv, torch.from_numpy(send), group=group, async_op=True)
+        open_rounds.append((self._rounds_posted[name], send.size, work))
+        self._rounds_posted[name] += 1
+        return work
+
+    def _drain(self) -> None:
+        """Pair the rounds a failure left unpaired on the old groups, then wait for them.
+
+        After a one-sided failure some ranks have posted a round that the others never will (the failing
+        rank raises without posting; a rank that timed out gave up on its round). gloo's worker threads
+        hold such a round until a peer exits, and then free its tensors — which takes the GIL, and during
+        interpreter shutdown aborts the process ("terminate called without an active exception",
+        SIGABRT; torch 2.13). So at the rendezvous every rank publishes, per old group, how many rounds
+        it posted and the sizes of those still open; a rank that posted fewer posts the missing ones
+        (zeros, the same sizes — sizes come from replicated state, so the posting ranks agree) and every
+        rank waits for its open rounds. When a rank does not publish in time (it is not at the
+        rendezvous), or the sizes disagree, the rounds stay open, as before, and the log says so."""
+        engine = self.engine
+        if self._store is None or self.row_group is None:
+            return
+        deadline_s = time.perf_counter() + engine.timeout_s
+        for group in (self.row_group, self.overflow_group):
+            name = group.group_name
+            open_rounds = [entry for entry in self._rounds_open.pop(name, []) if not entry[2].is_completed()]
+            posted = self._rounds_posted.pop(name, 0)
+            prefix = f"ciera/drain/{name}/"
+            self._store.set(
+                prefix + str(engine.rank),
+                json.dumps([posted, [[index, size] for index, size, _ in open_rounds]]),
+            )
+            try:
+                self._store.wait(
+                    [prefix + str(rank) for rank in range(engine.world_size)],
+                    timedelta(seconds=max(1e-3, deadline_s - time.perf_counter())),
+                )
+                published = [
+                    json.loads(self._store.get(prefix + str(rank))) for rank in range(engine.world_size)
+                ]
+            except (RuntimeError, ValueError) as error:
+                logger.warning(
+                    "ciera_runtime: rounds of group %s left open: %s", name, str(error).splitlines()[0]
+                )
+                continue
+            sizes: dict[int, set[int]] = collections.defaultdict(set)
+            for _, entries in published:
+                for index, size in entries:
+                    sizes[index].add(size)
+            target = max(count for count, _ in published)
+            missing = range(posted, target)
+            if any(len(sizes[index]) != 1 for index in missing):
+                self.rounds_left_open += len(open_rounds)
+                logger.warning(
+                    "ciera_runtime: rounds of group %s left open: ranks disagree on their sizes", name
+                )
+                continue
+            for index in missing:
+                (size,) = sizes[index]
+                recv = torch.empty(engine.world_size * size, dtype=torch.uint8)
+                work = _all_gather_dummy(recv, size, group)
+                open_rounds.append((index, size, work))
+                self.drained_rounds += 1
+            for position, (_, _, work) in enumerate(open_rounds):
+                try:
+                    work.wait(timeout=timedelta(seconds=max(1e-3, deadline_s - time.perf_counter())))
+                except RuntimeError as error:
+                    self.rounds_left_open += len(open_rounds) - position
+                    logger.warning(
+                        "ciera_runtime: a round of group %s left open: %s", name, str(error).splitlines()[0]
+                    )
+                    break
+
+    def unfinished_rounds(self) -> int:
+        """CIERA rounds this rank posted that have not finished (after a drain that could not pair them,
+        too): 0 whenever no gather is in flight, or the process may abort at exit (see :meth:`_drain`)."""
+        tracked = sum(
+            not work.is_completed() for entries in self._rounds_open.values() for *_, work in entries
+        )
+        return tracked + self.rounds_left_open
 
     def _poisoned(self, error: GatherError) -> GatherError:
         self._poison = error
@@ -476,12 +575,10 @@ class BucketGather:
     # ----------------------------------------------------------------- collectives
 
     def _exchange(self, send: np.ndarray, round_name: str, shard_id: int, group=None) -> np.ndarray:
-        from ciera_runtime.allgather import _all_gather_single
-
         engine = self.engine
         recv = torch.empty(engine.world_size * send.size, dtype=torch.uint8)
         group = self.row_group if group is None else group
-        work = _all_gather_single(recv, torch.from_numpy(send), group=group, async_op=True)
+        work = self._post(recv, send, group)
         engine.stats.rounds += 1
         engine.stats.bytes_sent += send.size
         self._wait(work, round_name, shard_id)
@@ -695,10 +792,8 @@ class BucketGather:
             engine.codec_timer("codec_send", bucket.shard_ids[0], encode_start_s, encode_end_s, 0)
         if engine.fault_injector is not None:
             engine.fault_injector("send", bucket.shard_ids[0], send)
-        from ciera_runtime.allgather import _all_gather_single
-
         recv = torch.empty(engine.world_size * send.size, dtype=torch.uint8)
-        work = _all_gather_single(recv, torch.from_numpy(send), group=self.row_group, async_op=True)
+        work = self._post(recv, send, self.row_group)
         engine.stats.rounds += 1
         engine.stats.bytes_sent += send.size
         engine.stats.gathers += n  # shard gathers, as on the per-shard path
@@ -880,3 +975,10 @@ class BucketGather:
         for state in self.engine._shards.values():
             if state.compressed:
                 state.encoder.force_full()
+
+
+def _all_gather_dummy(recv: torch.Tensor, size: int, group):
+    """A round of ``size`` zero bytes per rank: the pair of another rank's unpaired round (a drain)."""
+    from ciera_runtime.allgather import _all_gather_single
+
+    return _all_gather_single(recv, torch.zeros(size, dtype=torch.uint8), group=group, async_op=True)

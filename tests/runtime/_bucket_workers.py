@@ -241,8 +241,19 @@ def bucket_fault_worker(
                 outcomes.append(check(gather(list(weights[rank]), ids), list(range(len(ids)))))
             records.append((index, fault, target, outcomes, time.perf_counter() - start_s))
         stats = engine.bucket_stats
-        result_queue.put((rank, records, stats.overflow_rounds, stats.calls, engine._bucket_path.recoveries))
+        path = engine._bucket_path
+        result_queue.put(
+            (
+                rank,
+                records,
+                stats.overflow_rounds,
+                stats.calls,
+                path.recoveries,
+                path.drained_rounds,
+                path.unfinished_rounds(),
+            )
+        )
     finally:
-        # No destroy_process_group: after a recovery the abandoned CIERA groups keep a round that never
-        # completes, and destroying them waits on it (docs/runtime.md). The process just ends.
+        # No destroy_process_group: like a training script that forgets it, the process just ends. It
+        # must end cleanly: every round a failure left unpaired was paired at the recovery (a drain).
         pass

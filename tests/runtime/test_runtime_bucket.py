@@ -88,10 +88,16 @@ def _check_faults(world_size: int, injections: int, seed: int) -> collections.Co
                 process.kill()
             pytest.fail(f"ranks still running after the deadline: a hang ({len(collected)} results in)")
         processes.join(timeout=0.2)
-    for process in processes.processes:  # results are in; abandoned rounds may keep a rank waiting
-        process.join(timeout=5)
+    exit_codes = []
+    for process in processes.processes:  # results are in: every rank must now end, and end cleanly
+        process.join(timeout=60)
         if process.is_alive():
             process.kill()
+        exit_codes.append(process.exitcode)
+    # An unpaired round still held by gloo at exit aborts the process (SIGABRT, exit code -6): a rank
+    # that recovered must have drained its failure's rounds.
+    assert exit_codes == [0] * world_size, f"ranks did not end cleanly: exit codes {exit_codes}"
+    assert all(unfinished == 0 for *_, unfinished in collected), [c[-2:] for c in collected]
     by_injection = collections.defaultdict(dict)
     for rank, records, *_ in collected:
         for index, fault, target, outcomes, _ in records:
@@ -125,9 +131,11 @@ def _check_faults(world_size: int, injections: int, seed: int) -> collections.Co
             kind = "next_call"
         counts[(fault, kind)] += 1
     summary = {f"{fault}:{kind}": n for (fault, kind), n in sorted(counts.items())}
-    overflows = [overflow for _, _, overflow, _, _ in collected]
+    overflows = [overflow for _, _, overflow, *_ in collected]
+    drained = sum(result[5] for result in collected)
     print(
-        f"\nW={world_size}: {len(by_injection)} injections, overflow rounds {overflows[0]}, outcomes {summary}"
+        f"\nW={world_size}: {len(by_injection)} injections, overflow rounds {overflows[0]}, outcomes {summary}, "
+        f"unpaired rounds paired at recovery {drained}"
     )
     return counts
 

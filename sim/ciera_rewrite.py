@@ -26,7 +26,7 @@ the payload ratio of its phase class, fitted to the codec runs' bytes: the first
 optimizer step (the forward: the sign and mantissa plane plus the changed blocks' exponents) or a repeat
 gather (recompute, backward: nothing changed since, so the area's floor). The exponent statistics' block
 change rate q only expresses the difference as coded bits per changed value; a run predicted at another
-churn than the codec runs' (a warm start) would need ρ_first rescaled by its q, which is not done. Costs: encode a + b·n + c·(raw/W), decode a' + b'·n + c'·raw·(W−1)/W,
+churn than the codec runs' (a warm start) would need ρ_first rescaled by its q, which is not done. Costs: encode a + b·n + c·(raw/W), decode a' + b'·n·(W−1) + c'·raw·(W−1)/W (each source's part of each shard is rebuilt on its own),
 plus the main-thread time the runtime adds or saves per call beyond the codec (CIERA's compute minus the
 plain run's, per call — signed: the engine's own gather work on the main thread is replaced).
 """
@@ -57,7 +57,9 @@ class CodecFigures:
     """What CIERA costs, fitted to the events of the given CIERA runs."""
 
     encode_s: tuple[float, float, float]  # per call, per shard, per byte of the rank's own shard (S / W)
-    decode_s: tuple[float, float, float]  # per call, per shard, per byte received ((W − 1)/W · S)
+    # per call, per shard and source rank (the runtime rebuilds each source's part of each shard), per byte
+    # received ((W − 1)/W · S)
+    decode_s: tuple[float, float, float]
     glue_s_per_gather: float  # main-thread time beyond the codec per call, CIERA minus plain (signed)
     shard_overhead_bytes: float  # h: per shard and source rank of a call's row
     first_ratio: float  # ρ of a first gather after the optimizer step
@@ -77,7 +79,7 @@ class CodecFigures:
         encode, decode = self.encode_s, self.decode_s
         return (
             f"encode {encode[0] * 1e3:.2f} ms + {encode[1] * 1e3:.3f} ms/shard + {encode[2] * 1e9:.1f} ns/B, "
-            f"decode {decode[0] * 1e3:.2f} ms + {decode[1] * 1e3:.3f} ms/shard + {decode[2] * 1e9:.1f} ns/B, "
+            f"decode {decode[0] * 1e3:.2f} ms + {decode[1] * 1e3:.3f} ms/shard/source + {decode[2] * 1e9:.1f} ns/B, "
             f"glue {self.glue_s_per_gather * 1e3:+.2f} ms per call, payload ratio {self.first_ratio:.3f} "
             f"(first) / {self.repeat_ratio:.3f} (repeat) + {self.shard_overhead_bytes:.0f} B per shard and "
             f"rank, {self.overflow_rate:.1%} overflow rounds (fitted to {', '.join(self.runs)})"
@@ -163,7 +165,7 @@ def fit_codec_figures(
             first = rows["phase"].isin(FIRST_PHASES).to_numpy()
             encode_rows.append(np.column_stack([np.ones_like(raw), shards, raw / world,
                                                 (encodes["end_s"] - encodes["start_s"]).to_numpy()]))  # fmt: skip
-            decode_rows.append(np.column_stack([np.ones_like(raw), shards, raw * (world - 1) / world,
+            decode_rows.append(np.column_stack([np.ones_like(raw), shards * (world - 1), raw * (world - 1) / world,
                                                 (decodes["end_s"] - decodes["start_s"]).to_numpy()]))  # fmt: skip
             wire_rows.append(np.column_stack([raw * first, raw * ~first, world * shards,
                                               rows["wire_bytes"].to_numpy(dtype=float)]))  # fmt: skip
@@ -304,12 +306,15 @@ def ciera_graph(
     parameters: dict[int, list[float]],
     anchor_time_s: AnchorTime,
     counts: dict[str, int] | None = None,
+    world_size: int | None = None,
 ) -> OpGraph:
     """The CIERA graph of `plain` (a ZeRO-3 or FSDP2 iteration). Each engine gather becomes one CIERA call
     at its payload, its traced duration rescaled by the anchor curve; `counts` collects what was done
-    (per iteration, as one rank sees it)."""
+    (per iteration, as one rank sees it). `world_size`: the W the graph will be re-costed at (default the
+    traced W) — a call's rows, its own shard (raw/W) and the sources it rebuilds (W − 1) are those of that
+    W, while the gather's traced duration is still rescaled on the traced cluster's curve."""
     counts = counts if counts is not None else {}
-    world = plain.world_size
+    world = world_size if world_size is not None else plain.world_size
     layout = ParameterLayout(parameters)
     ranks = sorted(set(plain.rank.tolist()))
     # Counted on the first rank: every rank rewrites the same calls.
@@ -320,7 +325,7 @@ def ciera_graph(
         )
         for rank in ranks
     }  # fmt: skip
-    return to_graph(ops_by_rank, world)
+    return to_graph(ops_by_rank, plain.world_size)
 
 
 def _rewrite_rank(
@@ -341,7 +346,7 @@ def _rewrite_rank(
         d, e, f = figures.decode_s
         # A kernel of 0 s is not inserted; a tiny floor keeps every call's encode and decode in the graph.
         encode = max(a + b * n + c * op.raw_bytes / world + glue, 1e-9)
-        decode = max(d + e * n + f * op.raw_bytes * (world - 1) / world + glue, 1e-9)
+        decode = max(d + e * n * (world - 1) + f * op.raw_bytes * (world - 1) / world + glue, 1e-9)
         return encode, decode
 
     edited, done = insert_codec(ops, overlap=False, kernel_s=kernel_s)

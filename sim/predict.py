@@ -113,6 +113,7 @@ def predict_run(
                 sizes,
                 lambda op, wire: anchor_cluster.curves[op].time_s(wire),
                 counts,
+                world_size=target_cluster.world_size,
             )
         costs, notes = rewrite_costs(graph, anchor_cluster, target_cluster)
         result = evaluate(graph, costs)

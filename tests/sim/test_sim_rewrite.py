@@ -13,6 +13,7 @@ import pytest
 import traces
 from sim.ciera_rewrite import (
     CodecFigures,
+    ParameterLayout,
     ciera_graph,
     fit_codec_figures,
     mean_block_change_rate,
@@ -251,6 +252,42 @@ def test_turning_ciera_on_gives_each_engine_gather_one_encode_before_its_issue_a
     result = evaluate(rewritten, rewrite_costs(rewritten, spec, spec)[0])
     measured_s = measured.iterations.loc[measured.iterations["run_id"] == codec.run_id, "iteration_s"]
     assert result.iteration_s == pytest.approx(float(measured_s.median()), rel=0.15)
+
+
+def test_ciera_written_in_for_a_larger_world_costs_its_calls_at_that_world(
+    measured: traces.TraceBundle,
+) -> None:
+    """A graph traced at W = 2 and re-costed at W = 8 gets W = 8's calls: an own shard of raw / 8, seven
+    sources to rebuild per shard, eight rows of per-shard overhead — and stays a two-rank graph."""
+    figures, _, plain = _codec_fit(measured, "ciera")
+    graph = build_graph(_iteration(measured, plain.run_id))
+    spec = measured_cluster(measured.collectives, plain)
+    sizes = parameter_sizes(measured, 2)
+
+    def curve(op: str, wire: float) -> float:
+        return spec.curves[op].time_s(wire)
+
+    traced = ciera_graph(graph, "zero3", figures, sizes, curve)
+    larger = ciera_graph(graph, "zero3", figures, sizes, curve, world_size=8)
+    assert larger.world_size == traced.world_size == graph.world_size
+    layout = ParameterLayout(sizes)
+    gathers = np.flatnonzero((traced.stream == "allgather") & (traced.rank == 0))
+    raw = traced.raw_bytes[gathers]
+    shards = np.array(
+        [layout.shards("zero3", r, int(lay)) for r, lay in zip(raw, traced.layer[gathers], strict=True)]
+    )
+    rows = larger.wire_bytes[np.flatnonzero((larger.stream == "allgather") & (larger.rank == 0))]
+    overhead = figures.shard_overhead_bytes * shards
+    assert rows - traced.wire_bytes[gathers] == pytest.approx((8 - 2) * overhead)
+    d, e, f = figures.decode_s
+    decode = lambda graph: graph.duration_s[(graph.stream == "codec_recv") & (graph.rank == 0)].sum()  # noqa: E731
+    glue = figures.glue_s_per_gather / 2 * len(gathers)
+    expected = {
+        w: sum(d + e * n * (w - 1) + f * r * (w - 1) / w for r, n in zip(raw, shards, strict=True)) + glue
+        for w in (2, 8)
+    }
+    assert decode(traced) == pytest.approx(expected[2], rel=1e-6)
+    assert decode(larger) == pytest.approx(expected[8], rel=1e-6)
 
 
 def test_a_codec_run_of_another_protocol_is_one_line_not_a_wrong_fit(measured: traces.TraceBundle) -> None:

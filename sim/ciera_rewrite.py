@@ -204,6 +204,44 @@ def fit_codec_figures(
     )
 
 
+PLAIN_ENGINE = {"ciera": "zero3", "ciera-fsdp": "fsdp"}  # a CIERA system → the engine it runs in
+
+
+def fit_system_figures(
+    bundle: traces.TraceBundle,
+    system: str,
+    codec_runs: list[str],
+    plain_runs: pd.DataFrame,
+    statistics: traces.TraceBundle | None = None,
+) -> CodecFigures:
+    """The codec figures of `system` (a key of PLAIN_ENGINE) fitted to `codec_runs` — the one fit behind
+    both `ciera validate sim` and the projections of `ciera simulate --cluster MEASURED`. Each codec run is
+    paired with the run of its plain engine in `plain_runs` on the same cluster and depth (the glue is
+    measured against it; a run without one adds no glue); parameter sizes and the change rate come from
+    `statistics`' exponent statistics (default: `bundle`'s)."""
+    statistics = bundle if statistics is None else statistics
+    runs = bundle.runs.set_index("run_id")
+    plain = PLAIN_ENGINE[system]
+    pairs = {}
+    for run_id in codec_runs:
+        run = runs.loc[run_id]
+        twin = plain_runs[
+            (plain_runs["system"] == plain) & (plain_runs["cluster"] == run["cluster"])
+            & (plain_runs["layers"] == run["layers"])
+        ]  # fmt: skip
+        if len(twin):
+            pairs[run_id] = str(twin.iloc[0]["run_id"])
+    block_sizes = {int(runs.loc[r, "block_size"]) for r in codec_runs}
+    if len(block_sizes) != 1:
+        raise SimInputError(
+            f"the codec runs of {system} use block sizes {sorted(block_sizes)}; expected one (the "
+            "rewrite's change rate is the statistics' at that size)"
+        )
+    parameters = {r: parameter_sizes(statistics, int(runs.loc[r, "layers"])) for r in codec_runs}
+    change_rate = mean_block_change_rate(statistics, block_sizes.pop())
+    return fit_codec_figures(bundle, codec_runs, pairs, parameters, change_rate)
+
+
 def _engine_of(system: str) -> str:
     return "fsdp" if "fsdp" in system else "zero3"
 

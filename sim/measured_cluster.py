@@ -5,7 +5,10 @@ sim/evaluate.py).
 - At a traced configuration (model, system, cluster, depth, world size) the measured events are
   **replayed**: each iteration's graph at its measured durations gives it back.
 - Another depth or world size is **projected**: the cluster's run of that system is rewritten (blocks
-  repeated, collectives re-costed, compute on the target's cores) and evaluated. `--gpus W` means W ranks
+  repeated, collectives re-costed, compute on the target's cores) and evaluated. A CIERA system is its
+  plain engine's run with CIERA written in at the target W (sim/ciera_rewrite.py, codec figures fitted to
+  the system's runs on the cluster): the rewrite `ciera validate sim` checks, and the only one that costs
+  a call's codec at the target W. `--gpus W` means W ranks
   of the cluster's kind: its ranks per node, nodes = W / ranks per node, its link; each node its own host
   with the capture host's cores (the emulated cluster put every node on one host), collectives from α–β
   per level fitted to the kind's measured sweeps. `ciera validate sim` measures how far these rewrites
@@ -23,10 +26,11 @@ import pandas as pd
 
 import traces
 
+from .ciera_rewrite import PLAIN_ENGINE, fit_system_figures
 from .cluster import ScheduleSpec
 from .errors import SimInputError
 from .memory import estimate, model_footprint
-from .predict import predict_run
+from .predict import CieraOn, predict_run
 from .replay import replay_run
 from .rewrite import ClusterSpec, measured_cluster, projected_cluster
 
@@ -117,6 +121,28 @@ def _target_cluster(bundle: traces.TraceBundle, anchor: pd.Series, world_size: i
     return projected_cluster(kind, nodes, per_node, name)
 
 
+def _ciera_on(
+    bundle: traces.TraceBundle,
+    system: str,
+    runs: pd.DataFrame,
+    known: dict[tuple[str, str, str], tuple[CieraOn, list[str]]],
+) -> tuple[CieraOn, list[str]]:
+    """How `system` is written into its plain engine's runs of `runs` (one model, dtype and cluster):
+    codec figures fitted to all of the system's runs there (kept in `known`), and the note saying so."""
+    first = runs.iloc[0]
+    key = (str(first["model"]), str(first["dtype"]), system)
+    if key not in known:
+        codec_runs = sorted(runs.loc[runs["system"] == system, "run_id"].astype(str))
+        figures = fit_system_figures(bundle, system, codec_runs, runs)
+        plain = PLAIN_ENGINE[system]
+        note = (
+            f"{system} projected as {plain}'s graph with CIERA written in at the target W (the rewrite "
+            f"`ciera validate sim` checks: its system category); codec figures: {figures.describe()}"
+        )
+        known[key] = (CieraOn(figures, plain, plain), [note])
+    return known[key]
+
+
 def simulate_measured_cluster(
     bundle: traces.TraceBundle,
     cluster: str,
@@ -158,6 +184,7 @@ def simulate_measured_cluster(
         raise SimInputError(f"--layers: value {layers}, expected a depth >= 1")
 
     measured_s = bundle.iterations.groupby("run_id")["iteration_s"].median()
+    figures: dict[tuple[str, str, str], tuple[CieraOn, list[str]]] = {}
     records: list[MeasuredClusterRecord] = []
     for model in chosen_models:
         of_model = on_cluster[on_cluster["model"] == model]
@@ -189,10 +216,23 @@ def simulate_measured_cluster(
                             )  # fmt: skip
                             continue
                         anchor = (traced if len(traced) else template).iloc[-1]
+                        ciera_on, ciera_notes = None, []
+                        plain = of_dtype[of_dtype["system"] == PLAIN_ENGINE.get(system, "")]
+                        if system in PLAIN_ENGINE and len(plain):
+                            # The rewrite `ciera validate sim` checks: CIERA written into the plain
+                            # engine's graph at the target W, codec figures from this system's runs.
+                            ciera_on, ciera_notes = _ciera_on(bundle, system, of_dtype, figures)
+                            deeper = plain[plain["layers"] <= depth].sort_values("layers")
+                            anchor = (deeper if len(deeper) else plain.sort_values("layers")).iloc[-1]
+                        elif system in PLAIN_ENGINE:
+                            ciera_notes = [
+                                f"{system}: no {PLAIN_ENGINE[system]} run on {cluster} to write CIERA into; "
+                                "projected from its own run, its codec ops kept at the traced W's cost"
+                            ]
                         target_cluster = _target_cluster(bundle, anchor, world_size)
                         target = anchor.copy()
                         target["layers"] = depth
-                        prediction = predict_run(bundle, target, target_cluster, bundle.collectives)
+                        prediction = predict_run(bundle, target, target_cluster, bundle.collectives, ciera_on)
                         compute = (
                             "traced"
                             if target_cluster.measured
@@ -201,7 +241,7 @@ def simulate_measured_cluster(
                         times[system] = MeasuredClusterRecord(
                             model, dtype, target_cluster.name, world_size, int(depth), system, "projected",
                             prediction.iteration_s, None, float("nan"), prediction.basis, cluster, compute,
-                            prediction.events, [*prediction.notes, MEMORY_NOTE],
+                            prediction.events, [*ciera_notes, *prediction.notes, MEMORY_NOTE],
                             _rank_memory(bundle, anchor, int(depth), world_size),
                         )  # fmt: skip
                     baseline = times.get("zero3")

@@ -20,7 +20,8 @@ import numpy as np
 import pandas as pd
 
 import traces
-from sim.ciera_rewrite import CodecFigures, fit_codec_figures, mean_block_change_rate, parameter_sizes
+from sim.ciera_rewrite import PLAIN_ENGINE, CodecFigures, fit_system_figures
+from sim.errors import SimInputError
 from sim.predict import CieraOn, predict_run
 from sim.replay import replay_run
 from sim.rewrite import measured_cluster
@@ -137,38 +138,18 @@ def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -
     }
 
 
-PLAIN_ENGINE = {"ciera": "zero3", "ciera-fsdp": "fsdp"}
-
-
 def _codec_figures(
     bundle: traces.TraceBundle, seen: traces.TraceBundle, held_out: HeldOut, seen_runs: pd.DataFrame
 ) -> dict[str, CodecFigures | None]:
     """Per CIERA system: its codec figures, fitted to the held-out file's codec runs of that system."""
     runs = bundle.runs.set_index("run_id")
     figures: dict[str, CodecFigures | None] = {}
-    for system, plain in PLAIN_ENGINE.items():
+    for system in PLAIN_ENGINE:
         chosen = [r for r in held_out.codec_runs if runs.loc[r, "system"] == system]
-        if not chosen:
-            figures[system] = None
-            continue
-        pairs = {}
-        for run_id in chosen:
-            run = runs.loc[run_id]
-            twin = seen_runs[
-                (seen_runs["system"] == plain) & (seen_runs["cluster"] == run["cluster"])
-                & (seen_runs["layers"] == run["layers"])
-            ]  # fmt: skip
-            if len(twin):
-                pairs[run_id] = str(twin.iloc[0]["run_id"])
-        block_sizes = {int(runs.loc[r, "block_size"]) for r in chosen}
-        if len(block_sizes) != 1:
-            raise ValidationInputError(
-                f"{held_out.origin}: the codec runs of {system} use block sizes {sorted(block_sizes)}; "
-                "expected one (the rewrite's change rate is the statistics' at that size)"
-            )
-        parameters = {r: parameter_sizes(seen, int(runs.loc[r, "layers"])) for r in chosen}
-        change_rate = mean_block_change_rate(seen, block_sizes.pop())
-        figures[system] = fit_codec_figures(bundle, chosen, pairs, parameters, change_rate)
+        try:
+            figures[system] = fit_system_figures(bundle, system, chosen, seen_runs, seen) if chosen else None
+        except SimInputError as error:
+            raise ValidationInputError(f"{held_out.origin}: {error}") from None
     return figures
 
 

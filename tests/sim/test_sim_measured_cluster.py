@@ -63,6 +63,40 @@ def test_another_depth_and_world_size_are_rewrites_of_this_clusters_runs(
     assert wider[0].iteration_s < wider[1].iteration_s  # more ranks over the same slow link
 
 
+def test_ciera_is_projected_by_the_rewrite_validate_sim_checks(measured: traces.TraceBundle) -> None:
+    """Off its traced configuration, a CIERA system is its plain engine's graph with CIERA written in at the
+    target W (predict_run with CieraOn: what `ciera validate sim` scores as its system category), with
+    codec figures fitted to all its runs on the cluster — never its own W = 2 codec ops carried to W = 128."""
+    from sim.ciera_rewrite import PLAIN_ENGINE, fit_system_figures
+    from sim.measured_cluster import _target_cluster
+    from sim.predict import CieraOn, predict_run
+
+    records = simulate_measured_cluster(
+        measured, CLUSTER, systems=["ciera", "ciera-fsdp"], layers=4, gpus=[8]
+    )
+    runs = measured.runs[(measured.runs["cluster"] == CLUSTER) & (measured.runs["source"] == "measured")]
+    for record in records:
+        plain = PLAIN_ENGINE[record.system]
+        assert record.kind == "projected"
+        assert (
+            record.basis.startswith(f"mixtral-8x7b-w32-{plain}-L4-{CLUSTER}")
+            and "CIERA written in" in record.basis
+        )
+        assert any("the rewrite `ciera validate sim` checks" in note for note in record.notes)
+        codec_runs = sorted(runs.loc[runs["system"] == record.system, "run_id"])
+        figures = fit_system_figures(measured, record.system, codec_runs, runs)
+        anchor = runs[(runs["system"] == plain) & (runs["layers"] == 4)].iloc[0]
+        expected = predict_run(
+            measured, anchor, _target_cluster(measured, anchor, 8), measured.collectives,
+            CieraOn(figures, plain, plain),
+        )  # fmt: skip
+        assert record.iteration_s == pytest.approx(expected.iteration_s)
+    # Each rank rebuilds W − 1 sources per shard: ZeRO-3 + CIERA's edge shrinks with W.
+    wide = simulate_measured_cluster(measured, CLUSTER, systems=["zero3", "ciera"], layers=4, gpus=[4, 128])
+    speedup = {r.gpus: r.speedup_vs_zero3 for r in wide if r.system == "ciera"}
+    assert speedup[128] < speedup[4]
+
+
 @pytest.mark.parametrize(
     ("changes", "expected"),
     [

@@ -80,7 +80,9 @@ def test_every_held_out_run_is_predicted_and_categorised(small_document: dict) -
         assert document["held_out_max_abs_error_by_category"][name] == pytest.approx(max(in_category))
     figures = document["codec_figures"]["ciera"]
     assert figures["encode_s"][2] > 0 and figures["first_ratio"] > figures["repeat_ratio"] >= 0.5
-    assert 1.0 < figures["changed_exponent_bits"] < 8.0  # ANS over ~2.6 bits of exponent entropy
+    # Payload format 5 codes a changed block's exponents as deltas against the receivers' cache: most of
+    # its values have delta 0, so rANS spends well under the ~2.6 bits of the exponents' own entropy.
+    assert 0.2 < figures["changed_exponent_bits"] < 2.6
     assert figures["description"].startswith("encode ") and 0.0 <= figures["overflow_rate"] < 0.2
     assert document["passed"] == (
         document["replay_max_abs_error"] <= 0.01

@@ -79,6 +79,8 @@ sys.path.insert(0, str(_REPO_ROOT))
 PROBES = ("probe_before", "probe_after")
 SYSTEMS = ("zero3", "zero3+ciera", "fsdp", "fsdp+ciera")
 MODEL = "small-moe"  # the default model
+# A bytes bound below this gain (r ≈ 1: selection compressed next to nothing) has no share to report.
+MIN_BOUND_GAIN = 0.005
 _RATE = re.compile(r"^\d+(\.\d+)?([kmgt]?bit|[kmgt]?bps)$", re.IGNORECASE)
 _OTHER_COMM = (
     "reduce_scatter_single",  # FSDP2's; reduce_scatter_tensor and _reduce_scatter_base call it
@@ -581,9 +583,12 @@ def _report(
             # saved: what CIERA's bytes alone allow, and how much of that gain the measured step kept.
             bytes_bound = t_base / (t_base - (1 - r) * t_ag)
             comparison["bytes_bound_speedup"] = round(bytes_bound, 3)
-            # r = 1 (BSC compressed nothing): the bytes allow no gain, there is no share to give.
+            # r ≈ 1 (BSC compressed nothing, or next to nothing): the bytes allow no gain worth a share —
+            # a share of a 0.001 % bound would read as thousands of per cent.
             comparison["share_of_bytes_gain"] = (
-                round((t_base / t_ciera - 1) / (bytes_bound - 1), 3) if bytes_bound > 1 else None
+                round((t_base / t_ciera - 1) / (bytes_bound - 1), 3)
+                if bytes_bound - 1 >= MIN_BOUND_GAIN
+                else None
             )
         comparisons[f"{plain} vs {twin}"] = comparison
 
@@ -835,7 +840,10 @@ def _main(args) -> int:
                 f"({100 * comparison['share_of_bytes_gain']:.0f} % of that gain kept)"
             )
         elif "bytes_bound_speedup" in comparison:
-            line += ", bytes bound 1.000x (nothing compressed)"
+            line += (
+                f", bytes bound {comparison['bytes_bound_speedup']:.3f}x (under {100 * MIN_BOUND_GAIN:.1f} %: "
+                "no gain to keep; selection compressed next to nothing)"
+            )
         control = comparison["control_plane"]
 
         def host(side: str, control=control) -> str:

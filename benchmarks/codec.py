@@ -14,7 +14,10 @@ plane, change detection, sign+mantissa plane and its checksum; gather_blocks; rA
 bitmap, header, CRCs) and ShardDecoder.decode (CRCs, rANS decode, scatter, merge with the checksum) at
 q = ``--full-path-q`` (0.01; 1.0 is every block changed, as in early training), each sample next to a
 copy sample so both see the same load; ``encode_us``/``decode_us`` per shard show the fixed cost per call
-at small ``--numel`` (the engines' shards: 32768 values for small-moe's experts).
+at small ``--numel`` (the engines' shards: 32768 values for small-moe's experts). ``entropy_stages``:
+the same full path with rANS (``CodecConfig.entropy='rans'``, the default) and without an entropy stage
+(``'none'``: changed blocks' exponent deltas sent one byte per value), at ``--full-path-q`` and at q = 1:
+mean payload / raw shard bytes, best encode and decode time.
 """
 
 from __future__ import annotations
@@ -176,6 +179,37 @@ def main() -> None:
         "decode_vs_memcpy_one_thread": round(memcpy_s / decode_s, 3),
     }
 
+    # The entropy stage against none (CodecConfig.entropy = 'none': changed blocks' exponent deltas sent
+    # one byte per value, what a device without an entropy coder runs): payload size and full-path time.
+    def entropy_stage(entropy: str, q: float) -> dict:
+        stage_config = CodecConfig(block_size=block_size, entropy=entropy)
+        sender = ShardEncoder(0, numel, "bf16", 1, stage_config)
+        receiver = ShardDecoder(0, 1, numel, "bf16", stage_config)
+        receiver.decode(sender.encode(bits, out=send_buffer), out=out)
+        versions, sizes, encodes, decodes = [bits], [], [], []
+        for _ in range(2 * repeats):
+            versions.append(perturb_blocks(versions[-1], q, block_size, "bf16", rng))
+        for version in versions[1:]:
+            start_s = time.perf_counter()
+            payload = sender.encode(version, out=send_buffer)
+            encodes.append(time.perf_counter() - start_s)
+            sizes.append(payload.size)
+            start_s = time.perf_counter()
+            receiver.decode(payload, out=out)
+            decodes.append(time.perf_counter() - start_s)
+            assert np.array_equal(out, version)
+        return {
+            "entropy": entropy,
+            "q": q,
+            "payload_ratio": round(float(np.mean(sizes)) / shard_bytes, 5),
+            "encode_us": round(min(encodes) * 1e6, 1),
+            "decode_us": round(min(decodes) * 1e6, 1),
+        }
+
+    entropy_stages = [
+        entropy_stage(entropy, q) for q in sorted({args.full_path_q, 1.0}) for entropy in ("rans", "none")
+    ]
+
     exponents = ((weights.view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
     stream = rans.encode(exponents)
     decoded = np.empty_like(exponents)
@@ -231,6 +265,7 @@ def main() -> None:
             )
         },
         "full_path": full_path,
+        "entropy_stages": entropy_stages,
         "ans": {
             "symbols": int(exponents.size),
             "bits_per_symbol": round(8 * len(stream) / exponents.size, 5),

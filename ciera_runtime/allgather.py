@@ -422,6 +422,7 @@ class CompressedAllGather:
             shard_id=prepared.shard_id if isinstance(prepared.shard_id, int) else -1,
             block_size=config.block_size,
             detector=config.detector_code,
+            entropy=config.entropy_code,
             verify_every=config.verify_every,
             cache_budget_bytes=-1 if self.cache_budget_bytes is None else self.cache_budget_bytes,
             world_size=self.world_size,

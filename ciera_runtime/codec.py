@@ -81,6 +81,7 @@ def dtype_from_name(name: object) -> DType:
 
 
 _DETECTOR_CODES = {"hash": 1, "exact": 2}
+ENTROPY_STAGES = {"rans": 1, "none": 2}  # CodecConfig.entropy → its code in the control row
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,16 @@ class CodecConfig:
     blocks travel as exponents).
     verify_every: put a CRC-32 of the shard in every K-th payload (0 = never); receivers check it.
     backend: name of the codec backend (see backend.get_backend).
+    entropy: 'rans' (changed blocks' exponents, or their deltas, rANS-coded when that is smaller) or
+    'none' (always sent uncoded, one byte per value: no entropy stage on either side — the configuration a
+    device without an entropy coder runs; what it costs in bytes and time: benchmarks/codec.py).
     """
 
     block_size: int = 64
     detector: str = "exact"
     verify_every: int = 0
     backend: str = "cpu"
+    entropy: str = "rans"
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -107,6 +112,8 @@ class CodecConfig:
             raise ValueError(f"block_size={self.block_size}: expected < 2**31 (a u32 header field)")
         if self.detector not in _DETECTOR_CODES:
             raise ValueError(f"detector={self.detector!r}: expected 'hash' or 'exact'")
+        if self.entropy not in ENTROPY_STAGES:
+            raise ValueError(f"entropy={self.entropy!r}: expected 'rans' or 'none'")
         if (
             isinstance(self.verify_every, bool)
             or not isinstance(self.verify_every, int)
@@ -119,10 +126,16 @@ class CodecConfig:
         return _DETECTOR_CODES[self.detector]
 
     @property
+    def entropy_code(self) -> int:
+        return ENTROPY_STAGES[self.entropy]
+
+    @property
     def fingerprint(self) -> int:
         """32-bit fingerprint of everything sender and receivers must agree on (the backend may differ:
         every backend writes the same bytes)."""
         text = f"ciera/{FORMAT_VERSION}/{self.block_size}/{self.detector}/{self.verify_every}"
+        if self.entropy != "rans":  # the default's fingerprint is the one it always had
+            text += f"/{self.entropy}"
         return zlib.crc32(text.encode())
 
 
@@ -279,6 +292,7 @@ class ShardEncoder:
         self.source_rank = source_rank
         self.layout = PayloadLayout.of(numel, self.dtype, self.config.block_size)
         self.backend: CodecBackend = get_backend(self.config.backend)
+        self._rans = self.config.entropy == "rans"
         self.epoch = new_epoch()
         self.generation = 0  # generation of the last payload made; 0 = none yet (next one is full)
         n_blocks = self.layout.n_blocks
@@ -364,7 +378,7 @@ class ShardEncoder:
                 self.backend.gather_blocks(base_plane, changed_blocks, offsets, block_size, base)
                 np.subtract(packed_exp, base, out=packed_exp)  # mod 256: uint8 wraps
             # rANS straight into the payload; it must come out smaller than the raw exponents to be used.
-            exp_bytes = self.backend.ans_encode_into(packed_exp, exp_region)
+            exp_bytes = self.backend.ans_encode_into(packed_exp, exp_region) if self._rans else -1
             if exp_bytes < 0 or exp_bytes >= changed_values:
                 exp_region[:] = packed_exp
                 exp_bytes, flags = changed_values, flags | FLAG_RAW_EXPONENTS

@@ -26,7 +26,7 @@ import numpy as np
 
 from ciera_runtime.errors import ConfigMismatchError, GatherError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the control row carries the codec entropy stage
 _PROTOCOL_MAGIC = (0x43494552 << 16) | PROTOCOL_VERSION  # "CIER" + version
 REASON_BYTES = 160  # UTF-8 text of a rank's local failure, travels to every rank
 
@@ -43,6 +43,7 @@ CONTROL_FIELDS = (
     "block_size",
     "detector",
     "verify_every",
+    "entropy",
     "cache_budget_bytes",
     "world_size",
     "failed",
@@ -59,6 +60,7 @@ _AGREED_FIELDS = (
     ("block_size", "codec block_size"),
     ("detector", "codec detector"),
     ("verify_every", "codec verify_every"),
+    ("entropy", "codec entropy stage"),
     ("cache_budget_bytes", "cache budget"),
     ("dtype", "dtype"),
     ("numel", "numel"),
@@ -106,6 +108,7 @@ class ControlRow:
     block_size: int = 0
     detector: int = 0
     verify_every: int = 0
+    entropy: int = 0  # CodecConfig.entropy_code
     cache_budget_bytes: int = -1
     world_size: int = 0
     failed: int = 0
@@ -186,6 +189,8 @@ def _describe(value: int, field: str) -> str:
         return "none"
     if field == "detector":
         return {1: "hash", 2: "exact"}.get(value, str(value))
+    if field == "entropy":
+        return {1: "rans", 2: "none"}.get(value, str(value))
     if field == "dtype":
         return {1: "bf16", 2: "fp16"}.get(value, str(value))
     return str(value)

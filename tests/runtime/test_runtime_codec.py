@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ciera_runtime import BackendUnavailableError, CodecConfig, ShardDecoder, ShardEncoder, get_backend, rans
+from ciera_runtime import (
+    BackendUnavailableError,
+    CodecConfig,
+    PayloadError,
+    ShardDecoder,
+    ShardEncoder,
+    get_backend,
+    rans,
+)
 from ciera_runtime.codec import HEADER_BYTES, PayloadLayout, parse_header
 from ciera_runtime.kernels import sign_mantissa_bytes
 
@@ -346,3 +354,59 @@ def test_a_delta_flag_that_does_not_match_the_payload_kind_is_rejected() -> None
         decoder.decode(flipped(delta))
     np.testing.assert_array_equal(decoder.exp_cache, cache_before)
     np.testing.assert_array_equal(decoder.decode(delta), bits)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("detector", ["hash", "exact"])
+def test_the_uncoded_configuration_sends_changed_exponents_raw_and_rebuilds_exactly(
+    dtype: str, detector: str
+) -> None:
+    """entropy='none': no entropy stage on either side — every payload with changed blocks carries their
+    exponents (or deltas) one byte per value, and the receiver rebuilds every bit."""
+    numel, block_size = 4099, 64
+    encoder, decoder = _pair(numel, dtype, block_size=block_size, detector=detector, entropy="none")
+    coded, _ = _pair(numel, dtype, block_size=block_size, detector=detector)
+    rng = np.random.default_rng(7)
+    weights = (rng.standard_normal(numel) * 0.02).astype(np.float32)  # exponents of low entropy
+    if dtype == "bf16":
+        bits = (weights.view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        bits = weights.astype(np.float16).view(np.uint16).copy()
+    sizes = []
+    for step in range(6):
+        payload = encoder.encode(bits)
+        header = parse_header(payload, 5, 1)
+        layout = PayloadLayout.of(numel, encoder.dtype, block_size)
+        changed_values = min(numel, header.changed_blocks * block_size)  # the last block may be partial
+        assert header.exp_bytes in (changed_values, changed_values - (-numel % block_size))
+        assert payload.size == layout.fixed_bytes + header.exp_bytes
+        if header.changed_blocks:
+            assert header.flags & 2  # FLAG_RAW_EXPONENTS
+        np.testing.assert_array_equal(decoder.decode(payload), bits)
+        sizes.append((payload.size, coded.encode(bits).size))
+        blocks = rng.choice(layout.n_blocks, size=max(1, step * 5), replace=False)
+        for block in blocks:  # one exponent step in each chosen block
+            index = min(numel - 1, block * block_size + int(rng.integers(block_size)))
+            bits[index] ^= 0x0080 if dtype == "bf16" else 0x0400
+    # rANS is what makes the coded payloads smaller: never larger than the uncoded ones.
+    assert all(coded_size <= raw_size for raw_size, coded_size in sizes)
+    assert any(coded_size < raw_size for raw_size, coded_size in sizes)
+
+
+def test_entropy_settings_are_checked_fingerprinted_and_never_mixed() -> None:
+    with pytest.raises(ValueError, match=r"^entropy='zstd': expected 'rans' or 'none'$"):
+        CodecConfig(entropy="zstd")
+    assert CodecConfig(entropy="none").fingerprint != CodecConfig().fingerprint
+    assert CodecConfig().fingerprint == CodecConfig(entropy="rans").fingerprint
+    # An uncoded receiver refuses a coded payload (a sender of the other configuration) in one line: the
+    # entropy stage is part of the configuration fingerprint every payload carries.
+    numel = 2048
+    coded, _ = _pair(numel, "bf16")
+    _, uncoded = _pair(numel, "bf16", entropy="none")
+    bits = np.random.default_rng(3).integers(0, 1 << 16, numel).astype(np.uint16)
+    coded.encode(bits)  # full first payload: its exponents may travel raw either way
+    bits[::64] ^= 0x0080
+    payload = coded.encode(bits)
+    assert not parse_header(payload, 5, 1).flags & 2  # rANS paid here
+    with pytest.raises(PayloadError, match=r"codec configuration \(fingerprint .*entropy='none'\)\)$"):
+        uncoded.decode(payload)

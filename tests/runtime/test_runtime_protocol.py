@@ -31,6 +31,7 @@ def _row(rank: int, **changes) -> ControlRow:
         numel=NUMEL,
         block_size=512,
         detector=1,
+        entropy=1,
         cache_budget_bytes=-1,
         world_size=W,
         epoch=100 + rank,
@@ -82,6 +83,7 @@ def test_a_corrupted_control_row_is_the_same_error_for_everyone() -> None:
     "field, value, words",
     [
         ("block_size", 256, "codec block_size"),
+        ("entropy", 2, "codec entropy stage"),
         ("cache_budget_bytes", 1 << 20, "cache budget"),
         ("mode", MODE_RAW, "mode"),
         ("numel", NUMEL + 1, "numel"),

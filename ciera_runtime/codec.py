@@ -292,7 +292,6 @@ class ShardEncoder:
         self.source_rank = source_rank
         self.layout = PayloadLayout.of(numel, self.dtype, self.config.block_size)
         self.backend: CodecBackend = get_backend(self.config.backend)
-        self._rans = self.config.entropy == "rans"
         self.epoch = new_epoch()
         self.generation = 0  # generation of the last payload made; 0 = none yet (next one is full)
         n_blocks = self.layout.n_blocks
@@ -378,7 +377,9 @@ class ShardEncoder:
                 self.backend.gather_blocks(base_plane, changed_blocks, offsets, block_size, base)
                 np.subtract(packed_exp, base, out=packed_exp)  # mod 256: uint8 wraps
             # rANS straight into the payload; it must come out smaller than the raw exponents to be used.
-            exp_bytes = self.backend.ans_encode_into(packed_exp, exp_region) if self._rans else -1
+            exp_bytes = (
+                self.backend.ans_encode_into(packed_exp, exp_region) if self.config.entropy == "rans" else -1
+            )
             if exp_bytes < 0 or exp_bytes >= changed_values:
                 exp_region[:] = packed_exp
                 exp_bytes, flags = changed_values, flags | FLAG_RAW_EXPONENTS

@@ -47,6 +47,7 @@ from .system_rewrite import AnchorTime, insert_codec, rescaled_duration
 
 SIGN_MANTISSA_FRACTION = {"bf16": 0.5, "fp16": 11 / 16}
 FIRST_PHASES = ("fwd",)  # the first gather of a parameter after the optimizer step
+PLAIN_ENGINE = {"ciera": "zero3", "ciera-fsdp": "fsdp"}  # a CIERA system → the engine it runs in
 # The runtime's default pipelining threshold (ciera_runtime.bucket: a call of at least 2 × part_bytes
 # per rank, part_bytes = 1 MiB, travels as several buckets). Such calls are not split here: counted.
 PIPELINED_CALL_BYTES_PER_RANK = 2 << 20
@@ -147,7 +148,7 @@ def fit_codec_figures(
     first_calls, overflows, overflow_s = 0, 0, []
     for run_id in codec_runs:
         run = bundle.runs[bundle.runs["run_id"] == run_id].iloc[0]
-        world, engine = int(run["world_size"]), _engine_of(str(run["system"]))
+        world, engine = int(run["world_size"]), PLAIN_ENGINE[str(run["system"])]
         layout = ParameterLayout(parameters[run_id])
         events = bundle.events[bundle.events["run_id"] == run_id]
         for _, per_rank in events.groupby(["iteration", "rank"]):
@@ -204,9 +205,6 @@ def fit_codec_figures(
     )
 
 
-PLAIN_ENGINE = {"ciera": "zero3", "ciera-fsdp": "fsdp"}  # a CIERA system → the engine it runs in
-
-
 def fit_system_figures(
     bundle: traces.TraceBundle,
     system: str,
@@ -240,10 +238,6 @@ def fit_system_figures(
     parameters = {r: parameter_sizes(statistics, int(runs.loc[r, "layers"])) for r in codec_runs}
     change_rate = mean_block_change_rate(statistics, block_sizes.pop())
     return fit_codec_figures(bundle, codec_runs, pairs, parameters, change_rate)
-
-
-def _engine_of(system: str) -> str:
-    return "fsdp" if "fsdp" in system else "zero3"
 
 
 def _main_compute_s(frame: pd.DataFrame) -> float:

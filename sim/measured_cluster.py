@@ -216,22 +216,20 @@ def simulate_measured_cluster(
                             )  # fmt: skip
                             continue
                         anchor = (traced if len(traced) else template).iloc[-1]
-                        ciera_on, ciera_notes = None, []
-                        plain = of_dtype[of_dtype["system"] == PLAIN_ENGINE.get(system, "")]
-                        if system in PLAIN_ENGINE and len(plain):
-                            # The rewrite `ciera validate sim` checks: CIERA written into the plain
-                            # engine's graph at the target W, codec figures from this system's runs.
-                            ciera_on, ciera_notes = _ciera_on(bundle, system, of_dtype, figures)
-                            deeper = plain[plain["layers"] <= depth].sort_values("layers")
-                            anchor = (deeper if len(deeper) else plain.sort_values("layers")).iloc[-1]
-                        elif system in PLAIN_ENGINE:
-                            ciera_notes = [
-                                f"{system}: no {PLAIN_ENGINE[system]} run on {cluster} to write CIERA into; "
-                                "projected from its own run, its codec ops kept at the traced W's cost"
-                            ]
-                        target_cluster = _target_cluster(bundle, anchor, world_size)
-                        target = anchor.copy()
+                        target = anchor.copy()  # predict_run picks the runs it rewrites for this target
                         target["layers"] = depth
+                        ciera_on, ciera_notes = None, []
+                        if system in PLAIN_ENGINE:
+                            if of_dtype["system"].eq(PLAIN_ENGINE[system]).any():
+                                # The rewrite `ciera validate sim` checks: CIERA written into the plain
+                                # engine's graph at the target W, codec figures from this system's runs.
+                                ciera_on, ciera_notes = _ciera_on(bundle, system, of_dtype, figures)
+                            else:
+                                ciera_notes = [
+                                    f"{system}: no {PLAIN_ENGINE[system]} run on {cluster} to write CIERA "
+                                    "into; projected from its own run, its codec ops kept at the traced W's cost"
+                                ]
+                        target_cluster = _target_cluster(bundle, anchor, world_size)
                         prediction = predict_run(bundle, target, target_cluster, bundle.collectives, ciera_on)
                         compute = (
                             "traced"

@@ -95,6 +95,9 @@ def test_ciera_is_projected_by_the_rewrite_validate_sim_checks(measured: traces.
     wide = simulate_measured_cluster(measured, CLUSTER, systems=["zero3", "ciera"], layers=4, gpus=[4, 128])
     speedup = {r.gpus: r.speedup_vs_zero3 for r in wide if r.system == "ciera"}
     assert speedup[128] < speedup[4]
+    # Its memory is still CIERA's (the receivers' exponent cache on top of the plain engine's states).
+    memory = {(r.gpus, r.system): r.memory["total_bytes"] for r in wide}
+    assert memory[(128, "ciera")] > memory[(128, "zero3")]
 
 
 @pytest.mark.parametrize(

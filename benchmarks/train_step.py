@@ -137,6 +137,7 @@ def _system_config(args, system: str, phase: str = "timed"):
         global_batch=args.global_batch,
         seq_len=args.seq_len,
         block_size=args.block_size,
+        entropy=args.entropy,
         threads_per_rank=1,
         timeout_s=300.0,
         part_bytes=args.part_bytes,
@@ -602,6 +603,7 @@ def _report(
             "global_batch": args.global_batch,
             "world_size": 2,
             "block_size": args.block_size,
+            "entropy": args.entropy,
             "warm_steps": args.warm_steps,  # trained before the warm-up (each engine's plain system, resumed)
             "warmup_steps": args.warmup,
             "timed_steps": args.steps,
@@ -646,7 +648,7 @@ def _rank_command(
         "--global-batch", str(args.global_batch), "--probe-mib", str(args.probe_mib),
         "--timeout-s", str(args.timeout_s), *(["--select"] if args.select else []),
         *(["--part-bytes", str(args.part_bytes)] if args.part_bytes is not None else []),
-        "--block-size", str(args.block_size), "--warm-steps", str(args.warm_steps),
+        "--block-size", str(args.block_size), "--entropy", args.entropy, "--warm-steps", str(args.warm_steps),
         "--phase", phase, *(["--checkpoint-root", str(args.checkpoint_root)] if args.warm_steps else []),
     ]  # fmt: skip
 
@@ -906,6 +908,9 @@ def main() -> None:
         "the engine resumes from its checkpoint",
     )
     parser.add_argument("--block-size", type=int, default=64, help="CIERA's block size B (a power of two)")
+    parser.add_argument(
+        "--entropy", choices=("rans", "none"), default="rans", help="CIERA's entropy stage (none: uncoded)"
+    )
     parser.add_argument("--probe-mib", type=float, default=8.0, help="raw all-gather probe, MiB per rank")
     parser.add_argument("--timeout-s", type=int, default=1800, help="whole run")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)

@@ -6,7 +6,9 @@ the whole bucket travels in one all-gather of one row per rank::
     row = header | entry table (per shard: message kind and length; CRC-32 of a raw message) | area (C bytes)
 
 Every shard's *message* — its codec payload, or its raw 16-bit values when the payload would not be
-smaller — is packed, 8-aligned, into the area; whatever does not fit goes into an **overflow round**
+smaller (a *seed*: the values after the sender's epoch and generation, from which every receiver fills
+its exponent cache as if the payload had arrived, so the sender's next payload is a delta again) — is
+packed, 8-aligned, into the area; whatever does not fit goes into an **overflow round**
 (one more all-gather, sized from the headers every rank received). The area size C is **replicated
 state**: every rank computes it from the same received headers (the same-phase gathers of this bucket's
 cycle, plus a margin: ``Bucket.capacity_for``), so no round is spent agreeing on sizes.
@@ -58,8 +60,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ciera_runtime")
 
-BUCKET_MAGIC = 0x4349455242 << 8 | 1  # "CIERB" + version
-KIND_PAYLOAD, KIND_RAW = 1, 2
+BUCKET_MAGIC = 0x4349455242 << 8 | 2  # "CIERB" + version (2: seeds)
+# A message is a codec payload, raw values (a shard registered raw, or one whose payloads can never be
+# smaller than raw), or a seed: raw values after SEED_PREFIX (sender epoch, generation, flags).
+KIND_PAYLOAD, KIND_RAW, KIND_SEED = 1, 2, 3
+SEED_PREFIX = struct.Struct("<QQQ")
+SEED_FULL = 1  # flags: the seed replaces a full-exponent payload (a bucket's first gather, after an error)
 _HEADER_FIELDS = ("magic", "fingerprint", "call", "failed", "overflow_bytes", "message_bytes")
 _HEADER_FIXED_BYTES = 8 * len(_HEADER_FIELDS) + protocol.REASON_BYTES
 _REGISTRATION_FIELDS = ("magic", "fingerprint", "shards", "first_shard", "failed")
@@ -237,7 +243,8 @@ class BucketStats:
     calls: int = 0
     registrations: int = 0
     overflow_rounds: int = 0
-    raw_messages: int = 0
+    raw_messages: int = 0  # seeds included
+    seed_messages: int = 0
     payload_messages: int = 0
     failed_calls: int = 0
     # This rank's bytes on the wire in bucket rows and overflow rounds, by what they carry: codec
@@ -287,15 +294,17 @@ class BucketHandle:
 
 
 def _carries_full(headers: list[_Header], received: np.ndarray, head: int) -> bool:
-    """Whether any rank's row carries a full-exponent payload (its flags byte, read from the received rows:
-    the same bytes, so the same answer, on every rank; a message starting past the area counts as not full)."""
+    """Whether any rank's row carries a full-exponent payload, or a seed in place of one (its flags byte,
+    read from the received rows: the same bytes, so the same answer, on every rank; a message starting
+    past the area counts as not full)."""
     area_bytes = received.shape[1] - head
+    flag_of = {KIND_PAYLOAD: (HEADER_FLAGS_OFFSET, FLAG_FULL_EXPONENTS), KIND_SEED: (16, SEED_FULL)}
     for source, header in enumerate(headers):
         offset = 0
         for entry in header.entries:
-            at = offset + HEADER_FLAGS_OFFSET
-            if _entry_kind(entry) == KIND_PAYLOAD and at < area_bytes:
-                if received[source, head + at] & FLAG_FULL_EXPONENTS:
+            where = flag_of.get(_entry_kind(entry))
+            if where is not None and offset + where[0] < area_bytes:
+                if received[source, head + offset + where[0]] & where[1]:
                     return True
             offset += _align8(_entry_length(entry))
     return False
@@ -523,16 +532,22 @@ class BucketGather:
         initial, largest, floor = 0, 0, 0
         for state in states:
             raw_bytes = _align8(2 * state.numel)
+            largest_message = raw_bytes
             if state.compressed:
                 layout = state.encoder.layout
-                initial += min(
-                    raw_bytes, _align8(layout.fixed_bytes + int(_INITIAL_PAYLOAD_RATIO * state.numel))
-                )
+                if layout.fixed_bytes < 2 * state.numel:  # it may send a seed
+                    largest_message = _align8(SEED_PREFIX.size + 2 * state.numel)
+                if engine.config.entropy == "none":  # a first (full) payload is raw-sized: a seed
+                    initial += largest_message
+                else:
+                    initial += min(
+                        raw_bytes, _align8(layout.fixed_bytes + int(_INITIAL_PAYLOAD_RATIO * state.numel))
+                    )
                 floor += min(raw_bytes, _align8(layout.fixed_bytes))
             else:
                 initial += raw_bytes
                 floor += raw_bytes
-            largest += raw_bytes
+            largest += largest_message
         bucket = Bucket(shard_ids, tuple(numels), fingerprint, initial, largest, floor)
         self.buckets[shard_ids] = bucket
         return bucket
@@ -747,19 +762,27 @@ class BucketGather:
                     message = bits.view(np.uint8)
                     kind = KIND_RAW
                     if state.compressed:
-                        payload = state.encoder.encode(bits, out=engine._scratch_for(state))
+                        encoder = state.encoder
+                        payload = encoder.encode(bits, out=engine._scratch_for(state))
                         if payload.size < message.size:
                             message, kind = payload, KIND_PAYLOAD
-                        else:  # not smaller than raw: raw in its slot; receivers' caches skip it
-                            state.encoder.force_full()
+                        elif encoder.layout.fixed_bytes < message.size:
+                            # Not smaller than raw this time (churn, a full payload without an entropy
+                            # stage): raw values that seed the receivers' caches at this generation.
+                            full = bool(payload[HEADER_FLAGS_OFFSET] & FLAG_FULL_EXPONENTS)
+                            message = _seed_message(encoder.epoch, encoder.generation, full, message)
+                            kind = KIND_SEED
+                        else:  # no payload of this shard is ever smaller than raw: plain raw
+                            encoder.force_full()
                     stats.payload_messages += kind == KIND_PAYLOAD
-                    stats.raw_messages += kind == KIND_RAW
+                    stats.raw_messages += kind != KIND_PAYLOAD
+                    stats.seed_messages += kind == KIND_SEED
                     if kind == KIND_PAYLOAD:
                         stats.payload_bytes += message.size
                     else:
                         stats.raw_message_bytes += message.size
                     entries[index] = _entry(kind, message.size)
-                    if kind == KIND_RAW:
+                    if kind != KIND_PAYLOAD:
                         crcs[index] = zlib.crc32(message)
                     fits = max(0, min(message.size, area.size - position))
                     area[position : position + fits] = message[:fits]
@@ -923,7 +946,7 @@ class BucketGather:
         for rank, header in enumerate(headers):
             total = 0
             for entry in header.entries:
-                if _entry_kind(entry) not in (KIND_PAYLOAD, KIND_RAW):
+                if _entry_kind(entry) not in (KIND_PAYLOAD, KIND_RAW, KIND_SEED):
                     return GatherError(first, {rank: f"message kind {_entry_kind(entry)}"}, "gather aborted")
                 total += _align8(_entry_length(entry))
             if total != header.message_bytes or len(header.entries) != n:
@@ -955,13 +978,20 @@ class BucketGather:
                     return shard_id, f"rebuilding rank {source}'s shard: message truncated"
             target = out_bits[source * numel : (source + 1) * numel]
             try:
-                if kind == KIND_RAW:
-                    if length != 2 * numel:
-                        raise CieraError(f"raw message of {length} bytes, expected {2 * numel}")
+                if kind in (KIND_RAW, KIND_SEED):
+                    prefix = SEED_PREFIX.size if kind == KIND_SEED else 0
+                    if length != prefix + 2 * numel:
+                        raise CieraError(f"raw message of {length} bytes, expected {prefix + 2 * numel}")
                     if zlib.crc32(message) != headers[source].crcs[index]:
                         raise CieraError("raw values CRC mismatch: corrupted in transit")
-                    # A compressed shard's cache skips it: the sender's next payload is full.
-                    target[:] = message.view(np.uint16)
+                    values = message[prefix:].view(np.uint16)
+                    if kind == KIND_SEED:
+                        if not state.compressed:
+                            raise CieraError("seed for a shard registered raw")
+                        epoch, generation, _ = SEED_PREFIX.unpack_from(message.tobytes(), 0)
+                        state.decoders[source].seed(values, epoch, generation)
+                    # A plain raw message leaves a compressed shard's cache alone: the next payload is full.
+                    target[:] = values
                 else:
                     if not state.compressed:
                         raise CieraError("payload for a shard registered raw")
@@ -977,17 +1007,12 @@ class BucketGather:
                 state.encoder.force_full()
 
 
-def check_bucket_config(config) -> None:
-    """Refuse, in one line, a codec configuration the bucket path cannot run well: without an entropy
-    stage a full payload is never smaller than raw, so every shard would go raw in its slot — and a raw
-    message does not seed the receivers' caches, so the sender's next payload is full again: the shard
-    never leaves raw (measured: r = 1.000 at 200 Mbit). The per-shard gather and the codec run it."""
-    if config.entropy != "rans":
-        raise ValueError(
-            f"entropy={config.entropy!r}: the engines' bucket path needs 'rans' (without an entropy stage a "
-            "full payload is as large as raw, and raw messages do not seed the receivers' caches yet); "
-            "the per-shard compressed_all_gather and the codec run it"
-        )
+def _seed_message(epoch: int, generation: int, full: bool, values: np.ndarray) -> np.ndarray:
+    """A seed: the sender's (epoch, generation, flags), then its raw values (bytes)."""
+    message = np.empty(SEED_PREFIX.size + values.size, dtype=np.uint8)
+    SEED_PREFIX.pack_into(message, 0, epoch, generation, SEED_FULL if full else 0)
+    message[SEED_PREFIX.size :] = values
+    return message
 
 
 def _all_gather_dummy(recv: torch.Tensor, size: int, group):

@@ -555,28 +555,55 @@ class ShardDecoder:
 
     def check_sequence(self, header: PayloadHeader) -> None:
         """Raise unless ``header``'s (epoch, generation) may be applied to this cache (see the class)."""
-        if header.epoch == 0:
+        self._check_sequence(header.epoch, header.generation, header.full)
+
+    def _check_sequence(self, epoch: int, generation: int, full: bool) -> None:
+        if epoch == 0:
             raise self._fail("payload carries epoch 0: not made by an encoder")
-        if header.epoch in self.retired_epochs:
+        if epoch in self.retired_epochs:
             raise self._fail(
-                f"payload from a retired sender epoch {header.epoch:#x} (the sender restarted since): "
+                f"payload from a retired sender epoch {epoch:#x} (the sender restarted since): "
                 "replayed or delayed payload",
                 StalePayloadError,
             )
-        same_epoch = header.epoch == self.epoch
-        if same_epoch and 0 < header.generation <= self.generation:
+        same_epoch = epoch == self.epoch
+        if same_epoch and 0 < generation <= self.generation:
             raise self._fail(
-                f"payload generation {header.generation} is not newer than the cache's {self.generation}: "
+                f"payload generation {generation} is not newer than the cache's {self.generation}: "
                 "replayed or delayed payload",
                 StalePayloadError,
             )
-        if not header.full and not (same_epoch and self.generation == header.generation - 1):
+        if not full and not (same_epoch and self.generation == generation - 1):
             cache_at = f"epoch {self.epoch:#x} generation {self.generation}" if self.epoch else "empty"
             raise self._fail(
-                f"cache is at {cache_at}, payload {header.generation} (epoch {header.epoch:#x}) is a delta "
-                f"on {header.generation - 1}: receiver out of step, needs full exponents",
+                f"cache is at {cache_at}, payload {generation} (epoch {epoch:#x}) is a delta "
+                f"on {generation - 1}: receiver out of step, needs full exponents",
                 OutOfStepError,
             )
+
+    def _advance_to(self, epoch: int, generation: int) -> None:
+        """The cache now reflects the sender's (epoch, generation); a replaced epoch is retired."""
+        if epoch != self.epoch and self.epoch:
+            self.retired_epochs = [*self.retired_epochs, self.epoch][-self._RETIRED_EPOCHS_KEPT :]
+        self.epoch, self.generation = epoch, generation
+
+    def seed(self, values, epoch: int, generation: int) -> None:
+        """Fill the cache from the sender's raw 16-bit values (already verified by the caller), as if its
+        full payload of (``epoch``, ``generation``) had been applied: the sender sent its values raw
+        because the payload would not have been smaller, and its next payload is a delta on this one.
+        The same sequence rule as a full payload (a retired epoch or an old generation is refused, and
+        the cache is left untouched)."""
+        bits = np.asarray(values)
+        if bits.dtype.itemsize != 2 or bits.ndim != 1 or bits.size != self.numel:
+            raise ValueError(
+                f"shard {self.shard_id}: seed of {bits.size} x {bits.dtype}, expected {self.numel} 16-bit values"
+            )
+        self._check_sequence(epoch, generation, full=True)
+        shift, mask = _EXP_LAYOUT[self.dtype]
+        self.backend.extract_exponents(
+            np.ascontiguousarray(bits.view(np.uint16)), shift, mask, self.exp_cache
+        )
+        self._advance_to(epoch, generation)
 
     def decode(
         self,
@@ -682,9 +709,7 @@ class ShardDecoder:
             self.backend.scatter_blocks(
                 packed_exp, changed_blocks, offsets, self.config.block_size, self.exp_cache
             )
-        if header.epoch != self.epoch and self.epoch:
-            self.retired_epochs = [*self.retired_epochs, self.epoch][-self._RETIRED_EPOCHS_KEPT :]
-        self.epoch, self.generation = header.epoch, header.generation
+        self._advance_to(header.epoch, header.generation)
         # The sign+mantissa plane is checksummed in the same pass that merges it; on a mismatch the
         # rebuilt values are discarded (raise), while the cache, built from verified exponents, stays
         # correct at this generation.

@@ -53,7 +53,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from ciera_runtime.allgather import CompressedAllGather
-from ciera_runtime.bucket import DEFAULT_PART_BYTES, MAX_PARTS, check_bucket_config, check_part_bytes
+from ciera_runtime.bucket import DEFAULT_PART_BYTES, MAX_PARTS, check_part_bytes
 from ciera_runtime.codec import CodecConfig
 from ciera_runtime.errors import SelectionMismatchError
 from ciera_runtime.selection import CommProfile, Decision, ShardInfo, select_for_group
@@ -591,8 +591,6 @@ def enable_ciera(
         raise ValueError(
             f"CIERA is already enabled on this {type(model).__name__}: call enable_ciera once per model"
         )
-    if config is not None:
-        check_bucket_config(config)
     categories = {} if categories is None else categories
     q_by_category = _check_select_arguments(
         select, comm_profile, categories, {} if priors is None else priors

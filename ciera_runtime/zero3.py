@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciera_runtime.bucket import DEFAULT_PART_BYTES, MAX_PARTS, check_bucket_config, check_part_bytes
+from ciera_runtime.bucket import DEFAULT_PART_BYTES, MAX_PARTS, check_part_bytes
 from ciera_runtime.codec import CodecConfig
 from ciera_runtime.errors import CieraError, ConfigMismatchError, GatherError
 
@@ -73,6 +73,7 @@ _CONFIG_KEYS = {
     "block_size",
     "detector",
     "verify_every",
+    "entropy",
     "cache_budget_bytes",
     "select",
     "timeout_s",
@@ -728,7 +729,7 @@ def enable_ciera(
     Collective: every rank of the data-parallel group calls it at the same point with the same arguments
     (it all-gathers a routing fingerprint, and with ``select`` profiles the link and broadcasts rank 0's
     decision table). Arguments left ``None`` come from the engine config's ``"ciera"`` section, else the
-    defaults: ``config`` CodecConfig() (the section may give block_size, detector, verify_every),
+    defaults: ``config`` CodecConfig() (the section may give block_size, detector, verify_every, entropy),
     ``cache_budget_bytes`` unlimited, ``select`` True (BSC: benefit-driven selection from a measured comm
     profile, measured codec times and per-category block change rate priors; False compresses every
     eligible BF16/FP16 parameter), ``categories`` {parameter name: category} (default: from names, see
@@ -752,8 +753,8 @@ def enable_ciera(
             block_size=section.get("block_size", CodecConfig().block_size),
             detector=section.get("detector", CodecConfig().detector),
             verify_every=section.get("verify_every", 0),
+            entropy=section.get("entropy", CodecConfig().entropy),
         )
-    check_bucket_config(config)
     if cache_budget_bytes is None:
         cache_budget_bytes = section.get("cache_budget_bytes")
     if select is None:

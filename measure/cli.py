@@ -149,6 +149,10 @@ def train_command(
     block_size: Annotated[
         int, typer.Option(help="CIERA's block size B (a power of two); also the exponent statistics'.")
     ] = 64,
+    entropy: Annotated[
+        str,
+        typer.Option(help="CIERA's entropy stage for changed exponents: rans, or none (sent uncoded)."),
+    ] = "rans",
     layers: Annotated[int, typer.Option(help="Decoder blocks (0: the model's full depth).")] = 2,
     width_scale: Annotated[int, typer.Option(help="Width divisor (0: the zoo's default small scale).")] = 0,
     seed: Annotated[int, typer.Option(help="Initial weights and data order.")] = 0,
@@ -199,6 +203,8 @@ def train_command(
     problem = block_size_problem(block_size, "--block-size")
     if problem:
         raise TrainError(problem)
+    if entropy not in ("rans", "none"):
+        raise TrainError(f"--entropy {entropy!r}: expected rans or none")
     if json_path is not None and (json_path.is_dir() or not json_path.parent.is_dir()):
         write_json(json_path, {})  # raises the one-line error before any training
     config = TrainConfig(
@@ -209,6 +215,7 @@ def train_command(
         steps=warm_steps + steps,  # TrainConfig.steps counts the warm steps
         warm_steps=warm_steps,
         block_size=block_size,
+        entropy=entropy,
         layers=layers or None,
         width_scale=width_scale or None,
         seed=seed,
@@ -275,6 +282,8 @@ def train_command(
             f"{document['warm_steps']}, loss after them {document['warm_final_loss']:.6f}",
         )
     table.add_row("block size B", str(document["block_size"]))
+    if ciera == "on":
+        table.add_row("entropy stage for changed exponents", config.entropy)
     table.add_row("final loss", f"{document['final_loss']:.6f}" if steps_done else "-")
     table.add_row("median step", f"{document['median_step_s'] * 1e3:.1f} ms" if steps_done else "-")
     table.add_row("all-gather bytes sent per step (rank 0)", f"{sent:,.0f}")

@@ -69,6 +69,7 @@ class TrainConfig:
     # run still ends after step `steps`. Checkpoints (save_at), snapshots and exit_rank_at count every step.
     warm_steps: int = 0
     detector: str = "exact"  # CodecConfig's default: exponent deltas
+    entropy: str = "rans"  # CodecConfig.entropy: "none" sends changed exponents uncoded
     cache_budget_bytes: int | None = None
     timeout_s: float = 300.0
     checkpoint_dir: str | None = None
@@ -112,6 +113,8 @@ class TrainConfig:
         problem = block_size_problem(self.block_size)
         if problem:
             raise TrainError(problem)
+        if self.entropy not in ("rans", "none"):
+            raise TrainError(f"entropy is {self.entropy!r}: expected 'rans' or 'none'")
         if isinstance(self.warm_steps, bool) or not isinstance(self.warm_steps, int) or self.warm_steps < 0:
             raise TrainError(f"warm_steps is {self.warm_steps!r}: expected an integer >= 0")
         if self.warm_steps > self.steps:
@@ -282,7 +285,7 @@ class _Zero3Run(_EngineRun):
 
             self.ciera = enable_ciera(
                 self.engine,
-                config=CodecConfig(block_size=cfg.block_size, detector=cfg.detector),
+                config=CodecConfig(block_size=cfg.block_size, detector=cfg.detector, entropy=cfg.entropy),
                 cache_budget_bytes=cfg.cache_budget_bytes,
                 select=cfg.select,
                 categories=categories,
@@ -369,7 +372,7 @@ class _FsdpRun(_EngineRun):
 
             self.ciera = enable_ciera(
                 model,
-                config=CodecConfig(block_size=cfg.block_size, detector=cfg.detector),
+                config=CodecConfig(block_size=cfg.block_size, detector=cfg.detector, entropy=cfg.entropy),
                 cache_budget_bytes=cfg.cache_budget_bytes,
                 timeout_s=cfg.timeout_s,
                 select=cfg.select,
@@ -447,7 +450,13 @@ class _FsdpRun(_EngineRun):
 
 def _with_codec(ciera) -> dict:
     """CIERA's stats, with the codec settings its engines ran with (CodecConfig)."""
-    return {**ciera.stats(), "block_size": ciera.config.block_size, "detector": ciera.config.detector}
+    config = ciera.config
+    return {
+        **ciera.stats(),
+        "block_size": config.block_size,
+        "detector": config.detector,
+        "entropy": config.entropy,
+    }
 
 
 def _ciera_bytes(engines) -> tuple[int, int]:

@@ -192,6 +192,22 @@ def training_worker(rank: int, world_size: int, port: int, checkpoint_dir: str, 
         out["pipelined_stats"] = pipelined.stats()
         del model, optimizer, pipelined
 
+        # ---- no entropy stage: full payloads are raw-sized and go as seeds, the next ones as deltas
+        from ciera_runtime import CodecConfig
+
+        model, optimizer = build()
+        uncoded = enable_ciera(model, config=CodecConfig(entropy="none"))
+        out["uncoded_losses_equal"] = [
+            train_step(model, optimizer, step, rank) for step in range(PIPELINED_STEPS)
+        ] == plain_losses[:PIPELINED_STEPS]
+        buckets = [engine.bucket_stats for engine in uncoded.engines.values() if engine.bucket_stats]
+        out["uncoded_messages"] = {
+            "seed": sum(b.seed_messages for b in buckets),
+            "raw": sum(b.raw_messages for b in buckets),
+            "payload": sum(b.payload_messages for b in buckets),
+        }
+        del model, optimizer, uncoded
+
         # ---- checkpoint: train to step 10, save, load into a fresh model (fresh engines), continue;
         # at step 13 roll the live model back to the step-10 checkpoint and run 10..19 again.
         model, optimizer = build()

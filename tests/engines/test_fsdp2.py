@@ -92,6 +92,15 @@ def test_pipelined_buckets_stay_bit_identical(training_results) -> None:
         assert blocks and all(row["pipelined_gathers"] == row["gathers"] > 0 for row in blocks)
 
 
+def test_no_entropy_stage_is_bit_identical_and_leaves_raw_after_the_seeds(training_results) -> None:
+    """CodecConfig(entropy='none'): a full payload is raw-sized, so a shard's first gather goes as a seed
+    (raw values that fill the receivers' caches); its later gathers are payloads, not raw again."""
+    for rank, row in training_results.items():
+        assert row["uncoded_losses_equal"], rank
+        messages = row["uncoded_messages"]
+        assert messages["seed"] > 0 and messages["payload"] > messages["raw"], (rank, messages)
+
+
 def test_gather_counts_per_module_per_iteration(training_results) -> None:
     """Activation checkpointing per block (use_reentrant=False): reshard_after_forward=True gathers every
     module twice per iteration (forward, backward; the recompute finds the parameters unsharded),

@@ -140,22 +140,6 @@ def test_bad_selection_arguments_are_one_line_errors(kwargs, error, text) -> Non
     assert text in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_the_uncoded_codec_configuration_is_refused_by_the_engines_in_one_line() -> None:
-    """entropy='none' would leave every shard raw in the bucket path (a full uncoded payload is never
-    smaller than raw, and raw messages do not seed caches): refused at enable, and by the bucket API."""
-    from ciera_runtime import CodecConfig, CompressedAllGather
-    from ciera_runtime.fsdp2 import enable_ciera
-
-    with pytest.raises(ValueError) as caught:
-        enable_ciera(nn.Sequential(nn.Linear(4, 4)), config=CodecConfig(entropy="none"))
-    message = str(caught.value)
-    assert message.startswith("entropy='none': the engines' bucket path needs 'rans'") and "\n" not in message
-    engine = CompressedAllGather.__new__(CompressedAllGather)  # no process group needed to be refused
-    engine.config, engine._bucket_path = CodecConfig(entropy="none"), None
-    with pytest.raises(ValueError, match="^entropy='none': the engines' bucket path needs 'rans'"):
-        engine.all_gather_bucket([], [])
-
-
 def test_a_bad_comm_profile_is_a_one_line_error() -> None:
     from ciera_runtime.fsdp2 import enable_ciera
     from ciera_runtime.selection import CommProfile

@@ -31,7 +31,9 @@ def same_bits(got: torch.Tensor, expected: torch.Tensor) -> bool:
     )
 
 
-def bucket_steady_worker(rank: int, world_size: int, port: int, iterations: int, result_queue) -> None:
+def bucket_steady_worker(
+    rank: int, world_size: int, port: int, iterations: int, entropy: str, result_queue
+) -> None:
     """Buckets of changing weights, three gathers per iteration (forward, recompute, backward), and a
     churn burst half-way (overflow rounds); every result equals the raw all-gather."""
     from ciera_runtime import CodecConfig, CompressedAllGather
@@ -39,7 +41,8 @@ def bucket_steady_worker(rank: int, world_size: int, port: int, iterations: int,
     init_gloo(rank, world_size, port)
     try:
         generator = torch.Generator().manual_seed(7 + rank)
-        engine = CompressedAllGather(config=CodecConfig(block_size=64, detector="hash", verify_every=4))
+        config = CodecConfig(block_size=64, detector="hash", verify_every=4, entropy=entropy)
+        engine = CompressedAllGather(config=config)
         weights = {
             sid: (torch.randn(n, generator=generator) * 0.02).to(dt) for sid, (n, dt) in BUCKET_SHAPES.items()
         }
@@ -71,6 +74,8 @@ def bucket_steady_worker(rank: int, world_size: int, port: int, iterations: int,
                 stats.bytes_sent,
                 stats.raw_bytes_equivalent,
                 bucket_stats.raw_messages,
+                bucket_stats.seed_messages,
+                bucket_stats.payload_messages,
             )
         )
     finally:
@@ -153,7 +158,10 @@ def bucket_fault_worker(
     init_gloo(rank, world_size, port)
     try:
         plan_rng = np.random.default_rng(seed)
-        config = CodecConfig(block_size=64, detector="hash", verify_every=5)
+        # Odd seeds run without an entropy stage: every full payload is then raw-sized and goes as a seed
+        # (raw values that fill the receivers' caches), so the faults meet seeds as often as payloads.
+        entropy = "none" if seed % 2 else "rans"
+        config = CodecConfig(block_size=64, detector="hash", verify_every=5, entropy=entropy)
         engine = CompressedAllGather(config=config, timeout_s=20.0)
         injector = Injector(rank, world_size, np.random.default_rng(seed * 1000 + rank))
         engine.fault_injector = injector
@@ -251,6 +259,7 @@ def bucket_fault_worker(
                 path.recoveries,
                 path.drained_rounds,
                 path.unfinished_rounds(),
+                stats.seed_messages,
             )
         )
     finally:

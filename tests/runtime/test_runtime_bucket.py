@@ -32,12 +32,12 @@ def _run(worker, world_size: int, *args) -> list:
     return sorted(results.get() for _ in range(world_size))
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_buckets_are_exact_in_one_round_with_rare_overflow(world_size: int) -> None:
+@pytest.mark.parametrize("world_size, entropy", [(2, "rans"), (3, "rans"), (2, "none")])
+def test_buckets_are_exact_in_one_round_with_rare_overflow(world_size: int, entropy: str) -> None:
     iterations = 12
-    for rank, mismatches, gathers, calls, overflows, registrations, rounds, sent, raw, raw_messages in _run(
-        workers.bucket_steady_worker, world_size, iterations
-    ):
+    for (
+        rank, mismatches, gathers, calls, overflows, registrations, rounds, sent, raw, raw_messages, seeds, payloads
+    ) in _run(workers.bucket_steady_worker, world_size, iterations, entropy):  # fmt: skip
         assert mismatches == 0 and gathers == iterations * 3 * 8, rank
         assert calls == iterations * 9 and registrations == 3
         # One round per call, plus the registrations and the overflow rounds (the first gathers and the
@@ -46,6 +46,12 @@ def test_buckets_are_exact_in_one_round_with_rare_overflow(world_size: int) -> N
         assert overflows <= 6, overflows
         assert sent < raw
         assert raw_messages >= calls // 3  # the 7-value shard never pays
+        if entropy == "none":
+            # Every full payload (the first gathers, the churn burst) is raw-sized: it goes as a seed, and
+            # the shards' next payloads are deltas on it — they do not stay raw.
+            assert seeds >= 2 and payloads > calls, (seeds, payloads, calls)
+        else:
+            assert seeds == 0
 
 
 def test_a_decode_failure_surfaces_here_on_that_rank_and_at_the_next_call_on_the_others() -> None:
@@ -97,7 +103,10 @@ def _check_faults(world_size: int, injections: int, seed: int) -> collections.Co
     # An unpaired round still held by gloo at exit aborts the process (SIGABRT, exit code -6): a rank
     # that recovered must have drained its failure's rounds.
     assert exit_codes == [0] * world_size, f"ranks did not end cleanly: exit codes {exit_codes}"
-    assert all(unfinished == 0 for *_, unfinished in collected), [c[-2:] for c in collected]
+    assert all(result[6] == 0 for result in collected), [result[5:7] for result in collected]
+    seeds = sum(result[7] for result in collected)
+    if seed % 2:  # no entropy stage: full payloads go as seeds (see the worker)
+        assert seeds > 0
     by_injection = collections.defaultdict(dict)
     for rank, records, *_ in collected:
         for index, fault, target, outcomes, _ in records:
@@ -135,7 +144,7 @@ def _check_faults(world_size: int, injections: int, seed: int) -> collections.Co
     drained = sum(result[5] for result in collected)
     print(
         f"\nW={world_size}: {len(by_injection)} injections, overflow rounds {overflows[0]}, outcomes {summary}, "
-        f"unpaired rounds paired at recovery {drained}"
+        f"unpaired rounds paired at recovery {drained}, seeds sent {seeds}"
     )
     return counts
 

@@ -410,3 +410,43 @@ def test_entropy_settings_are_checked_fingerprinted_and_never_mixed() -> None:
     assert not parse_header(payload, 5, 1).flags & 2  # rANS paid here
     with pytest.raises(PayloadError, match=r"codec configuration \(fingerprint .*entropy='none'\)\)$"):
         uncoded.decode(payload)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("detector", ["hash", "exact"])
+def test_a_seed_from_raw_values_stands_for_the_payload_it_replaced(dtype: str, detector: str) -> None:
+    """A sender whose payload is not smaller than raw sends its values instead (the bucket path's seed):
+    the receiver fills its cache from them at the payload's (epoch, generation), and the sender's next
+    payload — a delta, with exponent deltas for the exact detector — rebuilds exactly on it."""
+    from ciera_runtime import OutOfStepError, StalePayloadError
+
+    numel = 5000
+    rng = np.random.default_rng(11)
+    bits = rng.integers(0, 1 << 16, numel).astype(np.uint16)
+    encoder, decoder = _pair(numel, dtype, block_size=64, detector=detector, entropy="none")
+    encoder.encode(bits)  # not sent: raw values go instead
+    decoder.seed(bits, encoder.epoch, encoder.generation)
+    assert (decoder.epoch, decoder.generation) == (encoder.epoch, 1)
+    for step in range(3):
+        bits = bits.copy()
+        bits[rng.integers(0, numel, 20)] ^= 0x0100 << (step % 2)  # an exponent bit of a few values
+        payload = encoder.encode(bits)
+        assert not parse_header(payload, 5, 1).full
+        np.testing.assert_array_equal(decoder.decode(payload), bits)
+    # The same rule as a full payload: an old generation or a retired epoch is refused, cache untouched.
+    cache = decoder.exp_cache.copy()
+    with pytest.raises(StalePayloadError):
+        decoder.seed(bits, encoder.epoch, 2)
+    restarted = ShardEncoder(5, numel, dtype, 1, encoder.config)
+    decoder.seed(bits, restarted.epoch, 1)
+    with pytest.raises(StalePayloadError):
+        decoder.seed(bits, encoder.epoch, 99)
+    np.testing.assert_array_equal(decoder.exp_cache, cache)  # the same values: the same exponents
+    with pytest.raises(PayloadError, match="epoch 0"):
+        decoder.seed(bits, 0, 5)
+    with pytest.raises(ValueError, match="expected 5000 16-bit values"):
+        decoder.seed(bits[:-1], restarted.epoch, 7)
+    # A delta the seed did not stand for is out of step.
+    fresh = ShardDecoder(5, 1, numel, dtype, encoder.config)
+    with pytest.raises(OutOfStepError):
+        fresh.decode(encoder.encode(bits))

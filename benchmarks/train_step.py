@@ -1,7 +1,7 @@
 """Training step time and all-gather bytes: ZeRO-3 vs ZeRO-3 + CIERA, FSDP2 vs FSDP2 + CIERA, 2 gloo ranks.
 
     python benchmarks/train_step.py --json out/train_step.json [--link loopback|netns] [--rate 1gbit]
-        [--steps 5] [--warmup 2] [--warm-steps 0] [--block-size 512] [--rounds 3] [--layers 2]
+        [--steps 5] [--warmup 2] [--warm-steps 0] [--block-size 64] [--entropy rans|none] [--rounds 3] [--layers 2]
         [--seq-len 64] [--global-batch 4] [--systems zero3,zero3+ciera,fsdp,fsdp+ciera] [--select]
         [--probe-mib 8] [--timeout-s 1800]
 
@@ -10,7 +10,8 @@ Each rank runs the real ``measure.train.run_rank`` (the code behind ``ciera trai
 every system trains from the same seed on the same batches, ``--warmup`` unmeasured steps then
 ``--steps`` timed ones. Step time is the slowest rank's (as run_rank records it); bytes are those a rank's
 all-gathers sent per step, counted at ``all_gather_single``, and what they would have sent raw. CIERA
-runs with block size ``--block-size`` B.
+runs with block size ``--block-size`` B and entropy stage ``--entropy`` (``none``: changed exponents uncoded;
+full payloads, raw-sized then, travel as seeds).
 
 Warm start (``--warm-steps N``): the first steps of training change nearly every block's exponents; to time
 the steps of a run already under way, each engine's plain system first trains N steps once, on loopback

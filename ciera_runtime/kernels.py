@@ -758,8 +758,15 @@ def encode_planes_hash_blocks_serial(
     return _finish_checksum(sm, sm_words, bits.size, partials, tail_partials, False)
 
 
+# The exact detector's fused pass runs in chunks of whole blocks of about this many values: the split and
+# the checksum are long vectorised loops over a chunk, only the comparison goes block by block. Done per
+# block, a 64-value block left every loop a few iterations long: 1.0 GB/s against 2.4 GB/s per chunk
+# (BF16, 32 Ki values, B = 64, one thread, this repository's 2-core machine).
+_ENCODE_CHUNK_VALUES = 1 << 13
+
+
 @njit(inline="always")
-def _encode_exact_block(
+def _encode_exact_chunk(
     bits,
     exp_shift,
     exp_mask,
@@ -773,14 +780,29 @@ def _encode_exact_block(
     force_all,
     sm,
     sm_words,
-    partials,
-    block,
+    blocks_per_chunk,
+    chunk,
 ):
-    start = block * block_size
-    stop = min(start + block_size, bits.size)
+    """Split, compare and checksum the blocks of one chunk; returns the chunk's checksum partial (the
+    plane words that start in it and end by byte n, as ``_block_checksum`` of the chunk's range)."""
+    first_block = chunk * blocks_per_chunk
+    end_block = min(first_block + blocks_per_chunk, changed_out.size)
+    start = first_block * block_size
+    stop = min(end_block * block_size, bits.size)
     _split_block(bits, exp_shift, exp_mask, is_fp16, exp, sm, start, stop)
-    changed_out[block] = _compare_and_update(exp, exp_words, last_exp, last_words, start, stop, force_all)
-    partials[block] = _block_checksum(bits, is_fp16, sm_words, start, stop)
+    for block in range(first_block, end_block):
+        block_start = block * block_size
+        block_stop = min(block_start + block_size, bits.size)
+        changed_out[block] = _compare_and_update(
+            exp, exp_words, last_exp, last_words, block_start, block_stop, force_all
+        )
+    return _block_checksum(bits, is_fp16, sm_words, start, stop)
+
+
+@njit(inline="always")
+def _exact_chunks(n_blocks, block_size):
+    blocks_per_chunk = max(1, _ENCODE_CHUNK_VALUES // block_size)
+    return blocks_per_chunk, (n_blocks + blocks_per_chunk - 1) // blocks_per_chunk
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -801,26 +823,15 @@ def encode_planes_exact_blocks(
     partials,
     tail_partials,
 ):
-    """Fused encode pass (exact detector), blocks on all of numba's threads; returns the sm checksum64."""
-    for block in prange(changed_out.size):
-        _encode_exact_block(
-            bits,
-            exp_shift,
-            exp_mask,
-            is_fp16,
-            block_size,
-            exp,
-            exp_words,
-            last_exp,
-            last_words,
-            changed_out,
-            force_all,
-            sm,
-            sm_words,
-            partials,
-            block,
-        )
-    return _finish_checksum(sm, sm_words, bits.size, partials, tail_partials, True)
+    """Fused encode pass (exact detector), chunks of blocks on all of numba's threads; returns the sm
+    checksum64. ``partials`` holds at least one entry per chunk (one per block always does)."""
+    blocks_per_chunk, n_chunks = _exact_chunks(changed_out.size, block_size)
+    for chunk in prange(n_chunks):
+        partials[chunk] = _encode_exact_chunk(
+            bits, exp_shift, exp_mask, is_fp16, block_size, exp, exp_words, last_exp, last_words,
+            changed_out, force_all, sm, sm_words, blocks_per_chunk, chunk,
+        )  # fmt: skip
+    return _finish_checksum(sm, sm_words, bits.size, partials[:n_chunks], tail_partials, True)
 
 
 @njit(cache=True, nogil=True)
@@ -842,25 +853,13 @@ def encode_planes_exact_blocks_serial(
     tail_partials,
 ):
     """Single-threaded ``encode_planes_exact_blocks``."""
-    for block in range(changed_out.size):
-        _encode_exact_block(
-            bits,
-            exp_shift,
-            exp_mask,
-            is_fp16,
-            block_size,
-            exp,
-            exp_words,
-            last_exp,
-            last_words,
-            changed_out,
-            force_all,
-            sm,
-            sm_words,
-            partials,
-            block,
-        )
-    return _finish_checksum(sm, sm_words, bits.size, partials, tail_partials, False)
+    blocks_per_chunk, n_chunks = _exact_chunks(changed_out.size, block_size)
+    for chunk in range(n_chunks):
+        partials[chunk] = _encode_exact_chunk(
+            bits, exp_shift, exp_mask, is_fp16, block_size, exp, exp_words, last_exp, last_words,
+            changed_out, force_all, sm, sm_words, blocks_per_chunk, chunk,
+        )  # fmt: skip
+    return _finish_checksum(sm, sm_words, bits.size, partials[:n_chunks], tail_partials, False)
 
 
 def _check_sm_out(bits, is_fp16, sm_out) -> None:

@@ -312,20 +312,21 @@ def capture_all(
     on_step: Callable[[str, Step, dict], None] | None = None,
     emulated_cluster_factory=None,
 ) -> dict[str, Any]:
-    """Capture every step of `plan` not already finished in `out_dir`; returns what was done."""
+    """Capture every step of `plan` not already finished in `out_dir`; returns what was done.
+
+    Emulated topologies of one shape (nodes, ranks per node, latency) that differ only in link rate share
+    one emulated cluster, re-shaped between runs (`EmulatedCluster.set_link_rate`), and their runs are
+    interleaved (`interleaved_order`): every sweep first, then per depth every rate's systems in turn —
+    so slow drift of the machine's speed hits every rate alike, as it hits every system alike."""
     prepare_out_dir(plan, out_dir)
     partial = out_dir / ".partial"
     if partial.exists():
         shutil.rmtree(partial)  # an interrupted run: discarded, redone
-    steps = plan_steps(plan)
     notify = on_step or (lambda event, step, info: None)
     done = {"captured": [], "kept": [], "links": {}}
-    by_topology: dict[Topology, list[Step]] = {}
-    for step in steps:
-        by_topology.setdefault(step.topology, []).append(step)
-    for topology, topology_steps in by_topology.items():
+    for group in interleaved_order(plan_steps(plan)):
         todo = []
-        for step in topology_steps:
+        for step in group:
             finished = out_dir / _kind_dir(step.kind) / step.name
             if _finished(finished, step.kind) and _same_job(finished, step.job):
                 done["kept"].append(step.name)
@@ -336,12 +337,17 @@ def capture_all(
             continue
         cluster = None
         try:
-            if topology.emulated:
-                cluster = (emulated_cluster_factory or _open_emulated)(topology, plan)
-                link = _link_record(topology, cluster, out_dir)
-                done["links"][topology.name] = link
-                notify("link", todo[0], link)
             for step in todo:
+                topology = step.topology
+                if topology.emulated:
+                    if cluster is None:
+                        cluster = (emulated_cluster_factory or _open_emulated)(topology, plan)
+                    elif cluster.link_rate != topology.link_rate:
+                        cluster.set_link_rate(topology.link_rate)
+                    if topology.name not in done["links"]:
+                        link = _link_record(topology, cluster, out_dir)
+                        done["links"][topology.name] = link
+                        notify("link", step, link)
                 scratch = partial / step.name
                 notify("start", step, {})
                 run_job(
@@ -349,7 +355,7 @@ def capture_all(
                     scratch,
                     topology.world_size,
                     topology.ranks_per_node,
-                    cluster=cluster,
+                    cluster=cluster if topology.emulated else None,
                     timeout_s=plan.timeout_s,
                     on_progress=lambda record, step=step: notify("progress", step, record),
                 )
@@ -362,6 +368,37 @@ def capture_all(
     if partial.exists():
         shutil.rmtree(partial, ignore_errors=True)
     return done
+
+
+def _shape(topology: Topology) -> tuple:
+    """What one emulated cluster can serve by re-shaping its link: all but the rate (plain ranks: itself)."""
+    if not topology.emulated:
+        return ("plain", topology)
+    return ("emulated", topology.nodes, topology.ranks_per_node, topology.link_latency_s)
+
+
+def interleaved_order(steps: list[Step]) -> list[list[Step]]:
+    """`steps` in groups that share one cluster (`_shape`), in the order they run: a group's sweeps first
+    (in topology order), then its layer runs by depth, and within a depth by topology (link rate), then
+    system — each depth's runs of every rate back to back — then the rest (the exponent statistics run)."""
+    groups: dict[tuple, list[Step]] = {}
+    for step in steps:
+        groups.setdefault(_shape(step.topology), []).append(step)
+    ordered = []
+    for group in groups.values():
+        topologies = list(dict.fromkeys(step.topology for step in group))
+
+        def key(item: tuple[int, Step]) -> tuple:
+            position, step = item
+            if step.kind == "collectives":
+                return (0, 0, topologies.index(step.topology), position)
+            if step.kind == "layers":
+                depth = int(step.job["train"]["layers"])
+                return (1, depth, topologies.index(step.topology), position)
+            return (2, 0, 0, position)
+
+        ordered.append([step for _, step in sorted(enumerate(group), key=key)])
+    return ordered
 
 
 def _publish(scratch: Path, target: Path, topology: Topology, out_dir: Path) -> None:

@@ -477,6 +477,23 @@ class EmulatedCluster:
             error=EmulationUnavailable,
         )  # fmt: skip
 
+    def set_link_rate(self, link_rate: str) -> None:
+        """Re-shape every veth end to ``link_rate`` (tc syntax) in place: the namespaces, addresses and
+        running processes stay. A capture interleaves the runs of several link rates of one shape this way,
+        so that slow drift of the machine's speed hits every rate alike."""
+        if self._state != "open":
+            raise RuntimeError(f"set_link_rate on a cluster that is {self._state}, expected open")
+        rate_Bps = parse_rate_Bps(link_rate)
+        self.link_rate, self.link_rate_Bps = str(link_rate).strip(), rate_Bps
+        self.burst_bytes = burst_bytes(rate_Bps)
+        for node, ns in enumerate(self.node_namespaces):
+            where = ["root"] if self.link_latency_s <= 0 else ["parent", "1:1", "handle", "10:"]
+            _run("tc", "-n", ns, "qdisc", "change", "dev", self.interface(node), *where, *self._tbf().split())
+            _run(
+                "tc", "-n", self.hub_namespace, "qdisc", "change", "dev", self._hub_interface(node), "root",
+                *self._tbf().split(),
+            )  # fmt: skip
+
     def close(self) -> None:
         """Kill the tracked processes and any other process in the namespaces, delete the namespaces (and
         with them the veths and the bridge), restore the signal handlers. Idempotent."""

@@ -280,6 +280,23 @@ def test_probe_link_close_to_nominal(cluster):
 
 
 @needs_root
+def test_the_link_is_reshaped_in_place(cluster):
+    """set_link_rate changes every veth end's tbf: the probe follows the new rate; the namespaces stay."""
+    namespaces = list(cluster.node_namespaces)
+    try:
+        cluster.set_link_rate("400mbit")
+        assert cluster.describe()["link_rate"] == "400mbit" and cluster.node_namespaces == namespaces
+        fast = probe_link(cluster, size_bytes=2 << 20, repeats=3, timeout_s=60)["measured_link_Bps"]
+        assert 0.5 <= fast / cluster.link_rate_Bps <= 1.1, fast
+    finally:
+        cluster.set_link_rate("100mbit")
+    slow = probe_link(cluster, size_bytes=2 << 20, repeats=3, timeout_s=60)["measured_link_Bps"]
+    assert 0.5 <= slow / cluster.link_rate_Bps <= 1.1 and fast > 2 * slow, (fast, slow)
+    with pytest.raises(TopologyError):
+        cluster.set_link_rate("fast")
+
+
+@needs_root
 def test_probe_times_out_in_one_line_and_never_hangs(cluster):
     tracked, start = list(cluster.processes), time.monotonic()
     with pytest.raises(emulated.ProbeError) as error:

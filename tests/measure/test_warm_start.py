@@ -290,3 +290,30 @@ def test_an_exponent_capture_after_warm_steps_numbers_its_rows_by_step(tmp_path:
     assert row["block_size"] == 32 and row["warmup_iterations"] == 3 + 10
     assert json.loads(row["versions"])["warm_steps"] == 3
     assert json.loads((tmp_path / "summary.json").read_text())["runs"] == []
+
+
+def test_link_rates_of_one_shape_are_interleaved_per_depth() -> None:
+    """Two rates of the 2x1 shape share one cluster and run depth by depth, every rate's systems back to
+    back; the 2x2 shape is its own group; sweeps first, the exponent run last."""
+    from measure.campaign import Topology, interleaved_order
+
+    slow, fast = Topology(2, 1, "200mbit"), Topology(2, 1, "1gbit")
+    wide = Topology(2, 2, "200mbit")
+    plan = CapturePlan(
+        model="mixtral-8x7b", width_scale=64, layers=(2, 4), systems=("zero3", "ciera"),
+        topologies=(slow, fast, wide), exponent_steps=5,
+    )  # fmt: skip
+    groups = interleaved_order(plan_steps(plan))
+    assert [len(group) for group in groups] == [2 + 8 + 1, 1 + 4]
+    names = [(step.kind, step.topology.link_rate, step.job.get("train", {}).get("layers"), step.job.get("system"))
+             for step in groups[0]]  # fmt: skip
+    assert names == [
+        ("collectives", "200mbit", None, None), ("collectives", "1gbit", None, None),
+        ("layers", "200mbit", 2, "zero3"), ("layers", "200mbit", 2, "ciera"),
+        ("layers", "1gbit", 2, "zero3"), ("layers", "1gbit", 2, "ciera"),
+        ("layers", "200mbit", 4, "zero3"), ("layers", "200mbit", 4, "ciera"),
+        ("layers", "1gbit", 4, "zero3"), ("layers", "1gbit", 4, "ciera"),
+        ("exponents", "200mbit", plan.exponent_layers, None),
+    ]  # fmt: skip
+    assert {step.topology for step in groups[1]} == {wide}
+    assert sorted(step.name for group in groups for step in group) == sorted(s.name for s in plan_steps(plan))

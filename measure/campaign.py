@@ -384,21 +384,21 @@ def interleaved_order(steps: list[Step]) -> list[list[Step]]:
     groups: dict[tuple, list[Step]] = {}
     for step in steps:
         groups.setdefault(_shape(step.topology), []).append(step)
-    ordered = []
-    for group in groups.values():
-        topologies = list(dict.fromkeys(step.topology for step in group))
+    return [sorted(group, key=_run_order_key(group)) for group in groups.values()]
 
-        def key(item: tuple[int, Step]) -> tuple:
-            position, step = item
-            if step.kind == "collectives":
-                return (0, 0, topologies.index(step.topology), position)
-            if step.kind == "layers":
-                depth = int(step.job["train"]["layers"])
-                return (1, depth, topologies.index(step.topology), position)
-            return (2, 0, 0, position)
 
-        ordered.append([step for _, step in sorted(enumerate(group), key=key)])
-    return ordered
+def _run_order_key(group: list[Step]) -> Callable[[Step], tuple]:
+    """Sort key of `interleaved_order` within one group (ties keep the plan's order: sorted is stable)."""
+    topologies = list(dict.fromkeys(step.topology for step in group))
+
+    def key(step: Step) -> tuple:
+        if step.kind == "collectives":
+            return (0, 0, topologies.index(step.topology))
+        if step.kind == "layers":
+            return (1, int(step.job["train"]["layers"]), topologies.index(step.topology))
+        return (2, 0, 0)
+
+    return key
 
 
 def _publish(scratch: Path, target: Path, topology: Topology, out_dir: Path) -> None:

@@ -292,6 +292,7 @@ def test_config_section_is_validated() -> None:
 
     assert ciera_section(engine({"enabled": True, "select": False})) == {"enabled": True, "select": False}
     assert ciera_section(SimpleNamespace()) == {}
+    assert ciera_section(engine({"entropy": "none"})) == {"entropy": "none"}
     with pytest.raises(ValueError, match="ciera.blocksize"):
         ciera_section(engine({"blocksize": 256}))
     with pytest.raises(ValueError, match="expected a table"):

@@ -119,6 +119,7 @@ def test_a_rank_that_dies_stops_the_run_with_one_line() -> None:
         (["train", "--world-size", "3", "--global-batch", "4"], "does not split over 3 ranks"),
         (["train", "--width-scale", "7"], "width"),
         (["train", "--ciera", "maybe"], "--ciera 'maybe'"),
+        (["train", "--entropy", "zstd"], "--entropy 'zstd': expected rans or none"),
         (["train", "--save-at", "3"], "--checkpoint-dir"),
         (["train", "--json", "/nonexistent-dir/x.json"], "does not exist"),
     ],

@@ -988,7 +988,7 @@ class BucketGather:
                     if kind == KIND_SEED:
                         if not state.compressed:
                             raise CieraError("seed for a shard registered raw")
-                        epoch, generation, _ = SEED_PREFIX.unpack_from(message.tobytes(), 0)
+                        epoch, generation, _ = SEED_PREFIX.unpack(message[: SEED_PREFIX.size].tobytes())
                         state.decoders[source].seed(values, epoch, generation)
                     # A plain raw message leaves a compressed shard's cache alone: the next payload is full.
                     target[:] = values

@@ -66,6 +66,7 @@ BUCKET_MAGIC = 0x4349455242 << 8 | 2  # "CIERB" + version (2: seeds)
 KIND_PAYLOAD, KIND_RAW, KIND_SEED = 1, 2, 3
 SEED_PREFIX = struct.Struct("<QQQ")
 SEED_FULL = 1  # flags: the seed replaces a full-exponent payload (a bucket's first gather, after an error)
+SEED_FLAGS_OFFSET = 16  # the flags word of SEED_PREFIX (after epoch and generation)
 _HEADER_FIELDS = ("magic", "fingerprint", "call", "failed", "overflow_bytes", "message_bytes")
 _HEADER_FIXED_BYTES = 8 * len(_HEADER_FIELDS) + protocol.REASON_BYTES
 _REGISTRATION_FIELDS = ("magic", "fingerprint", "shards", "first_shard", "failed")
@@ -298,7 +299,7 @@ def _carries_full(headers: list[_Header], received: np.ndarray, head: int) -> bo
     read from the received rows: the same bytes, so the same answer, on every rank; a message starting
     past the area counts as not full)."""
     area_bytes = received.shape[1] - head
-    flag_of = {KIND_PAYLOAD: (HEADER_FLAGS_OFFSET, FLAG_FULL_EXPONENTS), KIND_SEED: (16, SEED_FULL)}
+    flag_of = {KIND_PAYLOAD: (HEADER_FLAGS_OFFSET, FLAG_FULL_EXPONENTS), KIND_SEED: (SEED_FLAGS_OFFSET, SEED_FULL)}
     for source, header in enumerate(headers):
         offset = 0
         for entry in header.entries:

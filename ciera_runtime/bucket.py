@@ -299,7 +299,10 @@ def _carries_full(headers: list[_Header], received: np.ndarray, head: int) -> bo
     read from the received rows: the same bytes, so the same answer, on every rank; a message starting
     past the area counts as not full)."""
     area_bytes = received.shape[1] - head
-    flag_of = {KIND_PAYLOAD: (HEADER_FLAGS_OFFSET, FLAG_FULL_EXPONENTS), KIND_SEED: (SEED_FLAGS_OFFSET, SEED_FULL)}
+    flag_of = {
+        KIND_PAYLOAD: (HEADER_FLAGS_OFFSET, FLAG_FULL_EXPONENTS),
+        KIND_SEED: (SEED_FLAGS_OFFSET, SEED_FULL),
+    }
     for source, header in enumerate(headers):
         offset = 0
         for entry in header.entries:

@@ -95,6 +95,13 @@ def sim_command(
     for system, figures in document["codec_figures"].items():
         if figures is not None:
             console.print(f"CIERA rewrite, {system}: {figures['description']}")
+    for row in document["codec_runs_in_sample"]:
+        console.print(
+            f"in sample (not counted above): {row['system']} on {row['cluster']}, L = {row['layers']}, whose codec "
+            f"events the figures were fitted to, predicted by the same rewrite from its plain engine's run: "
+            f"{row['predicted_s'] * 1e3:.0f} ms against {row['measured_s'] * 1e3:.0f} ms measured "
+            f"({row['error'] * 100:+.1f} %)"
+        )
     notes = sorted({note for row in document["held_out"] for note in row["notes"]})
     for note in notes:
         console.print(f"note: {note}")

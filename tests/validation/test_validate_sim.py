@@ -92,6 +92,23 @@ def test_every_held_out_run_is_predicted_and_categorised(small_document: dict) -
     )
 
 
+def test_the_codec_runs_are_predicted_in_sample_and_kept_out_of_the_held_out_errors(
+    small_document: dict,
+) -> None:
+    """The runs the codec figures are fitted to go through the same rewrite, from their plain engine's run:
+    reported as the rewrite's in-sample error, never among the held-out rows or in their means."""
+    document = small_document
+    rows = document["codec_runs_in_sample"]
+    assert {row["run_id"] for row in rows} == set(document["seen"]["codec_runs"])
+    held_ids = {row["run_id"] for row in document["held_out"]}
+    for row in rows:
+        assert row["run_id"] not in held_ids
+        assert row["predicted_s"] > 0 and "CIERA written in" in row["basis"]
+        assert row["error"] == pytest.approx(row["predicted_s"] / row["measured_s"] - 1.0)
+        # Fitted to its own codec events: the rewrite reproduces it to within the runs' own noise.
+        assert abs(row["error"]) < 0.15, row
+
+
 def test_the_first_thing_no_seen_run_has_names_the_category() -> None:
     seen = pd.DataFrame([{"system": "zero3", "nodes": 2, "gpus_per_node": 1, "link_rate_Bps": 25e6}])
 
@@ -189,6 +206,9 @@ def test_the_shipped_check_writes_its_json_exits_by_the_verdict_and_matches_the_
     for mine, theirs in zip(written["held_out"], shipped["held_out"], strict=True):
         assert mine["predicted_s"] == pytest.approx(theirs["predicted_s"], rel=1e-9), mine["run_id"]
     assert written["held_out_mean_abs_error"] == pytest.approx(shipped["held_out_mean_abs_error"], rel=1e-9)
+    assert [
+        (r["run_id"], pytest.approx(r["predicted_s"], rel=1e-9)) for r in shipped["codec_runs_in_sample"]
+    ] == [(r["run_id"], r["predicted_s"]) for r in written["codec_runs_in_sample"]]
     assert done.returncode == (0 if written["passed"] else 1), done.stderr[-2000:]
     assert ("PASSED" if written["passed"] else "FAILED") in done.stdout
     assert written["replay_max_abs_error"] <= 0.01

@@ -1,0 +1,370 @@
+"""The device path of the compressed all-gather: no host read per gather.
+
+On a GPU every host read of device data (``.item()``, a size round read on the host, a boolean-mask
+index) stalls the stream, so the bucket path's design — capacity planned from the rows every rank read
+on the host, an overflow round decided on the host — does not carry over. This path moves the host read
+to the step boundary instead:
+
+1. **After each optimizer step** (:meth:`DeviceGather.prepare`) every rank encodes each of its shards
+   once, on the device: the sign+mantissa plane, the block-change bitmap against the exponents it last
+   sent, and the changed blocks' exponents, compacted by a prefix sum and a scatter (no data-dependent
+   shapes). The payload sizes go through one all-reduce (max) and are read on the host: the step's only
+   host read of device data on the steady path. From then on every rank knows every slot's size exactly:
+   no capacity plan, no overflow.
+2. **Each gather** (:meth:`DeviceGather.all_gather`) lays the call's payloads into the rank's slot
+   (the first gather of a shard after ``prepare`` at the agreed size; later ones — recompute, backward —
+   carry no changed block, at the payload's fixed size), moves the slots with ``all_gather_into_tensor``
+   (NCCL on GPU, gloo on CPU) and, at ``wait()``, rebuilds every other rank's part on the device.
+3. **Failures** (a checksum, count or generation that does not match; a shard that changed after
+   ``prepare``) never raise inside a gather: they set a device flag and leave that source's cache as it
+   was. :meth:`DeviceGather.check`, called before
+   the optimizer applies the step, agrees the flag over the group (one all-reduce, one host read) and
+   raises the same :class:`GatherError` on every rank; the next ``prepare`` then sends every shard in
+   full. So no step computed from a wrong weight is ever applied.
+
+Changed exponents travel uncoded (one byte per value of a changed block): the configuration a device
+without an entropy coder runs (docs/runtime.md, "Backends"). The engines do not route CUDA parameters
+here yet; this module is the device gather they will call.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ciera_runtime import kernels
+from ciera_runtime.allgather import _all_gather_single
+from ciera_runtime.errors import ConfigMismatchError, GatherError
+from ciera_runtime.torch_backend import TorchBackend
+
+# Per shard payload: [generation, changed values, checksum64(sign+mantissa), checksum64(exponents), shard
+# id, source rank] as int64, then the sign+mantissa plane and the block bitmap (each padded to 8 bytes), then the changed
+# blocks' exponents. A slot holds the payloads of a call's shards, each padded to 8 bytes.
+_HEADER_WORDS = 6
+_HEADER_BYTES = 8 * _HEADER_WORDS
+_EXP_LAYOUT = {
+    torch.bfloat16: (kernels.BF16_EXP_SHIFT, kernels.BF16_EXP_MASK),
+    torch.float16: (kernels.FP16_EXP_SHIFT, kernels.FP16_EXP_MASK),
+}
+
+
+def _align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+@dataclass
+class _Shard:
+    """One registered shard: its static facts and its per-step state, all on the device."""
+
+    shard_id: int
+    index: int  # position in the registration order (the size vector's entry)
+    numel: int
+    dtype: torch.dtype
+    last_sent: torch.Tensor  # uint8 exponents this rank sent last (its receivers' view of them)
+    caches: list[torch.Tensor | None]  # per source rank: the exponents rebuilt from it (None: this rank)
+    block_size: int
+    payload: torch.Tensor | None = None  # this step's payload (uint8, its largest possible size)
+    prepared_checksum: torch.Tensor | None = None  # checksum64 of the values prepare() encoded (0-d)
+    gathered_this_step: bool = False
+
+    @property
+    def is_fp16(self) -> bool:
+        return self.dtype == torch.float16
+
+    @property
+    def n_blocks(self) -> int:
+        return (self.numel + self.block_size - 1) // self.block_size
+
+    @property
+    def sign_mantissa_bytes(self) -> int:
+        return kernels.sign_mantissa_bytes(self.numel, self.is_fp16)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """The payload without changed exponents: what a gather with no changed block carries."""
+        return _HEADER_BYTES + _align8(self.sign_mantissa_bytes) + _align8((self.n_blocks + 7) // 8)
+
+
+class DeviceGather:
+    """Compressed all-gather of registered shards on their device, one host read per step.
+
+    ``register`` once (every rank the same shard ids, sizes and dtype: checked), then per step:
+    ``prepare(shards)`` after the optimizer step, ``all_gather(ids, shards)`` (and ``handle.wait()``) as
+    the engine gathers, ``check()`` before the next optimizer step. Every call is collective on
+    ``group``."""
+
+    def __init__(self, device: str | torch.device, group=None, block_size: int = 64) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size={block_size!r}: expected a power of two")
+        self.device = torch.device(device)
+        self.group = group
+        self.block_size = block_size
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = TorchBackend(self.device)
+        self._shards: dict[int, _Shard] = {}
+        self._slot_bytes: list[int] = []  # per registered shard: this step's agreed payload size (host)
+        self._generation = 0
+        self._full_next = True  # the next prepare sends every block (start, or after a failure)
+        self._failed = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.host_reads = 0  # host reads of device data (the size read per prepare, the flag per check)
+        self.gathers = 0
+        self.bytes_sent = 0
+        self.raw_bytes = 0
+        # A testing hook: called with each received slot tensor (W x slot bytes) before decoding.
+        self.fault_injector = None
+
+    # ---- registration ------------------------------------------------------------------------------
+
+    def register(self, shards: dict[int, torch.Tensor]) -> None:
+        """Agree the shard set (ids, sizes, dtypes) with every rank; a rank that differs fails the same
+        ConfigMismatchError everywhere."""
+        described = []
+        for shard_id in sorted(shards):
+            tensor = shards[shard_id]
+            if tensor.dtype not in _EXP_LAYOUT:
+                raise ValueError(f"shard {shard_id} has dtype {tensor.dtype}: expected bfloat16 or float16")
+            if tensor.device != self.device:
+                raise ValueError(f"shard {shard_id} is on {tensor.device}, this gather on {self.device}")
+            described.append(f"{shard_id}:{tensor.numel()}:{tensor.dtype}")
+        fingerprint = zlib.crc32("|".join(described + [str(self.block_size)]).encode())
+        mine = torch.tensor([fingerprint], dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+        _all_gather_single(every, mine, group=self.group)
+        prints = every.tolist()  # once, at registration
+        if len(set(prints)) > 1:
+            raise ConfigMismatchError(
+                None,
+                {rank: f"shard set fingerprint {value:08x}" for rank, value in enumerate(prints)},
+                "ranks registered different shard sets for the device gather",
+            )
+        for index, shard_id in enumerate(sorted(shards)):
+            tensor = shards[shard_id]
+            numel = tensor.numel()
+            caches = [
+                None if source == self.rank else torch.zeros(numel, dtype=torch.uint8, device=self.device)
+                for source in range(self.world_size)
+            ]
+            self._shards[shard_id] = _Shard(
+                shard_id=shard_id,
+                index=index,
+                numel=numel,
+                dtype=tensor.dtype,
+                last_sent=torch.zeros(numel, dtype=torch.uint8, device=self.device),
+                caches=caches,
+                block_size=self.block_size,
+            )
+        self._full_next = True
+
+    # ---- once per step -----------------------------------------------------------------------------
+
+    def prepare(self, shards: dict[int, torch.Tensor]) -> None:
+        """Encode every registered shard's current values (call after the optimizer step, before the
+        first gather) and agree the payload sizes: one all-reduce, one host read."""
+        if set(shards) != set(self._shards):
+            raise ValueError("prepare: expected a tensor for every registered shard, and no other")
+        self._generation += 1
+        sizes = torch.zeros(len(self._shards), dtype=torch.int64, device=self.device)
+        for shard_id, state in self._shards.items():
+            state.payload, size = self._encode(state, shards[shard_id], self._full_next)
+            sizes[state.index] = size
+            state.gathered_this_step = False
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
+        self._slot_bytes = [_align8(int(size)) for size in sizes.tolist()]
+        self.host_reads += 1
+        self._full_next = False
+
+    def check(self) -> None:
+        """Before the optimizer applies the step: raise the same GatherError on every rank if any rank
+        failed to rebuild a shard since the last check (one all-reduce, one host read)."""
+        flag = self._failed.clone()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self.host_reads += 1
+        failed = int(flag.item())
+        self._failed.zero_()
+        if failed:
+            self._full_next = True  # every rank resends in full: caches are rebuilt from scratch
+            raise GatherError(
+                None,
+                {self.rank: "a device gather since the last check did not rebuild exactly"},
+                "the step is not applied on any rank; the next step sends every shard in full",
+            )
+
+    # ---- gathers -----------------------------------------------------------------------------------
+
+    def all_gather(
+        self, shard_ids: list[int], shards: list[torch.Tensor], outputs=None
+    ) -> DeviceGatherHandle:
+        """Start gathering ``shards`` (this rank's parts of ``shard_ids``, as given to ``prepare``);
+        ``wait()`` gives each shard's W parts concatenated (into ``outputs`` when given)."""
+        unknown = [shard_id for shard_id in shard_ids if shard_id not in self._shards]
+        if unknown or len(set(shard_ids)) != len(shard_ids) or len(shards) != len(shard_ids):
+            raise ValueError(
+                f"all_gather: shard ids {list(shard_ids)} with {len(shards)} tensors: expected distinct "
+                f"registered ids, one tensor each (unknown: {unknown})"
+            )
+        states = [self._shards[shard_id] for shard_id in shard_ids]
+        if any(state.payload is None for state in states):
+            raise ValueError("all_gather before prepare(): encode the step's shards first")
+        for state, shard in zip(states, shards, strict=True):
+            if shard.numel() != state.numel or shard.dtype != state.dtype or shard.device != self.device:
+                raise ValueError(
+                    f"all_gather: a shard of {shard.numel()} {shard.dtype} values on {shard.device}, "
+                    f"registered as {state.numel} {state.dtype} on {self.device}"
+                )
+            # The others rebuild what prepare() encoded: a shard changed since (a checkpoint loaded, a
+            # manual edit) would leave ranks with different weights. Checked on the device: the flag.
+            changed = self.backend.checksum64_tensor(self._bytes(shard)) != state.prepared_checksum
+            self._failed |= changed.to(torch.int64)
+        sizes = []
+        for state in states:
+            sizes.append(state.fixed_bytes if state.gathered_this_step else self._slot_bytes[state.index])
+        slot_bytes = sum(sizes)
+        send = torch.zeros(slot_bytes, dtype=torch.uint8, device=self.device)
+        at = 0
+        for state, size in zip(states, sizes, strict=True):
+            if state.gathered_this_step:
+                send[at : at + size] = self._repeat_payload(state)
+            else:
+                send[at : at + size] = state.payload[:size]
+            state.gathered_this_step = True
+            at += size
+        recv = torch.empty(self.world_size * slot_bytes, dtype=torch.uint8, device=self.device)
+        work = _all_gather_single(recv, send, group=self.group, async_op=True)
+        self.gathers += 1
+        self.bytes_sent += slot_bytes
+        self.raw_bytes += sum(2 * state.numel for state in states)
+        return DeviceGatherHandle(self, work, recv, states, sizes, shards, outputs)
+
+    def _finish(self, recv, states, sizes, shards, outputs) -> list[torch.Tensor]:
+        rows = recv.view(self.world_size, -1)
+        if self.fault_injector is not None:
+            self.fault_injector(rows)
+        results = []
+        for index, state in enumerate(states):
+            at = sum(sizes[:index])
+            numel = state.numel
+            result = outputs[index] if outputs is not None else None
+            if result is None:
+                result = torch.empty(self.world_size * numel, dtype=state.dtype, device=self.device)
+            flat = result.view(-1)
+            flat[self.rank * numel : (self.rank + 1) * numel] = shards[index].reshape(-1)
+            for source in range(self.world_size):
+                if source != self.rank:
+                    payload = rows[source, at : at + sizes[index]]
+                    self._decode(state, source, payload, flat[source * numel : (source + 1) * numel])
+            results.append(result)
+        return results
+
+    # ---- the codec, in tensor ops with static shapes -----------------------------------------------
+
+    def _changed_values(self, changed_blocks: torch.Tensor, numel: int) -> torch.Tensor:
+        return changed_blocks.repeat_interleave(self.block_size)[:numel]
+
+    def _encode(self, state: _Shard, shard: torch.Tensor, full: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's payload of ``state`` (at its largest size, zero-padded) and its size (0-d)."""
+        backend, numel = self.backend, state.numel
+        shift, mask = _EXP_LAYOUT[state.dtype]
+        patterns = shard.detach().reshape(-1).view(torch.int16).to(torch.int32) & 0xFFFF
+        exp = ((patterns >> shift) & (mask & 0xFF)).to(torch.uint8)
+        changed_blocks = backend._blocks_any(exp != state.last_sent, self.block_size)
+        if full:
+            changed_blocks = torch.ones_like(changed_blocks)
+        changed = self._changed_values(changed_blocks, numel)
+        positions = torch.cumsum(changed.to(torch.int64), 0) - 1
+        count = changed.sum()
+        # Unchanged values land on a spare byte past the end: a scatter, no mask-shaped tensor.
+        area = torch.zeros(numel + 1, dtype=torch.uint8, device=self.device)
+        area.scatter_(0, torch.where(changed, positions, numel), exp)
+        sign_mantissa = backend._sign_mantissa(patterns, state.is_fp16)
+        payload = torch.zeros(state.fixed_bytes + _align8(numel), dtype=torch.uint8, device=self.device)
+        header = payload[:_HEADER_BYTES].view(torch.int64)
+        header[0] = self._generation
+        header[1] = count
+        header[2] = backend.checksum64_tensor(sign_mantissa)
+        header[3] = backend.checksum64_tensor(exp)
+        header[4] = state.shard_id
+        header[5] = self.rank
+        at = _HEADER_BYTES
+        payload[at : at + sign_mantissa.numel()] = sign_mantissa
+        at += _align8(state.sign_mantissa_bytes)
+        bitmap = self._pack_bits(changed_blocks)
+        payload[at : at + bitmap.numel()] = bitmap
+        payload[state.fixed_bytes : state.fixed_bytes + numel] = area[:numel]
+        state.last_sent.copy_(exp)
+        state.prepared_checksum = backend.checksum64_tensor(self._bytes(shard))
+        return payload, state.fixed_bytes + count
+
+    @staticmethod
+    def _bytes(shard: torch.Tensor) -> torch.Tensor:
+        return shard.detach().reshape(-1).view(torch.uint8)
+
+    def _repeat_payload(self, state: _Shard) -> torch.Tensor:
+        """The payload of a later gather in the same step: no changed block (the bitmap zeroed)."""
+        repeat = state.payload[: state.fixed_bytes].clone()
+        repeat[:_HEADER_BYTES].view(torch.int64)[1] = 0
+        at = _HEADER_BYTES + _align8(state.sign_mantissa_bytes)
+        repeat[at:] = 0
+        return repeat
+
+    def _pack_bits(self, flags: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(_align8(flags.numel()), dtype=torch.int32, device=self.device)
+        padded[: flags.numel()] = flags.to(torch.int32)
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=self.device)
+        return (padded.view(-1, 8) * weights).sum(dim=1).to(torch.uint8)
+
+    def _unpack_bits(self, packed: torch.Tensor, count: int) -> torch.Tensor:
+        shifts = torch.arange(8, dtype=torch.int32, device=self.device)
+        return ((packed.to(torch.int32).unsqueeze(1) >> shifts) & 1).reshape(-1)[:count].to(torch.bool)
+
+    def _decode(self, state: _Shard, source: int, payload: torch.Tensor, out: torch.Tensor) -> None:
+        """Rebuild ``source``'s part into ``out``; on any mismatch raise the device flag and keep the
+        source's cache as it was."""
+        backend, numel = self.backend, state.numel
+        shift, _ = _EXP_LAYOUT[state.dtype]
+        header = payload[:_HEADER_BYTES].view(torch.int64)
+        at = _HEADER_BYTES
+        sign_mantissa = payload[at : at + state.sign_mantissa_bytes]
+        at += _align8(state.sign_mantissa_bytes)
+        changed_blocks = self._unpack_bits(payload[at : at + (state.n_blocks + 7) // 8], state.n_blocks)
+        changed = self._changed_values(changed_blocks, numel)
+        positions = torch.cumsum(changed.to(torch.int64), 0) - 1
+        count = changed.sum()
+        area = payload[state.fixed_bytes :]
+        room = area.numel()
+        # A changed value past the slot's end reads byte 0: the count check below fails such a payload.
+        gathered = (
+            area[positions.clamp(0, max(room - 1, 0))] if room else torch.zeros_like(state.caches[source])
+        )
+        cache = state.caches[source]
+        rebuilt = torch.where(changed, gathered, cache)
+        checksum_sm = backend.merge_planes_checked_tensor(rebuilt, sign_mantissa, shift, state.is_fp16, out)
+        ok = (
+            (header[0] == self._generation)
+            & (header[4] == state.shard_id)
+            & (header[5] == source)
+            & (header[1] == count)
+            & (count <= room)
+            & (checksum_sm == header[2])
+            & (backend.checksum64_tensor(rebuilt) == header[3])
+        )
+        cache.copy_(torch.where(ok, rebuilt, cache))
+        self._failed |= (~ok).to(torch.int64)
+
+
+class DeviceGatherHandle:
+    def __init__(self, gather: DeviceGather, work, recv, states, sizes, shards, outputs) -> None:
+        self._gather, self._work, self._recv = gather, work, recv
+        self._states, self._sizes, self._shards, self._outputs = states, sizes, shards, outputs
+        self._results: list[torch.Tensor] | None = None
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._results is None:
+            self._work.wait()
+            self._results = self._gather._finish(
+                self._recv, self._states, self._sizes, self._shards, self._outputs
+            )
+        return self._results

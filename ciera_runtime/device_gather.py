@@ -68,6 +68,9 @@ class _Shard:
     block_size: int
     payload: torch.Tensor | None = None  # this step's payload (uint8, its largest possible size)
     prepared_checksum: torch.Tensor | None = None  # checksum64 of the values prepare() encoded (0-d)
+    # The exponents the payload brings its receivers to: they become last_sent only when it is sent (a
+    # shard prepared but not gathered in a step leaves its receivers where they were).
+    prepared_exp: torch.Tensor | None = None
     gathered_this_step: bool = False
 
     @property
@@ -116,6 +119,15 @@ class DeviceGather:
         self.raw_bytes = 0
         # A testing hook: called with each received slot tensor (W x slot bytes) before decoding.
         self.fault_injector = None
+
+    def memory_bytes(self) -> int:
+        """Device memory this gather keeps: per shard the exponents last sent, one cache per other rank and
+        the step's payload."""
+        total = 0
+        for state in self._shards.values():
+            total += state.numel * self.world_size  # last_sent + (W − 1) caches
+            total += 0 if state.payload is None else state.payload.numel()
+        return total
 
     # ---- registration ------------------------------------------------------------------------------
 
@@ -230,6 +242,7 @@ class DeviceGather:
                 send[at : at + size] = self._repeat_payload(state)
             else:
                 send[at : at + size] = state.payload[:size]
+                state.last_sent.copy_(state.prepared_exp)
             state.gathered_this_step = True
             at += size
         recv = torch.empty(self.world_size * slot_bytes, dtype=torch.uint8, device=self.device)
@@ -294,7 +307,7 @@ class DeviceGather:
         bitmap = self._pack_bits(changed_blocks)
         payload[at : at + bitmap.numel()] = bitmap
         payload[state.fixed_bytes : state.fixed_bytes + numel] = area[:numel]
-        state.last_sent.copy_(exp)
+        state.prepared_exp = exp
         state.prepared_checksum = backend.checksum64_tensor(self._bytes(shard))
         return payload, state.fixed_bytes + count
 

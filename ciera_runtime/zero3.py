@@ -69,6 +69,7 @@ PHASES = ("forward", "recompute", "backward", "outside_fetch", "unused")
 
 _CONFIG_KEYS = {
     "enabled",
+    "device_gather",
     "part_bytes",
     "block_size",
     "detector",
@@ -218,6 +219,13 @@ class CieraZero3:
         self.routes: dict[int, ParamRoute] = {}
         self.decisions: list = []
         self.gathers: dict[int, Any] = {}  # id(process group) -> CompressedAllGather
+        # id(process group) -> DeviceGather, with 'device_gather': payloads prepared at each optimizer step
+        self.device_gathers: dict[int, Any] = {}
+        self._engine = None  # the DeepSpeed engine whose optimizer step the device gathers hook
+        self._restore: list[Callable[[], None]] = []  # undoes the step hooks (disable)
+        # Set by the optimizer step: the partitions change, so the next device gather prepares first
+        # (DeepSpeed re-gathers its persistent parameters inside the step, after the update).
+        self._stale_payloads = False
         self._coordinator = coordinator
         self._engine_of: dict[int, Any] = {}  # ds_id -> CompressedAllGather (CIERA params only)
         self._params: dict[int, Any] = {}  # ds_id -> parameter
@@ -314,6 +322,12 @@ class CieraZero3:
                 raw_bytes_equivalent=s.raw_bytes_equivalent,
             )
             host_s += s.host_s
+        for device in self.device_gathers.values():
+            ciera.update(
+                gathers=device.gathers, calls=device.gathers, rounds=device.gathers,
+                bytes_sent=device.bytes_sent, raw_bytes_equivalent=device.raw_bytes,
+            )  # fmt: skip
+            ciera.update(device_host_reads=device.host_reads)
         return {
             "ciera_gathers": ciera["gathers"],
             "ciera_raw_gathers": ciera["raw_gathers"],
@@ -336,7 +350,10 @@ class CieraZero3:
             "raw_bytes_equivalent": ciera["raw_bytes_equivalent"] + self._ds_bytes_sent,
             "compressed_params": sum(route.path == "ciera" for route in self.routes.values()),
             "deepspeed_params": sum(route.path == "deepspeed" for route in self.routes.values()),
-            "memory_bytes": sum(engine.memory_bytes() for engine in self.gathers.values()),
+            "memory_bytes": sum(engine.memory_bytes() for engine in self.gathers.values())
+            + sum(device.memory_bytes() for device in self.device_gathers.values()),
+            # The device gather's host reads of device data: one per prepare (sizes), one per check.
+            "ciera_device_host_reads": ciera["device_host_reads"],
         }
 
     def _count(self, params: Iterable, sync: bool) -> None:
@@ -384,6 +401,20 @@ class CieraZero3:
         jobs = []
         for group_params in by_engine.values():
             engine = self._engine_of[group_params[0].ds_id]
+            if id(engine) in {id(d) for d in self.device_gathers.values()}:
+                # The device path: one exact-size slot per call, no parts (nothing to pipeline on the host).
+                if self._stale_payloads:
+                    self.prepare_device_gathers()
+                shards = [param.ds_tensor.data for param in group_params]
+                outputs = [
+                    torch.empty(engine.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+                    for shard in shards
+                ]
+                handle = engine.all_gather([param.ds_id for param in group_params], shards, outputs)
+                job = _Job(group_params, handle, outputs)
+                self._pending.append(job)
+                jobs.append(job)
+                continue
             parts = _parts(group_params, self.part_bytes)
             self._pipelined_calls += len(parts) > 1
             for part in parts:
@@ -546,6 +577,51 @@ class CieraZero3:
         coordinator.fetch_sub_module = fetch_sub_module
         coordinator.reset_step = reset_step
 
+    # ------------------------------------------------------------------- the device gathers' step
+
+    def prepare_device_gathers(self) -> None:
+        """Encode every device-path partition as it is now: after each optimizer step, and after a checkpoint
+        was loaded (both hooked when an engine was given). Collective; one host read per group."""
+        self._stale_payloads = False
+        for device in self.device_gathers.values():
+            device.prepare(
+                {
+                    ds_id: self._params[ds_id].ds_tensor.data
+                    for ds_id, d in self._engine_of.items()
+                    if d is device
+                }
+            )
+
+    def check_device_gathers(self) -> None:
+        """Before the optimizer applies a step: the same GatherError on every rank if a device gather
+        since the last check did not rebuild exactly (docs/runtime.md, "The device gather")."""
+        for device in self.device_gathers.values():
+            device.check()
+
+    def _hook_engine(self, engine) -> None:
+        """Check before and prepare after the optimizer's step; prepare after load_checkpoint."""
+        optimizer = engine.optimizer
+        step, load = optimizer.step, engine.load_checkpoint
+
+        def checked_step(*args, **kwargs):
+            self.check_device_gathers()
+            self._stale_payloads = True
+            result = step(*args, **kwargs)
+            if self._stale_payloads:  # no gather inside the step prepared them
+                self.prepare_device_gathers()
+            return result
+
+        def load_checkpoint(*args, **kwargs):
+            self._stale_payloads = True  # a gather inside the load prepares first, as in the step
+            result = load(*args, **kwargs)
+            self.prepare_device_gathers()
+            return result
+
+        optimizer.step, engine.load_checkpoint = checked_step, load_checkpoint
+        self._restore.append(
+            lambda: (vars(optimizer).pop("step", None), vars(engine).pop("load_checkpoint", None))
+        )
+
     # ------------------------------------------------------------------- install / remove
 
     def _install(self, params: dict[int, Any]) -> None:
@@ -577,6 +653,9 @@ class CieraZero3:
                     delattr(self._coordinator, name)
         if getattr(self.module, "_ciera_zero3", None) is self:
             del self.module._ciera_zero3
+        for restore in self._restore:
+            restore()
+        self._restore.clear()
         self._active = False
 
 
@@ -614,7 +693,7 @@ def ciera_section(engine) -> dict:
     return dict(section)
 
 
-def _route_reason(param, zero_config) -> str | None:
+def _route_reason(param, zero_config, device_gather: bool = False) -> str | None:
     """Why a parameter stays on DeepSpeed's path (None: it can go through CIERA)."""
     import torch
     from deepspeed.runtime.zero.partition_parameters import get_allgather_dtype
@@ -626,8 +705,11 @@ def _route_reason(param, zero_config) -> str | None:
         return f"dtype {str(tensor.dtype).removeprefix('torch.')} (CIERA codes bf16/fp16)"
     if get_allgather_dtype(param, tensor) != tensor.dtype:
         return "communication dtype differs from the partition's"
-    if tensor.device.type != "cpu":
-        return f"partition on {tensor.device} (this build's codec works on CPU tensors)"
+    if tensor.device.type != "cpu" and not device_gather:
+        return (
+            f"partition on {tensor.device}: the host codec works on CPU tensors (the device gather, "
+            "'ciera': {'device_gather': true}, has not run on a GPU yet)"
+        )
     if getattr(param, "ds_zero_partition_world_size", 2) < 2:
         return "partition world size 1"
     if (
@@ -722,6 +804,7 @@ def enable_ciera(
     timeout_s: float | None = None,
     comm_profile=None,
     part_bytes: int | None = None,
+    device_gather: bool | None = None,
 ) -> CieraZero3:
     """Route the ZeRO-3 parameter all-gathers of ``engine_or_model`` (a DeepSpeedEngine after
     ``deepspeed.initialize``, or a module built under ``deepspeed.zero.Init``) through CIERA.
@@ -738,6 +821,11 @@ def enable_ciera(
     ``comm_profile``: a :class:`~ciera_runtime.selection.CommProfile` to use instead of measuring one.
     ``part_bytes`` (default DEFAULT_PART_BYTES, 1 MiB; 0: never): a coalesced call of at least twice this
     many raw bytes per rank travels as several pipelined buckets of about this size.
+    ``device_gather`` (default False): the partitions go through :class:`~ciera_runtime.device_gather.
+    DeviceGather` on their own device — payloads prepared at each optimizer step, no host read per gather,
+    changed exponents uncoded, every partition compressed (no selection) — for CUDA partitions, which the
+    host path leaves to DeepSpeed. Needs the engine (its optimizer step checks and prepares). It has run on
+    CPU (gloo), not yet on a GPU.
     """
     require_deepspeed()
     import torch.distributed as dist
@@ -758,7 +846,8 @@ def enable_ciera(
     if cache_budget_bytes is None:
         cache_budget_bytes = section.get("cache_budget_bytes")
     if select is None:
-        select = bool(section.get("select", True))
+        # The device path has no selection yet: it compresses every eligible partition.
+        select = bool(section.get("select", not (device_gather or section.get("device_gather", False))))
     if categories is None:
         categories = section.get("categories", {})
     if priors is None:
@@ -768,6 +857,17 @@ def enable_ciera(
     if part_bytes is None:
         part_bytes = section.get("part_bytes", DEFAULT_PART_BYTES)
     check_part_bytes(part_bytes)
+    if device_gather is None:
+        device_gather = section.get("device_gather", False)
+    if not isinstance(device_gather, bool):
+        raise ValueError(f"device_gather={device_gather!r}: expected true or false")
+    if device_gather and module is engine_or_model:
+        raise ValueError(
+            "enable_ciera: device_gather needs the DeepSpeed engine (its optimizer step is where the device "
+            "gather checks and prepares), not a bare module"
+        )
+    if device_gather and select:
+        raise ValueError("enable_ciera: device_gather compresses every eligible partition; set select false")
     q_by_category = dict(DEFAULT_PRIORS)
     for category, rate in dict(priors).items():
         if category not in DEFAULT_PRIORS:
@@ -795,7 +895,7 @@ def enable_ciera(
         category = categories.get(name) or category_from_name(name)
         if category not in DEFAULT_PRIORS:
             raise ValueError(f"categories['{name}'] = {category!r}: expected one of {list(CATEGORIES)}")
-        reason = _route_reason(param, zero_config)
+        reason = _route_reason(param, zero_config, device_gather)
         tensor = param.ds_tensor
         dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "none"
         routes[ds_id] = ParamRoute(
@@ -831,6 +931,9 @@ def enable_ciera(
     for key, members in by_group.items():
         group = group_of[key]
         world_size = dist.get_world_size(group)
+        if device_gather:
+            _enable_device_gather(integration, key, group, members, params, routes, config)
+            continue
         engine = CompressedAllGather(group, config, cache_budget_bytes, timeout_s)
         candidates = [ds_id for ds_id in members if routes[ds_id].path == "candidate"]
         # Same candidates everywhere before any collective of the selection (else: the same error on all).
@@ -865,6 +968,10 @@ def enable_ciera(
         )
         integration.gathers[key] = engine
     integration._install(params)
+    if device_gather:
+        integration._engine = engine_or_model
+        integration._hook_engine(engine_or_model)
+        integration.prepare_device_gathers()  # the payloads of the first step
     if rank0_log:
         compressed = [r for r in routes.values() if r.path == "ciera"]
         logger.info(
@@ -875,6 +982,32 @@ def enable_ciera(
             sum(r.partition_numel for r in routes.values()),
         )
     return integration
+
+
+def _enable_device_gather(integration, key, group, members, params, routes, config) -> None:
+    """Register one group's eligible partitions with a DeviceGather on their device."""
+    import torch.distributed as dist
+
+    from ciera_runtime.device_gather import DeviceGather
+
+    candidates = [ds_id for ds_id in members if routes[ds_id].path == "candidate"]
+    _agree(_describe(routes, members) + f"|device|{config.block_size}", group, dist.get_world_size(group))
+    if not candidates:
+        return
+    device = DeviceGather(params[candidates[0]].ds_tensor.device, group, block_size=config.block_size)
+    device.register({ds_id: params[ds_id].ds_tensor.data for ds_id in candidates})
+    for ds_id in candidates:
+        routes[ds_id].path, routes[ds_id].reason = "ciera", "device gather (changed exponents uncoded)"
+        integration._engine_of[ds_id] = device
+    integration.device_gathers[key] = device
+    if dist.get_rank() == 0:
+        logger.warning(
+            "ciera_runtime.zero3: device gather on %s for %d partitions: exact detector, changed exponents "
+            "uncoded (no device entropy stage), every eligible partition compressed (no selection); "
+            "codec settings other than block_size do not apply",
+            device.device,
+            len(candidates),
+        )
 
 
 def initialize(*args, **kwargs):

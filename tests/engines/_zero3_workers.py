@@ -409,3 +409,68 @@ def dying_rank_worker(rank: int, world_size: int, port: int, timeout_s: float, r
     results.close()
     results.join_thread()
     os._exit(0)  # the process group is broken: no orderly shutdown
+
+
+def device_train_worker(
+    rank: int, world_size: int, port: int, checkpoint_dir: str, steps: int, results
+) -> None:
+    """Plain ZeRO-3 and ZeRO-3 with the device gather ('ciera': {'device_gather': true}) on CPU partitions,
+    the path CUDA partitions take: the same losses and parameters; a checkpoint of the device-gather run
+    loaded into a fresh one that continues alike; a slot corrupted on one rank makes the next optimizer
+    step raise the same GatherError on every rank before anything is applied."""
+    from ciera_runtime.errors import GatherError
+    from ciera_runtime.zero3 import enable_ciera
+
+    init_worker(rank, world_size, port)
+    save_at = steps // 2
+    engine = make_engine(0)
+    plain_losses = [train_step(engine, step, rank) for step in range(steps)]
+    plain_params = full_params(engine)
+    del engine
+
+    engine = make_engine(0, {**ds_config(), "ciera": {"enabled": True, "device_gather": True}})
+    ciera = engine.ciera
+    losses = []
+    for step in range(steps):
+        losses.append(train_step(engine, step, rank))
+        if step + 1 == save_at:
+            engine.save_checkpoint(checkpoint_dir, tag="mid")
+    stats = ciera.stats()
+    params = full_params(engine)
+    routes = sorted({(route.path, route.reason) for route in ciera.routes.values()})
+
+    resumed_engine = make_engine(1)
+    resumed = enable_ciera(resumed_engine, device_gather=True)
+    resumed_engine.load_checkpoint(checkpoint_dir, tag="mid")
+    resumed_losses = [train_step(resumed_engine, step, rank) for step in range(save_at, steps)]
+    resumed_params = full_params(resumed_engine)
+    resumed.check_device_gathers()  # the checkpoint's own gathers left no flag behind
+
+    # A corrupted slot on rank 0 only: the step is refused on both ranks, the weights stay those before it.
+    device = next(iter(ciera.device_gathers.values()))
+    device.fault_injector = (
+        (lambda rows: rows[1 - rank].__setitem__(0, rows[1 - rank][0] ^ 1)) if rank == 0 else None
+    )
+    refused = None
+    try:
+        train_step(engine, steps, rank)
+    except GatherError as error:
+        refused = str(error).splitlines()[0]
+    device.fault_injector = None
+    after_refusal = full_params(engine)
+
+    finish(
+        results,
+        {
+            "rank": rank,
+            "plain_losses": plain_losses,
+            "losses": losses,
+            "resumed_losses": resumed_losses,
+            "params_vs_plain": sorted(n for n in params if params[n] != plain_params[n]),
+            "resumed_vs_uninterrupted": sorted(n for n in params if params[n] != resumed_params[n]),
+            "routes": routes,
+            "stats": stats,
+            "refused": refused,
+            "changed_by_refused_step": sorted(n for n in params if params[n] != after_refusal[n]),
+        },
+    )

@@ -325,3 +325,22 @@ def test_parts_cut_calls_alike_on_every_rank() -> None:
     assert len(_parts(many, 1024)) == MAX_PARTS
     lopsided = params(8192, 10, 10)  # a small remainder joins the last part
     assert sizes(_parts(lopsided, 4096)) == [16384 + 40]
+
+
+def test_the_device_gather_trains_bit_identical_and_refuses_a_corrupted_step(tmp_path) -> None:
+    """The device path (what CUDA partitions take) on CPU partitions: losses and parameters as plain
+    ZeRO-3, two host reads per step, a checkpoint resumed alike, a corrupted slot refused by every rank."""
+    steps = 8
+    ranks = _run(workers.device_train_worker, str(tmp_path), steps)
+    for result in ranks:
+        assert result["losses"] == result["plain_losses"], result["rank"]
+        assert result["params_vs_plain"] == [] and result["resumed_vs_uninterrupted"] == []
+        assert result["resumed_losses"] == result["losses"][steps // 2 :]
+        assert result["routes"] == [("ciera", "device gather (changed exponents uncoded)")]
+        stats = result["stats"]
+        assert stats["deepspeed_gathers"] == 0 and stats["ciera_gathers"] > 0
+        # One prepare at enable and after each step, one check before each step; nothing per gather.
+        assert stats["ciera_device_host_reads"] == 1 + 2 * steps
+        assert stats["ciera_bytes_sent"] < stats["ciera_raw_bytes_equivalent"]
+        assert result["refused"] is not None and "not applied" in result["refused"]
+        assert result["changed_by_refused_step"] == []

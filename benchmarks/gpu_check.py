@@ -10,21 +10,22 @@ timed next to a device-to-device copy of the same shard in the same run, ``*_vs_
 
 - ``kernels``: split (exponent plane + sign+mantissa plane), split + detect (the fused encode pass with
   the hash detector and the plane checksum), merge (with its checksum), checksum alone.
-- ``device_path``: what an uncoded gather does on the device per shard — sender: fused encode pass and
-  the changed blocks' exponents gathered; receiver: those scattered into its exponent cache and merged,
-  the checksum compared. Changed blocks are sent uncoded here (the entropy stage is separate, below).
+- ``device_path``: what the device gather (``ciera_runtime.device_gather.DevicePayloadCodec``) does per
+  shard — sender: the payload (planes, block bitmap, changed exponents compacted, checksums); receiver:
+  the rebuild from its cache and the checks — at a share q of blocks changed. Changed exponents travel
+  uncoded (the entropy stage is separate, below).
 - ``bit_exact``: the device's planes, change flags, hash cache, checksums and merged values against
   CpuBackend (numba) on the same inputs, BF16 and FP16, several block sizes, partial changes.
-- ``emulated_gather``: W ranks in one process, each encoding its shard on the device; every rank rebuilds
-  every other rank's shard from what was sent, bit for bit, over a few steps with changing exponents.
+- ``emulated_gather``: W ranks in one process, each with the device gather's state of one shard: every
+  rank rebuilds every other rank's part from its payload, bit for bit, over a few steps.
 - ``entropy``: the project's rANS (host, numba) on the changed exponents: stream size against the
   order-0 entropy and the uncoded size, and its throughput (the stage is not on the device yet).
-- ``host_syncs``: with CUDA, the fused encode and merge passes run under
-  ``torch.cuda.set_sync_debug_mode("error")``; the count of synchronising calls they made (0 expected).
-  gather/scatter of changed blocks read the number of changed values on the host by design.
+- ``host_syncs``: the device gather's steady path (a shard's payload, its repeat, its decode) and its
+  once-per-step encode: aten ops that read the host counted (any device), and with CUDA also run under
+  ``torch.cuda.set_sync_debug_mode("error")`` (0 expected in both).
 
-Not here yet (docs/runtime.md, "The GPU path"): payload assembly (codec.py) on the device, nvCOMP's ANS,
-and the NCCL gather; the 2-GPU NCCL run is reported as not built.
+Not here yet (docs/runtime.md, "The GPU path"): nvCOMP's ANS; the 2-GPU NCCL run of DeviceGather (the
+tests run it on CPU gloo ranks).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on s
 
 from ciera_runtime import kernels, rans  # noqa: E402
 from ciera_runtime.backend import CpuBackend  # noqa: E402
+from ciera_runtime.device_gather import DevicePayloadCodec, HostReadCounter  # noqa: E402
 from ciera_runtime.selection import perturb_blocks  # noqa: E402
 from ciera_runtime.torch_backend import TorchBackend  # noqa: E402
 
@@ -109,24 +111,6 @@ def fused_pass(
     )  # fmt: skip
 
 
-def encode_on_device(backend: TorchBackend, shard: DeviceShard, bits: torch.Tensor, force_all: bool):
-    """Sender: fused encode pass, then the changed blocks' exponents packed. Returns (checksum tensor,
-    changed block indices, their offsets in ``shard.packed``, values packed)."""
-    checksum = fused_pass(backend, shard, bits, force_all)
-    blocks = torch.nonzero(shard.changed).reshape(-1)
-    offsets = blocks * shard.block_size
-    backend.gather_blocks(shard.exp, blocks, offsets, shard.block_size, shard.packed)
-    return checksum, blocks, offsets
-
-
-def decode_on_device(backend: TorchBackend, receiver: DeviceShard, sender: DeviceShard, blocks, offsets):
-    """Receiver: the sent exponents scattered into its cache, merged with the sent sign+mantissa plane.
-    Returns the checksum of the plane it merged (compared with the sender's)."""
-    exp_shift, _, is_fp16 = LAYOUT[receiver.dtype]
-    backend.scatter_blocks(sender.packed, blocks, offsets, receiver.block_size, receiver.exp)
-    return backend.merge_planes_checked_tensor(receiver.exp, sender.sm, exp_shift, is_fp16, receiver.merged)
-
-
 def kernels_section(backend, device, numel, block_size, repeats, rng) -> dict:
     bits_host = weights_bits(numel, "bf16", rng)
     bits = torch.from_numpy(bits_host.view(np.int16)).to(device)
@@ -161,36 +145,40 @@ def kernels_section(backend, device, numel, block_size, repeats, rng) -> dict:
     return result
 
 
-def device_path_section(backend, device, numel, block_size, q, repeats, rng) -> dict:
-    """Per-shard sender + receiver work of an uncoded gather, at a share q of blocks changed."""
+def device_path_section(device, numel, block_size, q, repeats, rng) -> dict:
+    """Per shard, the device gather's sender and receiver work (ciera_runtime.device_gather's
+    DevicePayloadCodec, changed exponents uncoded) at a share q of blocks changed, against a copy."""
     base = weights_bits(numel, "bf16", rng)
     versions = [base]
     for _ in range(repeats + 2):
         versions.append(perturb_blocks(versions[-1], q, block_size, "bf16", rng))
-    tensors = [torch.from_numpy(v.view(np.int16)).to(device) for v in versions]
-    sender, receiver = (
-        DeviceShard(numel, "bf16", block_size, device),
-        DeviceShard(numel, "bf16", block_size, device),
-    )
-    checksum, blocks, offsets = encode_on_device(backend, sender, tensors[0], True)
-    decode_on_device(backend, receiver, sender, blocks, offsets)
+    tensors = [torch.from_numpy(v.view(np.int16)).to(device).view(torch.bfloat16) for v in versions]
+    codec = DevicePayloadCodec(device, block_size)
+    sender = codec.new_shard(0, 0, numel, torch.bfloat16, rank=0, world_size=2)
+    receiver = codec.new_shard(0, 0, numel, torch.bfloat16, rank=1, world_size=2)
+    out = torch.empty_like(tensors[0])
+    payload, _ = codec.encode(sender, tensors[0], True, 1, 0)
+    codec.commit(sender)
+    codec.decode(receiver, 0, payload, out, 1)
     copy_target = torch.empty_like(tensors[0])
-    encode_samples, decode_samples, copy_samples, exact = [], [], [], True
-    for version in tensors[1:]:
+    encode_samples, decode_samples, copy_samples, exact, sent = [], [], [], True, []
+    for generation, version in enumerate(tensors[1:], start=2):
         synchronize(device)
         start_s = time.perf_counter()
         copy_target.copy_(version)
         synchronize(device)
         copy_samples.append(time.perf_counter() - start_s)
         start_s = time.perf_counter()
-        checksum, blocks, offsets = encode_on_device(backend, sender, version, False)
+        payload, size = codec.encode(sender, version, False, generation, 0)
+        codec.commit(sender)
         synchronize(device)
         encode_samples.append(time.perf_counter() - start_s)
         start_s = time.perf_counter()
-        received = decode_on_device(backend, receiver, sender, blocks, offsets)
+        ok = codec.decode(receiver, 0, payload, out, generation)
         synchronize(device)
         decode_samples.append(time.perf_counter() - start_s)
-        exact &= bool(torch.equal(receiver.merged, version)) and bool(torch.equal(received, checksum))
+        exact &= bool(ok) and bool(torch.equal(out.view(torch.int16), version.view(torch.int16)))
+        sent.append(int(size))
     copy_s, encode_s, decode_s = min(copy_samples), min(encode_samples), min(decode_samples)
     shard_bytes = 2 * numel
     return {
@@ -204,6 +192,7 @@ def device_path_section(backend, device, numel, block_size, q, repeats, rng) -> 
         "decode_vs_copy": round(copy_s / decode_s, 3),
         "encode_us": round(encode_s * 1e6, 1),
         "decode_us": round(decode_s * 1e6, 1),
+        "payload_bytes_over_raw": round(float(np.median(sent)) / shard_bytes, 4),
     }
 
 
@@ -258,39 +247,33 @@ def bit_exact_section(backend, device, numel, rng) -> dict:
     return {"cases": cases, "numel": numel, "exact": not mismatches, "mismatches": mismatches}
 
 
-def emulated_gather_section(backend, device, numel, world, block_size, steps, rng) -> dict:
-    """W ranks in one process: each encodes its shard on the device; each rank rebuilds the others'."""
+def emulated_gather_section(device, numel, world, block_size, steps, rng) -> dict:
+    """W ranks in one process, each with the device gather's state of one shard: every rank encodes its
+    part, every rank rebuilds every other rank's from the payload, bit for bit, over a few steps."""
+    codec = DevicePayloadCodec(device, block_size)
     shards = [weights_bits(numel, "bf16", rng) for _ in range(world)]
-    senders = [DeviceShard(numel, "bf16", block_size, device) for _ in range(world)]
-    # receivers[r][s]: rank r's cache of rank s's shard
-    receivers = [[DeviceShard(numel, "bf16", block_size, device) for _ in range(world)] for _ in range(world)]
+    states = [codec.new_shard(0, 0, numel, torch.bfloat16, rank, world) for rank in range(world)]
+    out = torch.empty(numel, dtype=torch.bfloat16, device=device)
     rebuilt, wrong, sent_bytes, raw_bytes = 0, 0, 0, 0
     for step in range(steps):
         if step:
             shards = [perturb_blocks(bits, 0.3, block_size, "bf16", rng) for bits in shards]
-        sent = []
+        payloads = []
         for source in range(world):
-            bits = torch.from_numpy(shards[source].view(np.int16)).to(device)
-            checksum, blocks, offsets = encode_on_device(backend, senders[source], bits, step == 0)
-            sent.append((checksum, blocks, offsets))
-            # What an uncoded message carries: the sign+mantissa plane, the block bitmap, changed exponents.
-            bitmap_bytes = (senders[source].n_blocks + 7) // 8
-            sent_bytes += senders[source].sm.numel() + bitmap_bytes + min(numel, blocks.numel() * block_size)
+            values = torch.from_numpy(shards[source].view(np.int16)).to(device).view(torch.bfloat16)
+            payload, size = codec.encode(states[source], values, step == 0, step + 1, source)
+            codec.commit(states[source])
+            payloads.append(payload)
+            sent_bytes += int(size)
             raw_bytes += 2 * numel
         for rank in range(world):
             for source in range(world):
                 if source == rank:
                     continue
-                checksum, blocks, offsets = sent[source]
-                received = decode_on_device(
-                    backend, receivers[rank][source], senders[source], blocks, offsets
-                )
-                ok = torch.equal(
-                    receivers[rank][source].merged.cpu(), torch.from_numpy(shards[source].view(np.int16))
-                )
-                ok = ok and torch.equal(received, checksum)
+                ok = codec.decode(states[rank], source, payloads[source], out, step + 1)
+                expected = torch.from_numpy(shards[source].view(np.int16))
                 rebuilt += 1
-                wrong += not ok
+                wrong += not (bool(ok) and torch.equal(out.view(torch.int16).cpu(), expected))
     return {
         "world": world,
         "numel_per_rank": numel,
@@ -334,22 +317,35 @@ def _timed(function) -> float:
     return time.perf_counter() - start_s
 
 
-def host_syncs_section(backend, device, numel, block_size, rng) -> dict:
-    if device.type != "cuda":
-        return {"checked": False, "why": "no CUDA device: host syncs are a device notion"}
-    shard = DeviceShard(numel, "bf16", block_size, device)
-    bits = torch.from_numpy(weights_bits(numel, "bf16", rng).view(np.int16)).to(device)
-    exp_shift, exp_mask, _ = LAYOUT["bf16"]
+def host_syncs_section(device, numel, block_size, rng) -> dict:
+    """The device gather's steady path — a shard's slot payload and its decode — checked for host reads:
+    counted per aten op on any device (HostReadCounter), and with CUDA also run under
+    ``torch.cuda.set_sync_debug_mode("error")``. The encode (once per step, before its one size read) is
+    counted too."""
+    codec = DevicePayloadCodec(device, block_size)
+    sender = codec.new_shard(0, 0, numel, torch.bfloat16, rank=0, world_size=2)
+    receiver = codec.new_shard(0, 0, numel, torch.bfloat16, rank=1, world_size=2)
+    values = torch.from_numpy(weights_bits(numel, "bf16", rng).view(np.int16)).to(device).view(torch.bfloat16)
+    out = torch.empty_like(values)
+    payload, _ = codec.encode(sender, values, True, 1, 0)  # warm-up outside the checks
+    codec.commit(sender)
+    codec.decode(receiver, 0, payload, out, 1)
     steady = {
-        "encode_planes_hash_tensor": lambda: fused_pass(backend, shard, bits, False),  # fmt: skip
-        "merge_planes_checked_tensor": lambda: backend.merge_planes_checked_tensor(
-            shard.exp, shard.sm, exp_shift, False, shard.merged
-        ),
-        "checksum64_tensor": lambda: backend.checksum64_tensor(shard.sm),
+        "encode": lambda: codec.encode(sender, values, False, 2, 0),
+        "repeat_payload": lambda: codec.repeat_payload(sender),
+        "decode": lambda: codec.decode(receiver, 0, payload, out, 1),
     }
+    counted = {}
+    for name, call in steady.items():
+        with HostReadCounter() as counter:
+            call()
+        counted[name] = sum(counter.counts.values())
+    result = {"checked": True, "host_reads_per_aten_op": counted, "total": sum(counted.values())}
+    if device.type != "cuda":
+        result["sync_debug_mode"] = "not run: no CUDA device"
+        return result
     syncs = {}
     for name, call in steady.items():
-        call()  # warm-up outside the check (allocator, kernels)
         torch.cuda.synchronize(device)
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -360,11 +356,9 @@ def host_syncs_section(backend, device, numel, block_size, rng) -> dict:
             syncs[f"{name}_error"] = str(error).splitlines()[0]
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return {
-        "checked": True,
-        "syncs": syncs,
-        "total": sum(v for k, v in syncs.items() if not k.endswith("_error")),
-    }
+    result["sync_debug_mode"] = syncs
+    result["total"] += sum(v for k, v in syncs.items() if not k.endswith("_error"))
+    return result
 
 
 def environment(device: torch.device) -> dict:
@@ -378,7 +372,9 @@ def environment(device: torch.device) -> dict:
             "nccl": ".".join(map(str, torch.cuda.nccl.version())),
             "gpus": torch.cuda.device_count(),
         }
-    info["nccl_gather"] = "not built (docs/runtime.md, 'The GPU path')"
+    info["nccl_gather"] = (
+        "ciera_runtime.device_gather.DeviceGather (a 2-process NCCL run needs 2 GPUs: not run by this script)"
+    )
     return info
 
 
@@ -411,15 +407,13 @@ def main() -> None:
         "schema": "ciera.bench.gpu_check/1",
         "environment": environment(device),
         "kernels": kernels_section(backend, device, args.numel, args.block_size, args.repeats, rng),
-        "device_path": device_path_section(
-            backend, device, args.numel, args.block_size, args.q, args.repeats, rng
-        ),
+        "device_path": device_path_section(device, args.numel, args.block_size, args.q, args.repeats, rng),
         "bit_exact": bit_exact_section(backend, device, args.check_numel, rng),
         "emulated_gather": emulated_gather_section(
-            backend, device, args.check_numel, args.world, args.block_size, 3, rng
+            device, args.check_numel, args.world, args.block_size, 3, rng
         ),
         "entropy": entropy_section(args.numel, args.block_size, args.q, args.repeats, rng),
-        "host_syncs": host_syncs_section(backend, device, args.numel, args.block_size, rng),
+        "host_syncs": host_syncs_section(device, args.numel, args.block_size, rng),
     }
     result["wall_s"] = round(time.perf_counter() - start_s, 1)
     emit_json(result, args.json)

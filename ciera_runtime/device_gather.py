@@ -29,11 +29,13 @@ here yet; this module is the device gather they will call.
 
 from __future__ import annotations
 
+import collections
 import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ciera_runtime import kernels
 from ciera_runtime.allgather import _all_gather_single
@@ -100,14 +102,12 @@ class DeviceGather:
     ``group``."""
 
     def __init__(self, device: str | torch.device, group=None, block_size: int = 64) -> None:
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size={block_size!r}: expected a power of two")
         self.device = torch.device(device)
         self.group = group
         self.block_size = block_size
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.backend = TorchBackend(self.device)
+        self.codec = DevicePayloadCodec(self.device, block_size)  # checks block_size
         self._shards: dict[int, _Shard] = {}
         self._slot_bytes: list[int] = []  # per registered shard: this step's agreed payload size (host)
         self._generation = 0
@@ -155,19 +155,8 @@ class DeviceGather:
             )
         for index, shard_id in enumerate(sorted(shards)):
             tensor = shards[shard_id]
-            numel = tensor.numel()
-            caches = [
-                None if source == self.rank else torch.zeros(numel, dtype=torch.uint8, device=self.device)
-                for source in range(self.world_size)
-            ]
-            self._shards[shard_id] = _Shard(
-                shard_id=shard_id,
-                index=index,
-                numel=numel,
-                dtype=tensor.dtype,
-                last_sent=torch.zeros(numel, dtype=torch.uint8, device=self.device),
-                caches=caches,
-                block_size=self.block_size,
+            self._shards[shard_id] = self.codec.new_shard(
+                shard_id, index, tensor.numel(), tensor.dtype, self.rank, self.world_size
             )
         self._full_next = True
 
@@ -181,7 +170,7 @@ class DeviceGather:
         self._generation += 1
         sizes = torch.zeros(len(self._shards), dtype=torch.int64, device=self.device)
         for shard_id, state in self._shards.items():
-            state.payload, size = self._encode(state, shards[shard_id], self._full_next)
+            _, size = self.codec.encode(state, shards[shard_id], self._full_next, self._generation, self.rank)
             sizes[state.index] = size
             state.gathered_this_step = False
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
@@ -229,7 +218,7 @@ class DeviceGather:
                 )
             # The others rebuild what prepare() encoded: a shard changed since (a checkpoint loaded, a
             # manual edit) would leave ranks with different weights. Checked on the device: the flag.
-            changed = self.backend.checksum64_tensor(self._bytes(shard)) != state.prepared_checksum
+            changed = self.codec.values_checksum(shard) != state.prepared_checksum
             self._failed |= changed.to(torch.int64)
         sizes = []
         for state in states:
@@ -239,10 +228,10 @@ class DeviceGather:
         at = 0
         for state, size in zip(states, sizes, strict=True):
             if state.gathered_this_step:
-                send[at : at + size] = self._repeat_payload(state)
+                send[at : at + size] = self.codec.repeat_payload(state)
             else:
                 send[at : at + size] = state.payload[:size]
-                state.last_sent.copy_(state.prepared_exp)
+                self.codec.commit(state)
             state.gathered_this_step = True
             at += size
         recv = torch.empty(self.world_size * slot_bytes, dtype=torch.uint8, device=self.device)
@@ -268,17 +257,53 @@ class DeviceGather:
             for source in range(self.world_size):
                 if source != self.rank:
                     payload = rows[source, at : at + sizes[index]]
-                    self._decode(state, source, payload, flat[source * numel : (source + 1) * numel])
+                    out = flat[source * numel : (source + 1) * numel]
+                    ok = self.codec.decode(state, source, payload, out, self._generation)
+                    self._failed |= (~ok).to(torch.int64)
             results.append(result)
         return results
 
-    # ---- the codec, in tensor ops with static shapes -----------------------------------------------
+
+class DevicePayloadCodec:
+    """The device payload of one shard, in tensor ops with static shapes (no host read): encode against the
+    exponents the receivers hold, decode against a receiver's cache. No process group: DeviceGather runs
+    it between ranks, benchmarks/gpu_check.py between emulated ranks in one process."""
+
+    def __init__(self, device: str | torch.device, block_size: int = 64) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size={block_size!r}: expected a power of two")
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.backend = TorchBackend(self.device)
+
+    def new_shard(
+        self, shard_id: int, index: int, numel: int, dtype: torch.dtype, rank: int, world_size: int
+    ) -> _Shard:
+        """The state of one shard on ``rank``: nothing sent yet, an empty cache per other rank."""
+        if dtype not in _EXP_LAYOUT:
+            raise ValueError(f"shard {shard_id} has dtype {dtype}: expected bfloat16 or float16")
+        caches = [
+            None if source == rank else torch.zeros(numel, dtype=torch.uint8, device=self.device)
+            for source in range(world_size)
+        ]
+        return _Shard(
+            shard_id=shard_id,
+            index=index,
+            numel=numel,
+            dtype=dtype,
+            last_sent=torch.zeros(numel, dtype=torch.uint8, device=self.device),
+            caches=caches,
+            block_size=self.block_size,
+        )
 
     def _changed_values(self, changed_blocks: torch.Tensor, numel: int) -> torch.Tensor:
         return changed_blocks.repeat_interleave(self.block_size)[:numel]
 
-    def _encode(self, state: _Shard, shard: torch.Tensor, full: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's payload of ``state`` (at its largest size, zero-padded) and its size (0-d)."""
+    def encode(
+        self, state: _Shard, shard: torch.Tensor, full: bool, generation: int, rank: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``shard``'s payload (at its largest size, zero-padded) against what ``state``'s receivers hold,
+        and its size (0-d); every block when ``full``. It becomes their state only on :meth:`commit`."""
         backend, numel = self.backend, state.numel
         shift, mask = _EXP_LAYOUT[state.dtype]
         patterns = shard.detach().reshape(-1).view(torch.int16).to(torch.int32) & 0xFFFF
@@ -295,27 +320,32 @@ class DeviceGather:
         sign_mantissa = backend._sign_mantissa(patterns, state.is_fp16)
         payload = torch.zeros(state.fixed_bytes + _align8(numel), dtype=torch.uint8, device=self.device)
         header = payload[:_HEADER_BYTES].view(torch.int64)
-        header[0] = self._generation
+        header[0] = generation
         header[1] = count
         header[2] = backend.checksum64_tensor(sign_mantissa)
         header[3] = backend.checksum64_tensor(exp)
         header[4] = state.shard_id
-        header[5] = self.rank
+        header[5] = rank
         at = _HEADER_BYTES
         payload[at : at + sign_mantissa.numel()] = sign_mantissa
         at += _align8(state.sign_mantissa_bytes)
         bitmap = self._pack_bits(changed_blocks)
         payload[at : at + bitmap.numel()] = bitmap
         payload[state.fixed_bytes : state.fixed_bytes + numel] = area[:numel]
-        state.prepared_exp = exp
-        state.prepared_checksum = backend.checksum64_tensor(self._bytes(shard))
+        state.payload, state.prepared_exp = payload, exp
+        state.prepared_checksum = self.values_checksum(shard)
         return payload, state.fixed_bytes + count
 
-    @staticmethod
-    def _bytes(shard: torch.Tensor) -> torch.Tensor:
-        return shard.detach().reshape(-1).view(torch.uint8)
+    def values_checksum(self, shard: torch.Tensor) -> torch.Tensor:
+        """checksum64 of the shard's bytes (0-d, no host read)."""
+        return self.backend.checksum64_tensor(shard.detach().reshape(-1).view(torch.uint8))
 
-    def _repeat_payload(self, state: _Shard) -> torch.Tensor:
+    @staticmethod
+    def commit(state: _Shard) -> None:
+        """The prepared payload was sent: its exponents are now what the receivers hold."""
+        state.last_sent.copy_(state.prepared_exp)
+
+    def repeat_payload(self, state: _Shard) -> torch.Tensor:
         """The payload of a later gather in the same step: no changed block (the bitmap zeroed)."""
         repeat = state.payload[: state.fixed_bytes].clone()
         repeat[:_HEADER_BYTES].view(torch.int64)[1] = 0
@@ -333,9 +363,12 @@ class DeviceGather:
         shifts = torch.arange(8, dtype=torch.int32, device=self.device)
         return ((packed.to(torch.int32).unsqueeze(1) >> shifts) & 1).reshape(-1)[:count].to(torch.bool)
 
-    def _decode(self, state: _Shard, source: int, payload: torch.Tensor, out: torch.Tensor) -> None:
-        """Rebuild ``source``'s part into ``out``; on any mismatch raise the device flag and keep the
-        source's cache as it was."""
+    def decode(
+        self, state: _Shard, source: int, payload: torch.Tensor, out: torch.Tensor, generation: int
+    ) -> torch.Tensor:
+        """Rebuild ``source``'s part of ``state`` from ``payload`` into ``out``; returns whether it is exact
+        (a 0-d bool, no host read). On a mismatch the source's cache stays as it was (``out`` is then
+        not to be used)."""
         backend, numel = self.backend, state.numel
         shift, _ = _EXP_LAYOUT[state.dtype]
         header = payload[:_HEADER_BYTES].view(torch.int64)
@@ -356,7 +389,7 @@ class DeviceGather:
         rebuilt = torch.where(changed, gathered, cache)
         checksum_sm = backend.merge_planes_checked_tensor(rebuilt, sign_mantissa, shift, state.is_fp16, out)
         ok = (
-            (header[0] == self._generation)
+            (header[0] == generation)
             & (header[4] == state.shard_id)
             & (header[5] == source)
             & (header[1] == count)
@@ -365,7 +398,7 @@ class DeviceGather:
             & (backend.checksum64_tensor(rebuilt) == header[3])
         )
         cache.copy_(torch.where(ok, rebuilt, cache))
-        self._failed |= (~ok).to(torch.int64)
+        return ok
 
 
 class DeviceGatherHandle:
@@ -381,3 +414,42 @@ class DeviceGatherHandle:
                 self._recv, self._states, self._sizes, self._shards, self._outputs
             )
         return self._results
+
+
+# aten ops that read device data on the host (a stream sync on a GPU): a scalar read (`.item()`, bool(),
+# int()), a shape that depends on values (nonzero, boolean-mask indexing, unique, repeat_interleave by
+# a tensor), a comparison returning a Python bool.
+SYNCING_OPS = {
+    "aten._local_scalar_dense",
+    "aten.nonzero",
+    "aten.masked_select",
+    "aten.unique",
+    "aten._unique",
+    "aten._unique2",
+    "aten.unique_consecutive",
+    "aten.equal",
+    "aten.is_nonzero",
+    "aten.allclose",
+}
+
+
+class HostReadCounter(TorchDispatchMode):
+    """Counts, per op, the aten ops run under it that would make a GPU stream wait for the host: a check
+    that runs on CPU (``with HostReadCounter() as counter: ...; counter.counts``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.replace("::", ".")  # e.g. aten.index; str(func) adds the overload
+        if name in SYNCING_OPS:
+            self.counts[name] += 1
+        elif name in ("aten.index", "aten.index_put", "aten.index_put_") and any(
+            isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in (args[1] or [])
+        ):
+            self.counts[f"{name}(bool mask)"] += 1
+        elif str(func) == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None:
+            self.counts["aten.repeat_interleave(tensor repeats)"] += 1
+        return func(*args, **kwargs)

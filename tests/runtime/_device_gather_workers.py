@@ -9,45 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from _dist_workers import init_gloo
-from torch.utils._python_dispatch import TorchDispatchMode
 
-# aten ops that read device data on the host (a stream sync on a GPU): a scalar read (`.item()`, bool(),
-# int()), a shape that depends on values (nonzero, boolean-mask indexing, unique, repeat_interleave by
-# a tensor), a comparison returning a Python bool.
-SYNCING_OPS = {
-    "aten._local_scalar_dense",
-    "aten.nonzero",
-    "aten.masked_select",
-    "aten.unique",
-    "aten._unique",
-    "aten._unique2",
-    "aten.unique_consecutive",
-    "aten.equal",
-    "aten.is_nonzero",
-    "aten.allclose",
-}
-
-
-class HostReadCounter(TorchDispatchMode):
-    """Counts the aten ops that would make a GPU stream wait for the host, run under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name.replace("::", ".")  # e.g. aten.index; str(func) adds the overload
-        if name in SYNCING_OPS:
-            self.counts[name] += 1
-        elif name in ("aten.index", "aten.index_put", "aten.index_put_") and any(
-            isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in (args[1] or [])
-        ):
-            self.counts[f"{name}(bool mask)"] += 1
-        elif str(func) == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None:
-            self.counts["aten.repeat_interleave(tensor repeats)"] += 1
-        return func(*args, **kwargs)
-
+from ciera_runtime.device_gather import HostReadCounter
 
 SHAPES = {0: (5000, torch.bfloat16), 1: (1537, torch.float16), 2: (0, torch.bfloat16), 3: (7, torch.float16)}
 STEPS = 8

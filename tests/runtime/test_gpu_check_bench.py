@@ -50,6 +50,9 @@ def test_tiny_cpu_run_is_exact_and_says_it_is_not_a_gpu(tmp_path: Path) -> None:
     assert result["device_path"]["exact"] is True
     assert result["entropy"]["exact"] is True
     assert result["entropy"]["rans_bytes"] < result["entropy"]["uncoded_bytes"]
-    assert result["host_syncs"]["checked"] is False
+    syncs = result["host_syncs"]
+    assert syncs["checked"] is True and syncs["total"] == 0, syncs
+    assert set(syncs["host_reads_per_aten_op"]) == {"encode", "repeat_payload", "decode"}
+    assert 0.5 < result["device_path"]["payload_bytes_over_raw"] < 1.0
     for name in ("split", "split_detect", "merge", "checksum"):
         assert result["kernels"][f"{name}_GBps"] > 0

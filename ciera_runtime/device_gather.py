@@ -253,7 +253,9 @@ class DeviceGather:
             if result is None:
                 result = torch.empty(self.world_size * numel, dtype=state.dtype, device=self.device)
             flat = result.view(-1)
-            flat[self.rank * numel : (self.rank + 1) * numel] = shards[index].reshape(-1)
+            own = flat[self.rank * numel : (self.rank + 1) * numel]
+            if own.data_ptr() != shards[index].data_ptr():  # FSDP2 hands the input inside the output
+                own.copy_(shards[index].reshape(-1))
             for source in range(self.world_size):
                 if source != self.rank:
                     payload = rows[source, at : at + sizes[index]]

@@ -45,6 +45,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from ciera_runtime.allgather import CompressedAllGather
 from ciera_runtime.bucket import DEFAULT_PART_BYTES, MAX_PARTS, check_part_bytes
 from ciera_runtime.codec import CodecConfig
-from ciera_runtime.errors import SelectionMismatchError
+from ciera_runtime.errors import GatherError, SelectionMismatchError
 from ciera_runtime.selection import CommProfile, Decision, ShardInfo, select_for_group
 from ciera_runtime.zero3 import CATEGORIES, DEFAULT_PRIORS, PRIOR_SOURCE, _agree, category_from_name
 
@@ -263,6 +264,12 @@ class CieraFSDP2:
         # history[i]: {module: gathers} of iteration i (iterations start at each root forward).
         self.history: list[dict[str, int]] = []
         self._current: Counter = Counter()
+        # The device path (enable_ciera(device_gather=True)): one DeviceGather per process group over the
+        # modules' all-gather inputs, prepared lazily at the first gather after each optimizer step.
+        self.device_gather = False
+        self.device_gathers: dict[dist.ProcessGroup, Any] = {}
+        self._device_comms: list[CieraAllGather] = []
+        self._stale_payloads = True
         # Built now so a bad configuration fails here, not at the first gather.
         CompressedAllGather(None, self.config, cache_budget_bytes, timeout_s)
 
@@ -301,6 +308,8 @@ class CieraFSDP2:
         self._current[stats.module] += 1
         raw_bytes = input_tensor.numel() * input_tensor.element_size()
         stats.raw_bytes += raw_bytes
+        if self.device_gather and input_tensor.dtype in _COMPRESSIBLE:
+            return self._device_gather(comm, output, input_tensor, group, async_op)
         if comm.selected is False or input_tensor.dtype not in _COMPRESSIBLE or output.device.type != "cpu":
             return self._plain(comm, output, input_tensor, group, async_op, raw_bytes)
         engine = self.engine_for(group)
@@ -347,6 +356,69 @@ class CieraFSDP2:
             finish()
             return None
         return _CieraWork(finish)
+
+    # ----------------------------------------------------------------- the device path
+
+    def prepare_device_gathers(self) -> None:
+        """Encode every module's all-gather input as it is now (FSDP2's own copy-in of its sharded
+        parameters, cast to the all-gather dtype): done at the first gather after each optimizer step, and
+        registered with the first. Collective (every rank reaches its first gather at the same module)."""
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_param_all_gather_inputs
+
+        from ciera_runtime.device_gather import DeviceGather
+
+        inputs: dict[dist.ProcessGroup, dict[int, torch.Tensor]] = {}
+        for comm in self._device_comms:
+            param_group = comm._param_group
+            pieces = [
+                t.reshape(-1) for ts in _get_param_all_gather_inputs(param_group.fsdp_params) for t in ts
+            ]
+            flat = torch.cat(pieces) if len({t.dtype for t in pieces}) == 1 else None
+            if flat is None or flat.dtype not in _COMPRESSIBLE:
+                continue  # its gathers go the plain way (FP32 or mixed dtypes), as on the host path
+            group = param_group.mesh_info.shard_process_group
+            inputs.setdefault(group, {})[comm.stats.shard_id] = flat
+        for group, shards in inputs.items():
+            device = self.device_gathers.get(group)
+            if device is None:
+                device = DeviceGather(next(iter(shards.values())).device, group, self.config.block_size)
+                device.register(shards)
+                self.device_gathers[group] = device
+            device.prepare(shards)
+        self._stale_payloads = False
+
+    def check_device_gathers(self) -> None:
+        """Before the optimizer applies a step: the same GatherError on every rank if a device gather since
+        the last check did not rebuild exactly."""
+        try:
+            for device in self.device_gathers.values():
+                device.check()
+        except GatherError:
+            self._stale_payloads = True  # a retried step re-encodes, in full
+            raise
+
+    def _device_gather(self, comm: CieraAllGather, output, input_tensor, group, async_op: bool):
+        stats = comm.stats
+        if self._stale_payloads:
+            self.prepare_device_gathers()
+        device = self.device_gathers.get(group)
+        if device is None or stats.shard_id not in device._shards:
+            if stats.compressed is None:
+                stats.compressed = False
+                stats.reason = "device gather: its all-gather inputs mix dtypes"
+            return self._plain(comm, output, input_tensor, group, async_op, input_tensor.numel() * 2)
+        if stats.compressed is None:
+            stats.compressed, stats.reason = True, "device gather (changed exponents uncoded)"
+            stats.dtype, stats.numel = str(input_tensor.dtype).removeprefix("torch."), input_tensor.numel()
+        start_s = time.perf_counter()
+        sent_before = device.bytes_sent
+        handle = device.all_gather([stats.shard_id], [input_tensor], [output])
+        stats.wire_bytes += device.bytes_sent - sent_before
+        stats.time_s += time.perf_counter() - start_s
+        if not async_op:
+            handle.wait()
+            return None
+        return _CieraWork(handle.wait)
 
     def _plain(self, comm: CieraAllGather, output, input_tensor, group, async_op, raw_bytes):
         stats = comm.stats
@@ -418,6 +490,18 @@ class CieraFSDP2:
                 }
                 for engine in self.engines.values()
             ],
+            # The device path: per process group, its gathers and host reads (one per prepare and check).
+            "device_gathers": [
+                {
+                    "world_size": d.world_size,
+                    "gathers": d.gathers,
+                    "host_reads": d.host_reads,
+                    "bytes_sent": d.bytes_sent,
+                    "raw_bytes": d.raw_bytes,
+                    "memory_bytes": d.memory_bytes(),
+                }
+                for d in self.device_gathers.values()
+            ],  # fmt: skip
         }
 
 
@@ -561,6 +645,8 @@ def enable_ciera(
     categories: Mapping[str, str] | None = None,
     priors: Mapping[str, float] | None = None,
     part_bytes: int = DEFAULT_PART_BYTES,
+    device_gather: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> CieraFSDP2:
     """Install the CIERA all-gather on every FSDP2 module of ``model`` (the root and every
     ``fully_shard``-ed submodule). Call after ``fully_shard`` and before the first forward, on every rank,
@@ -582,6 +668,13 @@ def enable_ciera(
 
     ``part_bytes`` (default 1 MiB; 0: never): a group's flat shard of at least twice this many bytes per
     rank travels as up to 8 pipelined buckets, contiguous ranges of it (docs/fsdp2.md).
+
+    ``device_gather`` (with ``optimizer``, the one that steps the model): every BF16/FP16 module gathers
+    through :class:`~ciera_runtime.device_gather.DeviceGather` on its own device — the path for CUDA
+    parameters, which the host path leaves to the plain all-gather: the inputs encoded at the first
+    gather after each optimizer step, no host read per gather, changed exponents uncoded, no selection;
+    the optimizer's step pre-hook raises the same GatherError on every rank if a gather failed. Run on
+    CPU (gloo), not yet on a GPU.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -606,6 +699,13 @@ def enable_ciera(
     if unknown:
         raise ValueError(f"categories: {unknown[0]!r} is not a parameter of the model")
     check_part_bytes(part_bytes)
+    if device_gather and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            "enable_ciera(device_gather=True) needs optimizer=<the torch.optim.Optimizer that steps the model>: "
+            "its step checks the gathers before and marks the payloads stale after"
+        )
+    if device_gather and select:
+        raise ValueError("enable_ciera: device_gather compresses every BF16/FP16 module; use select=False")
     ciera = CieraFSDP2(config, cache_budget_bytes, timeout_s, select, part_bytes)
     comms: list[tuple[FSDPModule, CieraAllGather]] = []
     for name, module in found:
@@ -642,6 +742,19 @@ def enable_ciera(
         module.set_custom_all_gather(comm)
     if select:
         _log_selection(ciera, q_by_category, priors)
+    if device_gather:
+        ciera.device_gather = True
+        ciera._device_comms = [comm for _, comm in comms]
+        ciera._hooks = [
+            optimizer.register_step_pre_hook(lambda *_: ciera.check_device_gathers()),
+            optimizer.register_step_post_hook(lambda *_: setattr(ciera, "_stale_payloads", True)),
+        ]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning(
+                "ciera_runtime.fsdp2: device gather for %d modules: exact detector, changed exponents uncoded "
+                "(no device entropy stage), no selection",
+                len(comms),
+            )
     # An iteration starts at each forward of the model (before FSDP2's own root pre-forward hook).
     model.register_forward_pre_hook(ciera._start_iteration, prepend=True)
     model._ciera_fsdp2 = ciera

@@ -595,8 +595,14 @@ class CieraZero3:
     def check_device_gathers(self) -> None:
         """Before the optimizer applies a step: the same GatherError on every rank if a device gather
         since the last check did not rebuild exactly (docs/runtime.md, "The device gather")."""
-        for device in self.device_gathers.values():
-            device.check()
+        from ciera_runtime.errors import GatherError
+
+        try:
+            for device in self.device_gathers.values():
+                device.check()
+        except GatherError:
+            self._stale_payloads = True  # a retried step re-encodes, in full
+            raise
 
     def _hook_engine(self, engine) -> None:
         """Check before and prepare after the optimizer's step; prepare after load_checkpoint."""

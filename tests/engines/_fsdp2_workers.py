@@ -521,3 +521,51 @@ def select_worker(rank: int, world_size: int, port: int, result_queue) -> None:
         ciera_logger.removeHandler(handler)
         result_queue.put(out)
         dist.destroy_process_group()
+
+
+def device_gather_worker(rank: int, world_size: int, port: int, result_queue) -> None:
+    """Plain FSDP2 and FSDP2 with the device gather (the path CUDA parameters take) on CPU: the same losses
+    and parameters, host reads counted; a received slot corrupted on one rank makes the next
+    optimizer.step() raise the same GatherError on every rank before anything is applied."""
+    from ciera_runtime import GatherError
+    from ciera_runtime.fsdp2 import enable_ciera
+
+    init_gloo(rank, world_size, port)
+    out: dict = {"rank": rank}
+    try:
+        steps = 6
+        model, optimizer = build()
+        plain_losses = [train_step(model, optimizer, step, rank) for step in range(steps)]
+        plain_params = full_params(model)
+        plain_next = train_step(model, optimizer, steps, rank)
+        plain_after_next = full_params(model)
+        del model, optimizer
+
+        model, optimizer = build()
+        ciera = enable_ciera(model, device_gather=True, optimizer=optimizer)
+        out["losses_equal"] = [
+            train_step(model, optimizer, step, rank) for step in range(steps)
+        ] == plain_losses
+        out["params_equal"] = same_bits(plain_params, full_params(model))
+        out["stats"] = ciera.stats()
+        out["reasons"] = sorted({m["reason"] for m in out["stats"]["modules"].values()})
+
+        before = full_params(model)
+        device = next(iter(ciera.device_gathers.values()))
+        if rank == 0:
+            device.fault_injector = lambda rows: rows[1].__setitem__(0, rows[1][0] ^ 1)
+        try:
+            train_step(model, optimizer, steps, rank)
+            out["refused"] = None
+        except GatherError as error:
+            out["refused"] = str(error).splitlines()[0]
+        device.fault_injector = None
+        out["unchanged_by_refused_step"] = same_bits(before, full_params(model))
+        # The same step again, as a caller that catches the error would: exact, as plain FSDP2's.
+        optimizer.zero_grad()
+        model.reset_iter_state()
+        out["retried_step_equal"] = train_step(model, optimizer, steps, rank) == plain_next
+        out["params_after_retry_equal"] = same_bits(plain_after_next, full_params(model))
+    finally:
+        result_queue.put(out)
+        dist.destroy_process_group()

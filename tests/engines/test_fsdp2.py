@@ -16,6 +16,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from _fsdp2_workers import (  # noqa: E402
     STEPS,
+    device_gather_worker,
     dying_rank_worker,
     subgroup_reshard_worker,
     training_worker,
@@ -193,3 +194,20 @@ def test_a_model_without_fully_shard_is_a_one_line_error() -> None:
     assert "\n" not in message and "no FSDP2 module" in message and "fully_shard" in message
     with pytest.raises(TypeError, match="expected a torch.nn.Module"):
         enable_ciera("model")
+
+
+def test_the_device_gather_trains_bit_identical_and_refuses_a_corrupted_step() -> None:
+    """The device path (what CUDA parameters take) on CPU: losses and parameters as plain FSDP2, two host
+    reads per step and none per gather, a corrupted slot refused by every rank at optimizer.step()."""
+    results = _run(device_gather_worker, 2)
+    for result in results:
+        assert result["losses_equal"] is True, result["rank"]
+        assert all(result["params_equal"].values()), result["params_equal"]
+        assert result["reasons"] == ["device gather (changed exponents uncoded)"]
+        (device,) = result["stats"]["device_gathers"]
+        # A prepare at the first gather after each step (6, the first one registering) and a check per step.
+        assert device["host_reads"] == 2 * 6 and device["gathers"] == result["stats"]["gathers"]
+        assert device["bytes_sent"] < device["raw_bytes"]
+        assert result["refused"] is not None and "not applied" in result["refused"]
+        assert all(result["unchanged_by_refused_step"].values())
+        assert result["retried_step_equal"] is True and all(result["params_after_retry_equal"].values())

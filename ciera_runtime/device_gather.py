@@ -30,6 +30,7 @@ here yet; this module is the device gather they will call.
 from __future__ import annotations
 
 import collections
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -55,6 +56,19 @@ _EXP_LAYOUT = {
 
 def _align8(n: int) -> int:
     return (n + 7) & ~7
+
+
+@dataclass
+class DeviceGatherStats:
+    """What one DeviceGather did on this rank (names as CompressedAllGather.stats where they mean the same)."""
+
+    gathers: int = 0  # all_gather calls (one collective each)
+    bytes_sent: int = 0  # this rank's slots
+    raw_bytes_equivalent: int = 0  # what the plain all-gather would have sent for the same shards
+    host_reads: int = 0  # host reads of device data: one per prepare (the sizes), one per check (the flag)
+    host_s: float = (
+        0.0  # time in prepare, all_gather and wait on the calling thread, the wait itself left out
+    )
 
 
 @dataclass
@@ -113,10 +127,7 @@ class DeviceGather:
         self._generation = 0
         self._full_next = True  # the next prepare sends every block (start, or after a failure)
         self._failed = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.host_reads = 0  # host reads of device data (the size read per prepare, the flag per check)
-        self.gathers = 0
-        self.bytes_sent = 0
-        self.raw_bytes = 0
+        self.stats = DeviceGatherStats()
         # A testing hook: called with each received slot tensor (W x slot bytes) before decoding.
         self.fault_injector = None
 
@@ -167,6 +178,7 @@ class DeviceGather:
         first gather) and agree the payload sizes: one all-reduce, one host read."""
         if set(shards) != set(self._shards):
             raise ValueError("prepare: expected a tensor for every registered shard, and no other")
+        start_s = time.perf_counter()
         self._generation += 1
         sizes = torch.zeros(len(self._shards), dtype=torch.int64, device=self.device)
         for shard_id, state in self._shards.items():
@@ -175,15 +187,16 @@ class DeviceGather:
             state.gathered_this_step = False
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
         self._slot_bytes = [_align8(int(size)) for size in sizes.tolist()]
-        self.host_reads += 1
+        self.stats.host_reads += 1
         self._full_next = False
+        self.stats.host_s += time.perf_counter() - start_s
 
     def check(self) -> None:
         """Before the optimizer applies the step: raise the same GatherError on every rank if any rank
         failed to rebuild a shard since the last check (one all-reduce, one host read)."""
         flag = self._failed.clone()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        self.host_reads += 1
+        self.stats.host_reads += 1
         failed = int(flag.item())
         self._failed.zero_()
         if failed:
@@ -201,6 +214,7 @@ class DeviceGather:
     ) -> DeviceGatherHandle:
         """Start gathering ``shards`` (this rank's parts of ``shard_ids``, as given to ``prepare``);
         ``wait()`` gives each shard's W parts concatenated (into ``outputs`` when given)."""
+        start_s = time.perf_counter()
         unknown = [shard_id for shard_id in shard_ids if shard_id not in self._shards]
         if unknown or len(set(shard_ids)) != len(shard_ids) or len(shards) != len(shard_ids):
             raise ValueError(
@@ -236,12 +250,14 @@ class DeviceGather:
             at += size
         recv = torch.empty(self.world_size * slot_bytes, dtype=torch.uint8, device=self.device)
         work = _all_gather_single(recv, send, group=self.group, async_op=True)
-        self.gathers += 1
-        self.bytes_sent += slot_bytes
-        self.raw_bytes += sum(2 * state.numel for state in states)
+        self.stats.gathers += 1
+        self.stats.bytes_sent += slot_bytes
+        self.stats.raw_bytes_equivalent += sum(2 * state.numel for state in states)
+        self.stats.host_s += time.perf_counter() - start_s
         return DeviceGatherHandle(self, work, recv, states, sizes, shards, outputs)
 
     def _finish(self, recv, states, sizes, shards, outputs) -> list[torch.Tensor]:
+        start_s = time.perf_counter()
         rows = recv.view(self.world_size, -1)
         if self.fault_injector is not None:
             self.fault_injector(rows)
@@ -263,6 +279,7 @@ class DeviceGather:
                     ok = self.codec.decode(state, source, payload, out, self._generation)
                     self._failed |= (~ok).to(torch.int64)
             results.append(result)
+        self.stats.host_s += time.perf_counter() - start_s
         return results
 
 

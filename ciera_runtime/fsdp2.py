@@ -411,9 +411,9 @@ class CieraFSDP2:
             stats.compressed, stats.reason = True, "device gather (changed exponents uncoded)"
             stats.dtype, stats.numel = str(input_tensor.dtype).removeprefix("torch."), input_tensor.numel()
         start_s = time.perf_counter()
-        sent_before = device.bytes_sent
+        sent_before = device.stats.bytes_sent
         handle = device.all_gather([stats.shard_id], [input_tensor], [output])
-        stats.wire_bytes += device.bytes_sent - sent_before
+        stats.wire_bytes += device.stats.bytes_sent - sent_before
         stats.time_s += time.perf_counter() - start_s
         if not async_op:
             handle.wait()
@@ -494,14 +494,15 @@ class CieraFSDP2:
             "device_gathers": [
                 {
                     "world_size": d.world_size,
-                    "gathers": d.gathers,
-                    "host_reads": d.host_reads,
-                    "bytes_sent": d.bytes_sent,
-                    "raw_bytes": d.raw_bytes,
+                    "gathers": d.stats.gathers,
+                    "host_reads": d.stats.host_reads,
+                    "bytes_sent": d.stats.bytes_sent,
+                    "raw_bytes": d.stats.raw_bytes_equivalent,
+                    "host_s": d.stats.host_s,
                     "memory_bytes": d.memory_bytes(),
                 }
                 for d in self.device_gathers.values()
-            ],  # fmt: skip
+            ],
         }
 
 

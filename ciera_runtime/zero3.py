@@ -324,10 +324,11 @@ class CieraZero3:
             host_s += s.host_s
         for device in self.device_gathers.values():
             ciera.update(
-                gathers=device.gathers, calls=device.gathers, rounds=device.gathers,
-                bytes_sent=device.bytes_sent, raw_bytes_equivalent=device.raw_bytes,
+                gathers=device.stats.gathers, calls=device.stats.gathers, rounds=device.stats.gathers,
+                bytes_sent=device.stats.bytes_sent, raw_bytes_equivalent=device.stats.raw_bytes_equivalent,
             )  # fmt: skip
-            ciera.update(device_host_reads=device.host_reads)
+            ciera.update(device_host_reads=device.stats.host_reads)
+            host_s += device.stats.host_s
         return {
             "ciera_gathers": ciera["gathers"],
             "ciera_raw_gathers": ciera["raw_gathers"],

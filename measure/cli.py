@@ -153,6 +153,13 @@ def train_command(
         str,
         typer.Option(help="CIERA's entropy stage for changed exponents: rans, or none (sent uncoded)."),
     ] = "rans",
+    device_gather: Annotated[
+        bool,
+        typer.Option(
+            "--device-gather",
+            help="CIERA's device path (what CUDA parameters take; here on CPU): changed exponents uncoded.",
+        ),
+    ] = False,
     layers: Annotated[int, typer.Option(help="Decoder blocks (0: the model's full depth).")] = 2,
     width_scale: Annotated[int, typer.Option(help="Width divisor (0: the zoo's default small scale).")] = 0,
     seed: Annotated[int, typer.Option(help="Initial weights and data order.")] = 0,
@@ -216,6 +223,7 @@ def train_command(
         warm_steps=warm_steps,
         block_size=block_size,
         entropy=entropy,
+        device_gather=device_gather,
         layers=layers or None,
         width_scale=width_scale or None,
         seed=seed,
@@ -283,7 +291,10 @@ def train_command(
         )
     table.add_row("block size B", str(document["block_size"]))
     if ciera == "on":
-        table.add_row("entropy stage for changed exponents", config.entropy)
+        table.add_row(
+            "entropy stage for changed exponents",
+            "none: the device gather sends them uncoded" if config.device_gather else config.entropy,
+        )
     table.add_row("final loss", f"{document['final_loss']:.6f}" if steps_done else "-")
     table.add_row("median step", f"{document['median_step_s'] * 1e3:.1f} ms" if steps_done else "-")
     table.add_row("all-gather bytes sent per step (rank 0)", f"{sent:,.0f}")

@@ -70,6 +70,9 @@ class TrainConfig:
     warm_steps: int = 0
     detector: str = "exact"  # CodecConfig's default: exponent deltas
     entropy: str = "rans"  # CodecConfig.entropy: "none" sends changed exponents uncoded
+    # The device path (ciera_runtime.device_gather): what CUDA parameters take; on CPU it runs the same
+    # code. Changed exponents uncoded, no selection.
+    device_gather: bool = False
     cache_budget_bytes: int | None = None
     timeout_s: float = 300.0
     checkpoint_dir: str | None = None
@@ -115,6 +118,10 @@ class TrainConfig:
             raise TrainError(problem)
         if self.entropy not in ("rans", "none"):
             raise TrainError(f"entropy is {self.entropy!r}: expected 'rans' or 'none'")
+        if self.device_gather and self.select:
+            raise TrainError("device_gather compresses every BF16 parameter: it does not take select")
+        if self.device_gather and not self.ciera:
+            raise TrainError("device_gather is CIERA's device path: it needs ciera on")
         if isinstance(self.warm_steps, bool) or not isinstance(self.warm_steps, int) or self.warm_steps < 0:
             raise TrainError(f"warm_steps is {self.warm_steps!r}: expected an integer >= 0")
         if self.warm_steps > self.steps:
@@ -291,6 +298,7 @@ class _Zero3Run(_EngineRun):
                 categories=categories,
                 timeout_s=cfg.timeout_s,
                 part_bytes=cfg.part_bytes,
+                device_gather=cfg.device_gather,
             )
 
     def forward(self, inputs, targets):
@@ -344,7 +352,10 @@ class _Zero3Run(_EngineRun):
         return out
 
     def engines(self) -> list:
-        return [] if self.ciera is None else list(self.ciera.gathers.values())
+        """CIERA's gathers of this run (each has ``stats.bytes_sent``, ``raw_bytes_equivalent``, ``host_s``)."""
+        if self.ciera is None:
+            return []
+        return [*self.ciera.gathers.values(), *self.ciera.device_gathers.values()]
 
     def gathers_per_parameter(self) -> dict[str, int] | None:
         return None if self.ciera is None else self.ciera.gathers_per_param()
@@ -377,6 +388,8 @@ class _FsdpRun(_EngineRun):
                 timeout_s=cfg.timeout_s,
                 select=cfg.select,
                 categories=categories,
+                device_gather=cfg.device_gather,
+                optimizer=self.optimizer,
                 **({} if cfg.part_bytes is None else {"part_bytes": cfg.part_bytes}),
             )
 
@@ -439,7 +452,10 @@ class _FsdpRun(_EngineRun):
         return out
 
     def engines(self) -> list:
-        return [] if self.ciera is None else list(self.ciera.engines.values())
+        """CIERA's gathers of this run (each has ``stats.bytes_sent``, ``raw_bytes_equivalent``, ``host_s``)."""
+        if self.ciera is None:
+            return []
+        return [*self.ciera.engines.values(), *self.ciera.device_gathers.values()]
 
     def gathers_per_parameter(self) -> dict[str, int] | None:
         return None if self.ciera is None else self.ciera.gathers_per_iteration()

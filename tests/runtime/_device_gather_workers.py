@@ -72,9 +72,9 @@ def steady_worker(rank: int, world_size: int, port: int, result_queue) -> None:
                 mismatches,
                 gathers,
                 dict(steady_reads),
-                gather.host_reads,
-                gather.bytes_sent,
-                gather.raw_bytes,
+                gather.stats.host_reads,
+                gather.stats.bytes_sent,
+                gather.stats.raw_bytes_equivalent,
             )
         )
     finally:

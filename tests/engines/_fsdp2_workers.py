@@ -527,6 +527,8 @@ def device_gather_worker(rank: int, world_size: int, port: int, result_queue) ->
     """Plain FSDP2 and FSDP2 with the device gather (the path CUDA parameters take) on CPU: the same losses
     and parameters, host reads counted; a received slot corrupted on one rank makes the next
     optimizer.step() raise the same GatherError on every rank before anything is applied."""
+    from _device_counting import count_gather_host_reads
+
     from ciera_runtime import GatherError
     from ciera_runtime.fsdp2 import enable_ciera
 
@@ -543,9 +545,10 @@ def device_gather_worker(rank: int, world_size: int, port: int, result_queue) ->
 
         model, optimizer = build()
         ciera = enable_ciera(model, device_gather=True, optimizer=optimizer)
-        out["losses_equal"] = [
-            train_step(model, optimizer, step, rank) for step in range(steps)
-        ] == plain_losses
+        with count_gather_host_reads() as reads:
+            losses = [train_step(model, optimizer, step, rank) for step in range(steps)]
+        out["losses_equal"] = losses == plain_losses
+        out["gather_host_reads"] = dict(reads)
         out["params_equal"] = same_bits(plain_params, full_params(model))
         out["stats"] = ciera.stats()
         out["reasons"] = sorted({m["reason"] for m in out["stats"]["modules"].values()})

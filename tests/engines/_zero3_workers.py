@@ -418,6 +418,8 @@ def device_train_worker(
     the path CUDA partitions take: the same losses and parameters; a checkpoint of the device-gather run
     loaded into a fresh one that continues alike; a slot corrupted on one rank makes the next optimizer
     step raise the same GatherError on every rank before anything is applied."""
+    from _device_counting import count_gather_host_reads
+
     from ciera_runtime.errors import GatherError
     from ciera_runtime.zero3 import enable_ciera
 
@@ -431,10 +433,11 @@ def device_train_worker(
     engine = make_engine(0, {**ds_config(), "ciera": {"enabled": True, "device_gather": True}})
     ciera = engine.ciera
     losses = []
-    for step in range(steps):
-        losses.append(train_step(engine, step, rank))
-        if step + 1 == save_at:
-            engine.save_checkpoint(checkpoint_dir, tag="mid")
+    with count_gather_host_reads() as reads:
+        for step in range(steps):
+            losses.append(train_step(engine, step, rank))
+            if step + 1 == save_at:
+                engine.save_checkpoint(checkpoint_dir, tag="mid")
     stats = ciera.stats()
     params = full_params(engine)
     routes = sorted({(route.path, route.reason) for route in ciera.routes.values()})
@@ -471,6 +474,7 @@ def device_train_worker(
             "routes": routes,
             "stats": stats,
             "refused": refused,
+            "gather_host_reads": dict(reads),
             "changed_by_refused_step": sorted(n for n in params if params[n] != after_refusal[n]),
         },
     )

@@ -204,6 +204,8 @@ def test_the_device_gather_trains_bit_identical_and_refuses_a_corrupted_step() -
         assert result["losses_equal"] is True, result["rank"]
         assert all(result["params_equal"].values()), result["params_equal"]
         assert result["reasons"] == ["device gather (changed exponents uncoded)"]
+        # Inside the gathers (issue and wait, prepare excluded): no aten op that reads the host on a GPU.
+        assert result["gather_host_reads"] == {}, result["gather_host_reads"]
         (device,) = result["stats"]["device_gathers"]
         # A prepare at the first gather after each step (6, the first one registering) and a check per step.
         assert device["host_reads"] == 2 * 6 and device["gathers"] == result["stats"]["gathers"]

@@ -180,14 +180,21 @@ class DeviceGather:
             raise ValueError("prepare: expected a tensor for every registered shard, and no other")
         start_s = time.perf_counter()
         self._generation += 1
-        sizes = torch.zeros(len(self._shards), dtype=torch.int64, device=self.device)
+        # Per shard: this rank's payload size and the checksum of its values, gathered from every rank:
+        # the largest size sets the slot, the checksums stay on the device (a raw slot's only check).
+        mine = torch.zeros((len(self._shards), 2), dtype=torch.int64, device=self.device)
         for shard_id, state in self._shards.items():
             _, size = self.codec.encode(state, shards[shard_id], self._full_next, self._generation, self.rank)
-            sizes[state.index] = size
+            mine[state.index, 0] = size
+            mine[state.index, 1] = state.prepared_checksum
             state.gathered_this_step = False
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
-        self._slot_bytes = [_align8(int(size)) for size in sizes.tolist()]
+        table = torch.empty(self.world_size * mine.numel(), dtype=torch.int64, device=self.device)
+        _all_gather_single(table, mine.reshape(-1), group=self.group)
+        table = table.view(self.world_size, *mine.shape)
+        self._values_checksums = table[:, :, 1]
+        self._slot_bytes = table[:, :, 0].amax(dim=0).tolist()
         self.stats.host_reads += 1
+        self.stats.bytes_sent += mine.numel() * mine.element_size()
         self._full_next = False
         self.stats.host_s += time.perf_counter() - start_s
 
@@ -234,17 +241,25 @@ class DeviceGather:
             # manual edit) would leave ranks with different weights. Checked on the device: the flag.
             changed = self.codec.values_checksum(shard) != state.prepared_checksum
             self._failed |= changed.to(torch.int64)
-        sizes = []
+        # Each shard's part of the slot: its payload — the step's first gather at the agreed size, a
+        # repeat at the fixed size — or, where that would not be smaller than the raw values, the values
+        # themselves (every rank decides alike, from sizes every rank has).
+        sizes, raw = [], []
         for state in states:
-            sizes.append(state.fixed_bytes if state.gathered_this_step else self._slot_bytes[state.index])
+            size = state.fixed_bytes if state.gathered_this_step else self._slot_bytes[state.index]
+            raw.append(size >= 2 * state.numel)
+            sizes.append(2 * state.numel if raw[-1] else size)
         slot_bytes = sum(sizes)
         send = torch.zeros(slot_bytes, dtype=torch.uint8, device=self.device)
         at = 0
-        for state, size in zip(states, sizes, strict=True):
-            if state.gathered_this_step:
+        for state, shard, size, as_raw in zip(states, shards, sizes, raw, strict=True):
+            if as_raw:
+                send[at : at + size] = shard.detach().reshape(-1).view(torch.uint8)
+            elif state.gathered_this_step:
                 send[at : at + size] = self.codec.repeat_payload(state)
             else:
                 send[at : at + size] = state.payload[:size]
+            if not state.gathered_this_step:
                 self.codec.commit(state)
             state.gathered_this_step = True
             at += size
@@ -254,7 +269,9 @@ class DeviceGather:
         self.stats.bytes_sent += slot_bytes
         self.stats.raw_bytes_equivalent += sum(2 * state.numel for state in states)
         self.stats.host_s += time.perf_counter() - start_s
-        return DeviceGatherHandle(self, work, recv, states, sizes, shards, outputs)
+        return DeviceGatherHandle(
+            self, work, recv, states, list(zip(sizes, raw, strict=True)), shards, outputs
+        )
 
     def _finish(self, recv, states, sizes, shards, outputs) -> list[torch.Tensor]:
         start_s = time.perf_counter()
@@ -263,7 +280,8 @@ class DeviceGather:
             self.fault_injector(rows)
         results = []
         for index, state in enumerate(states):
-            at = sum(sizes[:index])
+            at = sum(size for size, _ in sizes[:index])
+            size, as_raw = sizes[index]
             numel = state.numel
             result = outputs[index] if outputs is not None else None
             if result is None:
@@ -274,9 +292,15 @@ class DeviceGather:
                 own.copy_(shards[index].reshape(-1))
             for source in range(self.world_size):
                 if source != self.rank:
-                    payload = rows[source, at : at + sizes[index]]
+                    part = rows[source, at : at + size]
                     out = flat[source * numel : (source + 1) * numel]
-                    ok = self.codec.decode(state, source, payload, out, self._generation)
+                    expected = self._values_checksums[source, state.index]
+                    if as_raw:
+                        ok = self.codec.take_raw(state, source, part, out, expected)
+                    else:
+                        ok = self.codec.decode(state, source, part, out, self._generation)
+                        # End to end: what was rebuilt has the checksum the source gave at prepare.
+                        ok = ok & (self.codec.values_checksum(out) == expected)
                     self._failed |= (~ok).to(torch.int64)
             results.append(result)
         self.stats.host_s += time.perf_counter() - start_s
@@ -359,6 +383,19 @@ class DevicePayloadCodec:
         """checksum64 of the shard's bytes (0-d, no host read)."""
         return self.backend.checksum64_tensor(shard.detach().reshape(-1).view(torch.uint8))
 
+    def take_raw(
+        self, state: _Shard, source: int, values: torch.Tensor, out: torch.Tensor, expected: torch.Tensor
+    ) -> torch.Tensor:
+        """A raw part: ``source``'s values as they are, exact if their checksum is ``expected`` (0-d bool
+        returned); then their exponents fill the cache (the source's next payload is a delta on them)."""
+        out.view(-1).view(torch.uint8).copy_(values)
+        ok = self.values_checksum(out) == expected
+        shift, mask = _EXP_LAYOUT[state.dtype]
+        patterns = out.detach().reshape(-1).view(torch.int16).to(torch.int32) & 0xFFFF
+        cache = state.caches[source]
+        cache.copy_(torch.where(ok, ((patterns >> shift) & (mask & 0xFF)).to(torch.uint8), cache))
+        return ok
+
     @staticmethod
     def commit(state: _Shard) -> None:
         """The prepared payload was sent: its exponents are now what the receivers hold."""
@@ -390,7 +427,8 @@ class DevicePayloadCodec:
         not to be used)."""
         backend, numel = self.backend, state.numel
         shift, _ = _EXP_LAYOUT[state.dtype]
-        header = payload[:_HEADER_BYTES].view(torch.int64)
+        # A copy: a payload packed after another shard's raw values need not start 8-byte aligned.
+        header = payload[:_HEADER_BYTES].clone().view(torch.int64)
         at = _HEADER_BYTES
         sign_mantissa = payload[at : at + state.sign_mantissa_bytes]
         at += _align8(state.sign_mantissa_bytes)

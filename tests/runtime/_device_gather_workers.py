@@ -46,7 +46,7 @@ def steady_worker(rank: int, world_size: int, port: int, result_queue) -> None:
         weights = _weights(rank)
         gather = DeviceGather("cpu", block_size=64)
         gather.register(weights)
-        mismatches, gathers = 0, 0
+        mismatches, gathers, over_raw = 0, 0, 0
         steady_reads: collections.Counter = collections.Counter()
         for step in range(STEPS):
             gather.prepare(weights)
@@ -55,8 +55,13 @@ def steady_worker(rank: int, world_size: int, port: int, result_queue) -> None:
             # its next payload must be a delta on that, not on what it was never sent.
             calls = [[0, 1], [2, 3], [0], [1], [3, 2]] if step != 2 else [[1], [2, 3], [1], [3, 2]]
             counter = HostReadCounter()
+            handles = []
             with counter:
-                handles = [gather.all_gather(call, [weights[s] for s in call]) for call in calls]
+                for call in calls:
+                    sent_before = gather.stats.bytes_sent
+                    handles.append(gather.all_gather(call, [weights[s] for s in call]))
+                    raw = sum(2 * weights[s].numel() for s in call)
+                    over_raw += gather.stats.bytes_sent - sent_before > raw
                 results = [handle.wait() for handle in handles]
             if step > 0:
                 steady_reads.update(counter.counts)
@@ -75,6 +80,7 @@ def steady_worker(rank: int, world_size: int, port: int, result_queue) -> None:
                 gather.stats.host_reads,
                 gather.stats.bytes_sent,
                 gather.stats.raw_bytes_equivalent,
+                over_raw,
             )
         )
     finally:
@@ -100,7 +106,7 @@ def fault_worker(rank: int, world_size: int, port: int, result_queue) -> None:
             expected = {sid: _raw(w, world_size) for sid, w in weights.items()}
 
             def flip(rows: torch.Tensor, step: int = step) -> None:
-                if step in (2, 4) and rank == 0:
+                if step in (2, 4) and rank == 0 and rows.shape[1]:  # an empty shard's slot is empty
                     source = 1
                     rows[source, (37 * step) % rows.shape[1]] ^= 0x10
 
@@ -160,6 +166,8 @@ class _Fault:
 
     def _inject(self, rows: torch.Tensor, call: int) -> None:
         source, width, fault = self.source, rows.shape[1], self.fault
+        if width == 0:  # an empty shard's slot: nothing to corrupt
+            return
         if fault == "flip_byte":
             rows[source, int(self.position * width)] ^= 1 << int(self.position * 8)
         elif fault == "flip_header":

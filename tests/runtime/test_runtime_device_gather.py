@@ -53,10 +53,13 @@ def _spawn(worker, world_size: int, *args, timeout_s: float = 240) -> list:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_steady_gathers_are_exact_and_read_nothing_on_the_host(world_size: int) -> None:
     results = _spawn(workers.steady_worker, world_size)
-    for rank, mismatches, gathers, steady_reads, host_reads, bytes_sent, raw_bytes in results:
+    for rank, mismatches, gathers, steady_reads, host_reads, bytes_sent, raw_bytes, over_raw in results:
         assert gathers == workers.STEPS * 8 - 2 and mismatches == 0, rank
         assert steady_reads == {}, f"rank {rank}: host reads on the steady path: {steady_reads}"
         assert host_reads == 2 * workers.STEPS  # the sizes after each prepare, the flag at each check
+        # A part that would not be smaller than the raw values travels raw: no gather sends more than raw
+        # (the first step's full payloads, the 7-value shard's every gather).
+        assert over_raw == 0
         # Later gathers carry no exponents and small steps change few blocks: well under raw.
         assert bytes_sent < 0.8 * raw_bytes, (bytes_sent, raw_bytes)
 

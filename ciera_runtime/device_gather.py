@@ -41,7 +41,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ciera_runtime import kernels
 from ciera_runtime.allgather import _all_gather_single
 from ciera_runtime.errors import ConfigMismatchError, GatherError
-from ciera_runtime.torch_backend import TorchBackend
+from ciera_runtime.torch_backend import (
+    _CHECKSUM_SEED,
+    _GOLDEN_GAMMA,
+    TorchBackend,
+    _mix64,
+    _to_int16_patterns,
+)
 
 # Per shard payload: [generation, changed values, checksum64(sign+mantissa), checksum64(exponents), shard
 # id, source rank] as int64, then the sign+mantissa plane and the block bitmap (each padded to 8 bytes), then the changed
@@ -80,7 +86,7 @@ class _Shard:
     numel: int
     dtype: torch.dtype
     last_sent: torch.Tensor  # uint8 exponents this rank sent last (its receivers' view of them)
-    caches: list[torch.Tensor | None]  # per source rank: the exponents rebuilt from it (None: this rank)
+    caches: torch.Tensor  # (W, numel) uint8: row s, the exponents rebuilt from rank s (this rank's: unused)
     block_size: int
     payload: torch.Tensor | None = None  # this step's payload (uint8, its largest possible size)
     prepared_checksum: torch.Tensor | None = None  # checksum64 of the values prepare() encoded (0-d)
@@ -127,6 +133,8 @@ class DeviceGather:
         self._generation = 0
         self._full_next = True  # the next prepare sends every block (start, or after a failure)
         self._failed = torch.zeros((), dtype=torch.int64, device=self.device)
+        others = [source for source in range(self.world_size) if source != self.rank]
+        self._other_ranks = torch.tensor(others, dtype=torch.int64, device=self.device)
         self.stats = DeviceGatherStats()
         # A testing hook: called with each received slot tensor (W x slot bytes) before decoding.
         self.fault_injector = None
@@ -136,7 +144,7 @@ class DeviceGather:
         the step's payload."""
         total = 0
         for state in self._shards.values():
-            total += state.numel * self.world_size  # last_sent + (W − 1) caches
+            total += state.numel * (self.world_size + 1)  # last_sent + a cache row per rank
             total += 0 if state.payload is None else state.payload.numel()
         return total
 
@@ -279,6 +287,7 @@ class DeviceGather:
         if self.fault_injector is not None:
             self.fault_injector(rows)
         results = []
+        others = self._other_ranks
         for index, state in enumerate(states):
             at = sum(size for size, _ in sizes[:index])
             size, as_raw = sizes[index]
@@ -286,22 +295,19 @@ class DeviceGather:
             result = outputs[index] if outputs is not None else None
             if result is None:
                 result = torch.empty(self.world_size * numel, dtype=state.dtype, device=self.device)
-            flat = result.view(-1)
-            own = flat[self.rank * numel : (self.rank + 1) * numel]
+            by_rank = result.view(-1).view(torch.int16).view(self.world_size, numel)
+            own = by_rank[self.rank]
             if own.data_ptr() != shards[index].data_ptr():  # FSDP2 hands the input inside the output
-                own.copy_(shards[index].reshape(-1))
-            for source in range(self.world_size):
-                if source != self.rank:
-                    part = rows[source, at : at + size]
-                    out = flat[source * numel : (source + 1) * numel]
-                    expected = self._values_checksums[source, state.index]
-                    if as_raw:
-                        ok = self.codec.take_raw(state, source, part, out, expected)
-                    else:
-                        ok = self.codec.decode(state, source, part, out, self._generation)
-                        # End to end: what was rebuilt has the checksum the source gave at prepare.
-                        ok = ok & (self.codec.values_checksum(out) == expected)
-                    self._failed |= (~ok).to(torch.int64)
+                own.copy_(shards[index].reshape(-1).view(torch.int16))
+            # Every other rank's part of this shard at once: one batch of tensor ops, not one per source.
+            parts = rows[:, at : at + size].index_select(0, others)
+            expected = self._values_checksums[:, state.index].index_select(0, others)
+            if as_raw:
+                values, ok = self.codec.take_raw_rows(state, others, parts, expected)
+            else:
+                values, ok = self.codec.decode_rows(state, others, parts, self._generation, expected)
+            by_rank.index_copy_(0, others, values)
+            self._failed |= (~ok).any().to(torch.int64)
             results.append(result)
         self.stats.host_s += time.perf_counter() - start_s
         return results
@@ -325,10 +331,7 @@ class DevicePayloadCodec:
         """The state of one shard on ``rank``: nothing sent yet, an empty cache per other rank."""
         if dtype not in _EXP_LAYOUT:
             raise ValueError(f"shard {shard_id} has dtype {dtype}: expected bfloat16 or float16")
-        caches = [
-            None if source == rank else torch.zeros(numel, dtype=torch.uint8, device=self.device)
-            for source in range(world_size)
-        ]
+        caches = torch.zeros((world_size, numel), dtype=torch.uint8, device=self.device)
         return _Shard(
             shard_id=shard_id,
             index=index,
@@ -383,18 +386,22 @@ class DevicePayloadCodec:
         """checksum64 of the shard's bytes (0-d, no host read)."""
         return self.backend.checksum64_tensor(shard.detach().reshape(-1).view(torch.uint8))
 
-    def take_raw(
-        self, state: _Shard, source: int, values: torch.Tensor, out: torch.Tensor, expected: torch.Tensor
-    ) -> torch.Tensor:
-        """A raw part: ``source``'s values as they are, exact if their checksum is ``expected`` (0-d bool
-        returned); then their exponents fill the cache (the source's next payload is a delta on them)."""
-        out.view(-1).view(torch.uint8).copy_(values)
-        ok = self.values_checksum(out) == expected
+    def take_raw_rows(
+        self, state: _Shard, sources: torch.Tensor, parts: torch.Tensor, expected: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw parts of ``sources`` (one row each, 2·numel bytes): their values as 16-bit patterns (k, numel)
+        and whether each is exact (its checksum is ``expected``); the exact ones' exponents fill their
+        cache rows (each source's next payload is a delta on them)."""
+        if state.numel:
+            values = parts.contiguous().view(torch.int16).reshape(len(sources), state.numel)
+        else:  # an empty shard: no bytes to view as 16-bit values
+            values = torch.empty((len(sources), 0), dtype=torch.int16, device=self.device)
+        ok = _checksum_rows(parts) == expected
         shift, mask = _EXP_LAYOUT[state.dtype]
-        patterns = out.detach().reshape(-1).view(torch.int16).to(torch.int32) & 0xFFFF
-        cache = state.caches[source]
-        cache.copy_(torch.where(ok, ((patterns >> shift) & (mask & 0xFF)).to(torch.uint8), cache))
-        return ok
+        exponents = (((values.to(torch.int32) & 0xFFFF) >> shift) & (mask & 0xFF)).to(torch.uint8)
+        cache = state.caches.index_select(0, sources)
+        state.caches.index_copy_(0, sources, torch.where(ok.unsqueeze(1), exponents, cache))
+        return values, ok
 
     @staticmethod
     def commit(state: _Shard) -> None:
@@ -419,43 +426,97 @@ class DevicePayloadCodec:
         shifts = torch.arange(8, dtype=torch.int32, device=self.device)
         return ((packed.to(torch.int32).unsqueeze(1) >> shifts) & 1).reshape(-1)[:count].to(torch.bool)
 
+    def decode_rows(
+        self,
+        state: _Shard,
+        sources: torch.Tensor,
+        parts: torch.Tensor,
+        generation: int,
+        expected: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rebuild the payload parts of ``sources`` (int64, k; ``parts`` (k, part bytes)) in one batch of
+        tensor ops: their values as 16-bit patterns (k, numel) and whether each is exact (k bools) — its
+        header names this generation, this shard and that source, the bitmap's count matches and fits, both
+        plane checksums hold, and (with ``expected``) the values have the checksum their source gave. A
+        source's cache row takes the rebuilt exponents only if exact. No host read."""
+        numel, rows = state.numel, len(sources)
+        shift, _ = _EXP_LAYOUT[state.dtype]
+        header = parts[:, :_HEADER_BYTES].contiguous().view(torch.int64)  # (k, 6)
+        at = _HEADER_BYTES
+        sign_mantissa = parts[:, at : at + state.sign_mantissa_bytes]
+        at += _align8(state.sign_mantissa_bytes)
+        bitmap = parts[:, at : at + (state.n_blocks + 7) // 8]
+        shifts = torch.arange(8, dtype=torch.int32, device=self.device)
+        changed_blocks = ((bitmap.to(torch.int32).unsqueeze(2) >> shifts) & 1).reshape(rows, -1)
+        changed = changed_blocks[:, : state.n_blocks].repeat_interleave(self.block_size, dim=1)[:, :numel]
+        changed = changed.to(torch.bool)
+        positions = torch.cumsum(changed.to(torch.int64), dim=1) - 1
+        count = changed.sum(dim=1)
+        area = parts[:, state.fixed_bytes :]
+        room = area.shape[1]
+        cache = state.caches.index_select(0, sources)
+        # A changed value past the part's end reads byte 0: the count check below fails such a part.
+        gathered = torch.gather(area, 1, positions.clamp(0, max(room - 1, 0))) if room else cache
+        rebuilt = torch.where(changed, gathered, cache)
+        values = _merge_rows(rebuilt, sign_mantissa, shift, state.is_fp16)
+        ok = (
+            (header[:, 0] == generation)
+            & (header[:, 4] == state.shard_id)
+            & (header[:, 5] == sources)
+            & (header[:, 1] == count)
+            & (count <= room)
+            & (_checksum_rows(sign_mantissa) == header[:, 2])
+            & (_checksum_rows(rebuilt) == header[:, 3])
+        )
+        if expected is not None:
+            ok = ok & (_checksum_rows(values.view(torch.uint8).reshape(rows, -1)) == expected)
+        state.caches.index_copy_(0, sources, torch.where(ok.unsqueeze(1), rebuilt, cache))
+        return values, ok
+
     def decode(
         self, state: _Shard, source: int, payload: torch.Tensor, out: torch.Tensor, generation: int
     ) -> torch.Tensor:
-        """Rebuild ``source``'s part of ``state`` from ``payload`` into ``out``; returns whether it is exact
-        (a 0-d bool, no host read). On a mismatch the source's cache stays as it was (``out`` is then
-        not to be used)."""
-        backend, numel = self.backend, state.numel
-        shift, _ = _EXP_LAYOUT[state.dtype]
-        # A copy: a payload packed after another shard's raw values need not start 8-byte aligned.
-        header = payload[:_HEADER_BYTES].clone().view(torch.int64)
-        at = _HEADER_BYTES
-        sign_mantissa = payload[at : at + state.sign_mantissa_bytes]
-        at += _align8(state.sign_mantissa_bytes)
-        changed_blocks = self._unpack_bits(payload[at : at + (state.n_blocks + 7) // 8], state.n_blocks)
-        changed = self._changed_values(changed_blocks, numel)
-        positions = torch.cumsum(changed.to(torch.int64), 0) - 1
-        count = changed.sum()
-        area = payload[state.fixed_bytes :]
-        room = area.numel()
-        # A changed value past the slot's end reads byte 0: the count check below fails such a payload.
-        gathered = (
-            area[positions.clamp(0, max(room - 1, 0))] if room else torch.zeros_like(state.caches[source])
-        )
-        cache = state.caches[source]
-        rebuilt = torch.where(changed, gathered, cache)
-        checksum_sm = backend.merge_planes_checked_tensor(rebuilt, sign_mantissa, shift, state.is_fp16, out)
-        ok = (
-            (header[0] == generation)
-            & (header[4] == state.shard_id)
-            & (header[5] == source)
-            & (header[1] == count)
-            & (count <= room)
-            & (checksum_sm == header[2])
-            & (backend.checksum64_tensor(rebuilt) == header[3])
-        )
-        cache.copy_(torch.where(ok, rebuilt, cache))
-        return ok
+        """One source's payload into ``out`` (``decode_rows`` for one row); whether it is exact (0-d)."""
+        sources = torch.tensor([source], dtype=torch.int64, device=self.device)
+        values, ok = self.decode_rows(state, sources, payload.reshape(1, -1), generation)
+        out.reshape(-1).view(torch.int16).copy_(values[0])
+        return ok[0]
+
+
+def _checksum_rows(data: torch.Tensor) -> torch.Tensor:
+    """checksum64 (``kernels.checksum64``, as ``TorchBackend.checksum64_tensor``) of every row of a 2-D
+    uint8 tensor, as int64 (k,): the rows' little-endian words, the partial last word zero-filled."""
+    rows, n_bytes = data.shape
+    words_per_row = (n_bytes + 7) // 8
+    padded = torch.zeros((rows, 8 * words_per_row), dtype=torch.uint8, device=data.device)
+    padded[:, :n_bytes] = data
+    shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=data.device)
+    # The bytes occupy disjoint bits, so their sum is their OR (the top byte wraps into the sign bit).
+    words = (padded.view(rows, words_per_row, 8).to(torch.int64) << shifts).sum(dim=2)
+    index = torch.arange(1, words_per_row + 1, dtype=torch.int64, device=data.device)
+    terms = _mix64((index * _GOLDEN_GAMMA + _CHECKSUM_SEED) ^ words).sum(dim=1)
+    return _mix64(terms ^ n_bytes)
+
+
+def _merge_rows(
+    exp: torch.Tensor, sign_mantissa: torch.Tensor, exp_shift: int, is_fp16: bool
+) -> torch.Tensor:
+    """``kernels.merge_planes`` of every row: (k, numel) exponents and (k, plane bytes) sign+mantissa
+    planes into (k, numel) int16 patterns."""
+    rows, numel = exp.shape
+    exp32 = exp.to(torch.int32)
+    low = sign_mantissa[:, :numel].to(torch.int32)
+    if not is_fp16:
+        return _to_int16_patterns(((low & 0x80) << 8) | (exp32 << exp_shift) | (low & 0x7F))
+    groups = (numel + 7) // 8
+    tail = torch.zeros((rows, groups * 3), dtype=torch.int32, device=exp.device)
+    tail[:, : sign_mantissa.shape[1] - numel] = sign_mantissa[:, numel:].to(torch.int32)
+    tail = tail.view(rows, groups, 3)
+    packed = tail[:, :, 0] | (tail[:, :, 1] << 8) | (tail[:, :, 2] << 16)
+    shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=exp.device)
+    high = ((packed.unsqueeze(2) >> shifts) & 0x7).reshape(rows, -1)[:, :numel]
+    values = (exp32 << exp_shift) | low | ((high & 0x4) << 13) | ((high & 0x3) << 8)
+    return _to_int16_patterns(values)
 
 
 class DeviceGatherHandle:

@@ -47,6 +47,7 @@ def test_tiny_cpu_run_is_exact_and_says_it_is_not_a_gpu(tmp_path: Path) -> None:
     gather = result["emulated_gather"]
     assert gather["exact"] and gather["wrong"] == 0 and gather["shards_rebuilt"] == 3 * 2 * 3
     assert 0.5 < gather["uncoded_bytes_over_raw"] < 1.0
+    assert 0 < gather["aten_ops_per_shard_rebuild"] < 200  # one batch for all sources, not one per source
     assert result["device_path"]["exact"] is True
     assert result["entropy"]["exact"] is True
     assert result["entropy"]["rans_bytes"] < result["entropy"]["uncoded_bytes"]

@@ -16,6 +16,9 @@ Public surface (see docs/runtime.md):
   ``GatherError``, ``ConfigMismatchError``, ``GatherTimeoutError``; from an engine plug-in's first gather
   after a selection decided for other sizes: ``SelectionMismatchError``.
 
+The device path, imported on purpose: ``ciera_runtime.device_gather`` (``DeviceGather``: payloads
+prepared once per step, no host read per gather; docs/runtime.md, "The device gather").
+
 torch is imported only by the all-gather, CCP and comm-profiling parts.
 """
 

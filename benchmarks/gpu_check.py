@@ -24,14 +24,19 @@ timed next to a device-to-device copy of the same shard in the same run, ``*_vs_
   once-per-step encode: aten ops that read the host counted (any device), and with CUDA also run under
   ``torch.cuda.set_sync_debug_mode("error")`` (0 expected in both).
 
-Not here yet (docs/runtime.md, "The GPU path"): nvCOMP's ANS; the 2-GPU NCCL run of DeviceGather (the
-tests run it on CPU gloo ranks).
+- ``multi_rank``: DeviceGather over a 2-rank process group — NCCL with 2 GPUs, gloo with ``--device cpu``
+  (one GPU: not run) — each gather bit for bit against the raw all-gather, host syncs inside the gathers
+  (``set_sync_debug_mode("warn")`` on CUDA), bytes over raw, and the raw all-gather's time over the
+  compressed one's.
+
+Not here yet (docs/runtime.md, "The GPU path"): nvCOMP's ANS.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -139,9 +144,9 @@ def kernels_section(backend, device, numel, block_size, repeats, rng) -> dict:
         ),
         "checksum": best_s(lambda: backend.checksum64_tensor(shard.sm), device, repeats),
     }
-    result = {"numel": numel, "block_size": block_size, "copy_GBps": round(shard_bytes / copy_s / 1e9, 2)}
+    result = {"numel": numel, "block_size": block_size, "copy_GBps": round(shard_bytes / copy_s / 1e9, 4)}
     for name, seconds in timings_s.items():
-        result[f"{name}_GBps"] = round(shard_bytes / seconds / 1e9, 2)
+        result[f"{name}_GBps"] = round(shard_bytes / seconds / 1e9, 4)
         result[f"{name}_vs_copy"] = round(copy_s / seconds, 3)
     return result
 
@@ -380,6 +385,104 @@ def host_syncs_section(device, numel, block_size, rng) -> dict:
     return result
 
 
+def _multi_rank_worker(
+    rank: int, world: int, port: int, device_type: str, numel: int, steps: int, queue
+) -> None:
+    """One rank of the multi-rank check: DeviceGather over a real process group (NCCL on GPUs, gloo on CPU),
+    every gather checked bit for bit against the raw all-gather and timed next to it."""
+    import os
+
+    import torch.distributed as dist
+
+    from ciera_runtime.device_gather import DeviceGather
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    try:
+        rng = np.random.default_rng(100 + rank)
+        bits = weights_bits(numel, "bf16", rng)
+        gather = DeviceGather(device, block_size=64)
+        shard = torch.from_numpy(bits.view(np.int16)).to(device).view(torch.bfloat16)
+        gather.register({0: shard})
+        exact, compressed_s, raw_s, syncs = True, [], [], 0
+        for step in range(steps):
+            if step:
+                bits = perturb_blocks(bits, 0.3, 64, "bf16", rng)
+                shard = torch.from_numpy(bits.view(np.int16)).to(device).view(torch.bfloat16)
+            gather.prepare({0: shard})
+            expected = torch.empty(world * numel, dtype=torch.bfloat16, device=device)
+            synchronize(device)
+            start_s = time.perf_counter()
+            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(expected, shard)
+            synchronize(device)
+            raw_s.append(time.perf_counter() - start_s)
+            start_s = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")  # a host sync in the gather warns (counted below)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = gather.all_gather([0], [shard]).wait()[0]
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+            syncs += sum("synchroniz" in str(w.message) for w in caught)
+            synchronize(device)
+            compressed_s.append(time.perf_counter() - start_s)
+            exact &= bool(torch.equal(got.view(torch.int16), expected.view(torch.int16)))
+            gather.check()
+        queue.put(
+            {
+                "rank": rank,
+                "exact": exact,
+                "host_syncs_in_gathers": syncs,
+                "raw_all_gather_s": min(raw_s),
+                "compressed_all_gather_s": min(compressed_s[1:] or compressed_s),
+                "bytes_over_raw": gather.stats.bytes_sent / max(gather.stats.raw_bytes_equivalent, 1),
+            }
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def multi_rank_section(device: torch.device, numel: int, steps: int = 4) -> dict:
+    """DeviceGather over a 2-rank process group: NCCL with 2 GPUs, gloo with --device cpu (the same code,
+    the collectives on the host); with one GPU not run (NCCL puts one rank on each GPU)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        return {"run": False, "why": f"{torch.cuda.device_count()} GPU: a 2-rank NCCL group needs 2"}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.start_processes(
+        _multi_rank_worker,
+        args=(2, port, device.type, numel, steps, queue),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    ranks = sorted((queue.get() for _ in range(2)), key=lambda r: r["rank"])
+    return {
+        "run": True,
+        "backend": "nccl" if device.type == "cuda" else "gloo",
+        "world": 2,
+        "numel_per_rank": numel,
+        "steps": steps,
+        "exact": all(r["exact"] for r in ranks),
+        "host_syncs_in_gathers": sum(r["host_syncs_in_gathers"] for r in ranks),
+        "bytes_over_raw": round(ranks[0]["bytes_over_raw"], 4),
+        "compressed_vs_raw_time": round(
+            max(r["raw_all_gather_s"] for r in ranks) / max(r["compressed_all_gather_s"] for r in ranks), 3
+        ),
+    }
+
+
 def environment(device: torch.device) -> dict:
     info = {"device": str(device), "device_is_gpu": device.type == "cuda", "torch": torch.__version__}
     if device.type == "cuda":
@@ -391,9 +494,7 @@ def environment(device: torch.device) -> dict:
             "nccl": ".".join(map(str, torch.cuda.nccl.version())),
             "gpus": torch.cuda.device_count(),
         }
-    info["nccl_gather"] = (
-        "ciera_runtime.device_gather.DeviceGather (a 2-process NCCL run needs 2 GPUs: not run by this script)"
-    )
+    info["nccl_gather"] = "ciera_runtime.device_gather.DeviceGather (section multi_rank: NCCL with 2 GPUs)"
     return info
 
 
@@ -433,10 +534,13 @@ def main() -> None:
         ),
         "entropy": entropy_section(args.numel, args.block_size, args.q, args.repeats, rng),
         "host_syncs": host_syncs_section(device, args.numel, args.block_size, rng),
+        "multi_rank": multi_rank_section(device, args.check_numel),
     }
     result["wall_s"] = round(time.perf_counter() - start_s, 1)
     emit_json(result, args.json)
     failed = [name for name in ("bit_exact", "emulated_gather", "device_path") if not result[name]["exact"]]
+    if result["multi_rank"]["run"] and not result["multi_rank"]["exact"]:
+        failed.append("multi_rank")
     if failed:
         print(f"NOT EXACT: {', '.join(failed)}", file=sys.stderr)
         raise SystemExit(1)

@@ -55,5 +55,8 @@ def test_tiny_cpu_run_is_exact_and_says_it_is_not_a_gpu(tmp_path: Path) -> None:
     assert syncs["checked"] is True and syncs["total"] == 0, syncs
     assert set(syncs["host_reads_per_aten_op"]) == {"encode", "repeat_payload", "decode"}
     assert 0.5 < result["device_path"]["payload_bytes_over_raw"] < 1.0
+    multi = result["multi_rank"]  # DeviceGather over 2 gloo ranks: the code NCCL runs with 2 GPUs
+    assert multi["run"] and multi["backend"] == "gloo" and multi["exact"], multi
+    assert multi["host_syncs_in_gathers"] == 0 and 0.5 < multi["bytes_over_raw"] < 1.0
     for name in ("split", "split_detect", "merge", "checksum"):
         assert result["kernels"][f"{name}_GBps"] > 0

@@ -393,7 +393,7 @@ class DevicePayloadCodec:
         and whether each is exact (its checksum is ``expected``); the exact ones' exponents fill their
         cache rows (each source's next payload is a delta on them)."""
         if state.numel:
-            values = parts.contiguous().view(torch.int16).reshape(len(sources), state.numel)
+            values = _dense(parts).view(torch.int16)
         else:  # an empty shard: no bytes to view as 16-bit values
             values = torch.empty((len(sources), 0), dtype=torch.int16, device=self.device)
         ok = _checksum_rows(parts) == expected
@@ -441,7 +441,7 @@ class DevicePayloadCodec:
         source's cache row takes the rebuilt exponents only if exact. No host read."""
         numel, rows = state.numel, len(sources)
         shift, _ = _EXP_LAYOUT[state.dtype]
-        header = parts[:, :_HEADER_BYTES].contiguous().view(torch.int64)  # (k, 6)
+        header = _dense(parts[:, :_HEADER_BYTES]).view(torch.int64)  # (k, 6)
         at = _HEADER_BYTES
         sign_mantissa = parts[:, at : at + state.sign_mantissa_bytes]
         at += _align8(state.sign_mantissa_bytes)
@@ -481,6 +481,12 @@ class DevicePayloadCodec:
         values, ok = self.decode_rows(state, sources, payload.reshape(1, -1), generation)
         out.reshape(-1).view(torch.int16).copy_(values[0])
         return ok[0]
+
+
+def _dense(rows: torch.Tensor) -> torch.Tensor:
+    """A copy of a 2-D slice with standard strides: a wider dtype view needs them, and a one-row slice
+    counts as contiguous whatever its row stride (so ``.contiguous()`` may not copy it)."""
+    return torch.empty(rows.shape, dtype=rows.dtype, device=rows.device).copy_(rows)
 
 
 def _checksum_rows(data: torch.Tensor) -> torch.Tensor:

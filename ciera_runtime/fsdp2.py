@@ -405,7 +405,10 @@ class CieraFSDP2:
         if device is None or stats.shard_id not in device._shards:
             if stats.compressed is None:
                 stats.compressed = False
-                stats.reason = "device gather: its all-gather inputs mix dtypes"
+                stats.reason = (
+                    "device gather: not registered for this group (inputs of mixed dtypes, or a "
+                    "post-forward reshard group, reshard_after_forward=<int>)"
+                )
             return self._plain(comm, output, input_tensor, group, async_op, input_tensor.numel() * 2)
         if stats.compressed is None:
             stats.compressed, stats.reason = True, "device gather (changed exponents uncoded)"

@@ -648,7 +648,10 @@ def _init_group(rank: int, world_size: int, cfg: TrainConfig) -> None:
         "nccl" if torch.cuda.is_available() and os.environ.get("CIERA_TRAIN_BACKEND") != "gloo" else "gloo"
     )
     if backend == "nccl":
-        raise TrainError("CUDA is available but the codec backends in this build are CPU-only: run with gloo")
+        raise TrainError(
+            "CUDA is available, but `ciera train` places its ranks on CPU in this build: set "
+            "CIERA_TRAIN_BACKEND=gloo (--device-gather runs CIERA's device path on those CPU ranks)"
+        )
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s)
     )

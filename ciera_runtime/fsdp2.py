@@ -409,6 +409,12 @@ class CieraFSDP2:
                     "device gather: not registered for this group (inputs of mixed dtypes, or a "
                     "post-forward reshard group, reshard_after_forward=<int>)"
                 )
+                logger.warning(
+                    "ciera_runtime.fsdp2: module %r (%d values) uses the plain all-gather: %s",
+                    stats.module,
+                    input_tensor.numel(),
+                    stats.reason,
+                )
             return self._plain(comm, output, input_tensor, group, async_op, input_tensor.numel() * 2)
         if stats.compressed is None:
             stats.compressed, stats.reason = True, "device gather (changed exponents uncoded)"

@@ -270,6 +270,7 @@ class CieraFSDP2:
         self.device_gathers: dict[dist.ProcessGroup, Any] = {}
         self._device_comms: list[CieraAllGather] = []
         self._stale_payloads = True
+        self._warned_plain: set[tuple[str, int]] = set()
         # Built now so a bad configuration fails here, not at the first gather.
         CompressedAllGather(None, self.config, cache_budget_bytes, timeout_s)
 
@@ -403,17 +404,21 @@ class CieraFSDP2:
             self.prepare_device_gathers()
         device = self.device_gathers.get(group)
         if device is None or stats.shard_id not in device._shards:
+            reason = (
+                "device gather: not registered for this group (inputs of mixed dtypes, or a post-forward "
+                "reshard group, reshard_after_forward=<int>)"
+            )
             if stats.compressed is None:
-                stats.compressed = False
-                stats.reason = (
-                    "device gather: not registered for this group (inputs of mixed dtypes, or a "
-                    "post-forward reshard group, reshard_after_forward=<int>)"
-                )
+                stats.compressed, stats.reason = False, reason
+            if (stats.module, id(group)) not in self._warned_plain:  # once per module and group
+                self._warned_plain.add((stats.module, id(group)))
                 logger.warning(
-                    "ciera_runtime.fsdp2: module %r (%d values) uses the plain all-gather: %s",
+                    "ciera_runtime.fsdp2: module %r (%d values) uses the plain all-gather over a %d-rank "
+                    "group: %s",
                     stats.module,
                     input_tensor.numel(),
-                    stats.reason,
+                    group.size(),
+                    reason,
                 )
             return self._plain(comm, output, input_tensor, group, async_op, input_tensor.numel() * 2)
         if stats.compressed is None:

@@ -569,6 +569,23 @@ def device_gather_worker(rank: int, world_size: int, port: int, result_queue) ->
         model.reset_iter_state()
         out["retried_step_equal"] = train_step(model, optimizer, steps, rank) == plain_next
         out["params_after_retry_equal"] = same_bits(plain_after_next, full_params(model))
+        del model, optimizer, ciera
+
+        # The async unshard path (FSDP2 waits on the dist.Work the hook returns) and no reshard after
+        # forward (one gather per module and iteration): the device path gives plain FSDP2's losses.
+        for name, reshard, async_op in (("async", True, True), ("no_reshard", False, False)):
+            model, optimizer = build(reshard_after_forward=reshard)
+            if async_op:
+                for module in model.modules():
+                    if hasattr(module, "_set_unshard_async_op"):
+                        module._set_unshard_async_op(True)
+            variant = enable_ciera(model, device_gather=True, optimizer=optimizer)
+            losses = [train_step(model, optimizer, step, rank) for step in range(3)]
+            out[f"{name}_losses_equal"] = losses == plain_losses[:3]
+            out[f"{name}_async_gathers"] = sum(
+                row["async_gathers"] for row in variant.stats()["modules"].values()
+            )
+            del model, optimizer, variant
     finally:
         result_queue.put(out)
         dist.destroy_process_group()

@@ -449,6 +449,18 @@ def device_train_worker(
     resumed_params = full_params(resumed_engine)
     resumed.check_device_gathers()  # the checkpoint's own gathers left no flag behind
 
+    # Gradient accumulation (the optimizer steps every 2nd micro-step; gathers in between reuse the
+    # prepared payloads): as plain ZeRO-3 with the same accumulation.
+    accumulated = {}
+    for kind in ("plain", "device"):
+        config = {**ds_config(), "gradient_accumulation_steps": 2, "train_batch_size": 2 * world_size}
+        if kind == "device":
+            config["ciera"] = {"enabled": True, "device_gather": True}
+        accumulating = make_engine(0, config)
+        accumulated[kind] = [train_step(accumulating, step, rank) for step in range(6)]
+        accumulated[f"{kind}_params"] = full_params(accumulating)
+        del accumulating
+
     # A corrupted slot on rank 0 only: the step is refused on both ranks, the weights stay those before it.
     device = next(iter(ciera.device_gathers.values()))
     device.fault_injector = (
@@ -475,6 +487,8 @@ def device_train_worker(
             "stats": stats,
             "refused": refused,
             "gather_host_reads": dict(reads),
+            "accumulation_losses_equal": accumulated["plain"] == accumulated["device"],
+            "accumulation_params_equal": accumulated["plain_params"] == accumulated["device_params"],
             "changed_by_refused_step": sorted(n for n in params if params[n] != after_refusal[n]),
         },
     )

@@ -213,3 +213,5 @@ def test_the_device_gather_trains_bit_identical_and_refuses_a_corrupted_step() -
         assert result["refused"] is not None and "not applied" in result["refused"]
         assert all(result["unchanged_by_refused_step"].values())
         assert result["retried_step_equal"] is True and all(result["params_after_retry_equal"].values())
+        assert result["async_losses_equal"] is True and result["async_async_gathers"] > 0
+        assert result["no_reshard_losses_equal"] is True

@@ -339,6 +339,7 @@ def test_the_device_gather_trains_bit_identical_and_refuses_a_corrupted_step(tmp
         assert result["routes"] == [("ciera", "device gather (changed exponents uncoded)")]
         # Inside the gathers (issue and wait, prepare excluded): no aten op that reads the host on a GPU.
         assert result["gather_host_reads"] == {}, result["gather_host_reads"]
+        assert result["accumulation_losses_equal"] and result["accumulation_params_equal"]
         stats = result["stats"]
         assert stats["deepspeed_gathers"] == 0 and stats["ciera_gathers"] > 0
         # One prepare at enable and after each step, one check before each step; nothing per gather.

@@ -132,7 +132,9 @@ class DeviceGather:
         self._slot_bytes: list[int] = []  # per registered shard: this step's agreed payload size (host)
         self._generation = 0
         self._full_next = True  # the next prepare sends every block (start, or after a failure)
-        self._failed = torch.zeros((), dtype=torch.int64, device=self.device)
+        # Device flags since the last check: [a received part failed its checks, this rank's own shard
+        # changed after prepare].
+        self._failed = torch.zeros(2, dtype=torch.int64, device=self.device)
         others = [source for source in range(self.world_size) if source != self.rank]
         self._other_ranks = torch.tensor(others, dtype=torch.int64, device=self.device)
         self.stats = DeviceGatherStats()
@@ -207,19 +209,31 @@ class DeviceGather:
         self.stats.host_s += time.perf_counter() - start_s
 
     def check(self) -> None:
-        """Before the optimizer applies the step: raise the same GatherError on every rank if any rank
-        failed to rebuild a shard since the last check (one all-reduce, one host read)."""
-        flag = self._failed.clone()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        """Before the optimizer applies the step: raise the same GatherError on every rank — naming every
+        rank that failed and why — if any gather since the last check did not rebuild exactly (one
+        all-gather of the flags, one host read)."""
+        flags = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)
+        _all_gather_single(flags, self._failed.clone(), group=self.group)
         self.stats.host_reads += 1
-        failed = int(flag.item())
+        table = flags.view(self.world_size, 2).tolist()
         self._failed.zero_()
-        if failed:
+        failures = {}
+        for rank, (received, edited) in enumerate(table):
+            reasons = []
+            if received:
+                reasons.append(
+                    "a received part failed its checks (corrupted in transit, or ranks out of step)"
+                )
+            if edited:
+                reasons.append(
+                    "its shard changed after prepare() (edited outside the optimizer step: prepare again)"
+                )
+            if reasons:
+                failures[rank] = "; ".join(reasons)
+        if failures:
             self._full_next = True  # every rank resends in full: caches are rebuilt from scratch
             raise GatherError(
-                None,
-                {self.rank: "a device gather since the last check did not rebuild exactly"},
-                "the step is not applied on any rank; the next step sends every shard in full",
+                None, failures, "the step is not applied on any rank; the next step sends every shard in full"
             )
 
     # ---- gathers -----------------------------------------------------------------------------------
@@ -248,7 +262,7 @@ class DeviceGather:
             # The others rebuild what prepare() encoded: a shard changed since (a checkpoint loaded, a
             # manual edit) would leave ranks with different weights. Checked on the device: the flag.
             changed = self.codec.values_checksum(shard) != state.prepared_checksum
-            self._failed |= changed.to(torch.int64)
+            self._failed[1] |= changed.to(torch.int64)
         # Each shard's part of the slot: its payload — the step's first gather at the agreed size, a
         # repeat at the fixed size — or, where that would not be smaller than the raw values, the values
         # themselves (every rank decides alike, from sizes every rank has).
@@ -307,7 +321,7 @@ class DeviceGather:
             else:
                 values, ok = self.codec.decode_rows(state, others, parts, self._generation, expected)
             by_rank.index_copy_(0, others, values)
-            self._failed |= (~ok).any().to(torch.int64)
+            self._failed[0] |= (~ok).any().to(torch.int64)
             results.append(result)
         self.stats.host_s += time.perf_counter() - start_s
         return results

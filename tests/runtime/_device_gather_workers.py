@@ -224,8 +224,8 @@ def random_fault_worker(rank: int, world_size: int, port: int, steps: int, seed:
             try:
                 gather.check()
                 outcomes.append((fault, "applied", bool(exact_everywhere.item())))
-            except GatherError:
-                outcomes.append((fault, "refused", None))
+            except GatherError as error:
+                outcomes.append((fault, "refused", str(error)))
             if fault == "edit_shard" and rank == victim:
                 weights[0][0] = weights[0][0] / 2  # undo: the weights stay those of the reference
             _update(weights, generator)

@@ -443,6 +443,7 @@ def _multi_rank_worker(
             }
         )
     finally:
+        dist.barrier()  # leave together: tearing down gloo pairs the other rank still uses can abort it
         dist.destroy_process_group()
 
 

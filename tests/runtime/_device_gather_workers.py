@@ -12,6 +12,14 @@ from _dist_workers import init_gloo
 
 from ciera_runtime.device_gather import HostReadCounter
 
+
+def _close() -> None:
+    """Leave the group together: a rank that tears down its gloo pairs while the other is still using
+    them can abort the other's process."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 SHAPES = {0: (5000, torch.bfloat16), 1: (1537, torch.float16), 2: (0, torch.bfloat16), 3: (7, torch.float16)}
 STEPS = 8
 
@@ -84,7 +92,7 @@ def steady_worker(rank: int, world_size: int, port: int, result_queue) -> None:
             )
         )
     finally:
-        dist.destroy_process_group()
+        _close()
 
 
 def fault_worker(rank: int, world_size: int, port: int, result_queue) -> None:
@@ -123,7 +131,7 @@ def fault_worker(rank: int, world_size: int, port: int, result_queue) -> None:
             _update(weights, generator)
         result_queue.put((rank, outcomes))
     finally:
-        dist.destroy_process_group()
+        _close()
 
 
 def mismatch_worker(rank: int, world_size: int, port: int, result_queue) -> None:
@@ -140,7 +148,7 @@ def mismatch_worker(rank: int, world_size: int, port: int, result_queue) -> None
         except ConfigMismatchError as error:
             result_queue.put((rank, type(error).__name__))
     finally:
-        dist.destroy_process_group()
+        _close()
 
 
 FAULTS = ("none", "flip_byte", "zero_row", "swap_rows", "replay_row", "edit_shard", "flip_header")
@@ -231,4 +239,4 @@ def random_fault_worker(rank: int, world_size: int, port: int, steps: int, seed:
             _update(weights, generator)
         result_queue.put((rank, outcomes))
     finally:
-        dist.destroy_process_group()
+        _close()

@@ -215,6 +215,7 @@ class DeviceGather:
         flags = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)
         _all_gather_single(flags, self._failed.clone(), group=self.group)
         self.stats.host_reads += 1
+        self.stats.bytes_sent += self._failed.numel() * self._failed.element_size()  # protocol bytes
         table = flags.view(self.world_size, 2).tolist()
         self._failed.zero_()
         failures = {}

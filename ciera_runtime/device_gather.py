@@ -132,6 +132,8 @@ class DeviceGather:
         self._slot_bytes: list[int] = []  # per registered shard: this step's agreed payload size (host)
         self._generation = 0
         self._full_next = True  # the next prepare sends every block (start, or after a failure)
+        # A failed check: the owner must prepare again before the next gather (a retried step).
+        self.needs_prepare = False
         # Device flags since the last check: [a received part failed its checks, this rank's own shard
         # changed after prepare].
         self._failed = torch.zeros(2, dtype=torch.int64, device=self.device)
@@ -206,6 +208,7 @@ class DeviceGather:
         self.stats.host_reads += 1
         self.stats.bytes_sent += mine.numel() * mine.element_size()
         self._full_next = False
+        self.needs_prepare = False
         self.stats.host_s += time.perf_counter() - start_s
 
     def check(self) -> None:
@@ -232,7 +235,7 @@ class DeviceGather:
             if reasons:
                 failures[rank] = "; ".join(reasons)
         if failures:
-            self._full_next = True  # every rank resends in full: caches are rebuilt from scratch
+            self._full_next = self.needs_prepare = True  # every rank resends in full, caches rebuilt
             raise GatherError(
                 None, failures, "the step is not applied on any rank; the next step sends every shard in full"
             )

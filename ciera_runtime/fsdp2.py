@@ -56,7 +56,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from ciera_runtime.allgather import CompressedAllGather
 from ciera_runtime.bucket import DEFAULT_PART_BYTES, MAX_PARTS, check_part_bytes
 from ciera_runtime.codec import CodecConfig
-from ciera_runtime.errors import GatherError, SelectionMismatchError
+from ciera_runtime.errors import SelectionMismatchError
 from ciera_runtime.selection import CommProfile, Decision, ShardInfo, select_for_group
 from ciera_runtime.zero3 import CATEGORIES, DEFAULT_PRIORS, PRIOR_SOURCE, _agree, category_from_name
 
@@ -391,16 +391,12 @@ class CieraFSDP2:
     def check_device_gathers(self) -> None:
         """Before the optimizer applies a step: the same GatherError on every rank if a device gather since
         the last check did not rebuild exactly."""
-        try:
-            for device in self.device_gathers.values():
-                device.check()
-        except GatherError:
-            self._stale_payloads = True  # a retried step re-encodes, in full
-            raise
+        for device in self.device_gathers.values():
+            device.check()
 
     def _device_gather(self, comm: CieraAllGather, output, input_tensor, group, async_op: bool):
         stats = comm.stats
-        if self._stale_payloads:
+        if self._stale_payloads or any(d.needs_prepare for d in self.device_gathers.values()):
             self.prepare_device_gathers()
         device = self.device_gathers.get(group)
         if device is None or stats.shard_id not in device._shards:

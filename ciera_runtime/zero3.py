@@ -404,7 +404,7 @@ class CieraZero3:
             engine = self._engine_of[group_params[0].ds_id]
             if id(engine) in {id(d) for d in self.device_gathers.values()}:
                 # The device path: one exact-size slot per call, no parts (nothing to pipeline on the host).
-                if self._stale_payloads:
+                if self._stale_payloads or any(d.needs_prepare for d in self.device_gathers.values()):
                     self.prepare_device_gathers()
                 shards = [param.ds_tensor.data for param in group_params]
                 outputs = [
@@ -596,14 +596,8 @@ class CieraZero3:
     def check_device_gathers(self) -> None:
         """Before the optimizer applies a step: the same GatherError on every rank if a device gather
         since the last check did not rebuild exactly (docs/runtime.md, "The device gather")."""
-        from ciera_runtime.errors import GatherError
-
-        try:
-            for device in self.device_gathers.values():
-                device.check()
-        except GatherError:
-            self._stale_payloads = True  # a retried step re-encodes, in full
-            raise
+        for device in self.device_gathers.values():
+            device.check()
 
     def _hook_engine(self, engine) -> None:
         """Check before and prepare after the optimizer's step; prepare after load_checkpoint."""

@@ -12,14 +12,16 @@ timed next to a device-to-device copy of the same shard in the same run, ``*_vs_
   the hash detector and the plane checksum), merge (with its checksum), checksum alone.
 - ``device_path``: what the device gather (``ciera_runtime.device_gather.DevicePayloadCodec``) does per
   shard — sender: the payload (planes, block bitmap, changed exponents compacted, checksums); receiver:
-  the rebuild from its cache and the checks — at a share q of blocks changed. Changed exponents travel
-  uncoded (the entropy stage is separate, below).
+  the rebuild from its cache and the checks — at a share q of blocks changed, once per entropy
+  configuration: ``rans`` (changed exponents rANS-coded on the device, the default) and ``none`` (uncoded).
 - ``bit_exact``: the device's planes, change flags, hash cache, checksums and merged values against
   CpuBackend (numba) on the same inputs, BF16 and FP16, several block sizes, partial changes.
 - ``emulated_gather``: W ranks in one process, each with the device gather's state of one shard: every
   rank rebuilds every other rank's part from its payload, bit for bit, over a few steps.
-- ``entropy``: the project's rANS (host, numba) on the changed exponents: stream size against the
-  order-0 entropy and the uncoded size, and its throughput (the stage is not on the device yet).
+- ``entropy``: the rANS stage on the changed exponents — on the device (``ciera_runtime.device_rans``: CUDA
+  kernels on a GPU, the same source compiled for the CPU otherwise) and on the host (numba) — stream size
+  against the order-0 entropy and the uncoded size, throughput, and whether the device stream is
+  byte-identical to the host's of the same chunk size.
 - ``host_syncs``: the device gather's steady path (a shard's payload, its repeat, its decode) and its
   once-per-step encode: aten ops that read the host counted (any device), and with CUDA also run under
   ``torch.cuda.set_sync_debug_mode("error")`` (0 expected in both).
@@ -29,7 +31,7 @@ timed next to a device-to-device copy of the same shard in the same run, ``*_vs_
   (``set_sync_debug_mode("warn")`` on CUDA), bytes over raw, and the raw all-gather's time over the
   compressed one's.
 
-Not here yet (docs/runtime.md, "The GPU path"): nvCOMP's ANS.
+Not here: nvCOMP's ANS (the device stage is the project's own rANS format; docs/runtime.md).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on s
 
 from ciera_runtime import kernels, rans  # noqa: E402
 from ciera_runtime.backend import CpuBackend  # noqa: E402
-from ciera_runtime.device_gather import DevicePayloadCodec, HostReadCounter  # noqa: E402
+from ciera_runtime.device_gather import ENTROPY_STAGES, DevicePayloadCodec, HostReadCounter  # noqa: E402
+from ciera_runtime.device_rans import DeviceRans  # noqa: E402
 from ciera_runtime.selection import perturb_blocks  # noqa: E402
 from ciera_runtime.torch_backend import TorchBackend  # noqa: E402
 
@@ -151,15 +154,15 @@ def kernels_section(backend, device, numel, block_size, repeats, rng) -> dict:
     return result
 
 
-def device_path_section(device, numel, block_size, q, repeats, rng) -> dict:
+def device_path_section(device, numel, block_size, q, repeats, rng, entropy: str) -> dict:
     """Per shard, the device gather's sender and receiver work (ciera_runtime.device_gather's
-    DevicePayloadCodec, changed exponents uncoded) at a share q of blocks changed, against a copy."""
+    DevicePayloadCodec with this entropy stage) at a share q of blocks changed, against a copy."""
     base = weights_bits(numel, "bf16", rng)
     versions = [base]
     for _ in range(repeats + 2):
         versions.append(perturb_blocks(versions[-1], q, block_size, "bf16", rng))
     tensors = [torch.from_numpy(v.view(np.int16)).to(device).view(torch.bfloat16) for v in versions]
-    codec = DevicePayloadCodec(device, block_size)
+    codec = DevicePayloadCodec(device, block_size, entropy)
     sender = codec.new_shard(0, 0, numel, torch.bfloat16, rank=0, world_size=2)
     receiver = codec.new_shard(0, 0, numel, torch.bfloat16, rank=1, world_size=2)
     out = torch.empty_like(tensors[0])
@@ -188,6 +191,7 @@ def device_path_section(device, numel, block_size, q, repeats, rng) -> dict:
     copy_s, encode_s, decode_s = min(copy_samples), min(encode_samples), min(decode_samples)
     shard_bytes = 2 * numel
     return {
+        "entropy": entropy,
         "numel": numel,
         "block_size": block_size,
         "q": q,
@@ -290,15 +294,16 @@ def emulated_gather_section(device, numel, world, block_size, steps, rng) -> dic
         "shards_rebuilt": rebuilt,
         "wrong": wrong,
         "exact": wrong == 0,
-        "uncoded_bytes_over_raw": round(sent_bytes / raw_bytes, 4),
+        "payload_bytes_over_raw": round(sent_bytes / raw_bytes, 4),  # changed exponents rANS-coded
         # Device kernels a receiver launches to rebuild all W − 1 sources of one shard (aten ops, counted
         # under a dispatch mode): the batch does not grow with W.
         "aten_ops_per_shard_rebuild": ops_batched,
     }
 
 
-def entropy_section(numel, block_size, q, repeats, rng) -> dict:
-    """The host rANS stage on the exponents of a share q of changed blocks (what the uncoded path sends)."""
+def entropy_section(device, numel, block_size, q, repeats, rng) -> dict:
+    """The rANS stage on the exponents of a share q of changed blocks (what the uncoded path sends): on the
+    device (its stream against the host's, byte for byte) and on the host."""
     bits = weights_bits(numel, "bf16", rng)
     exponents = ((bits >> kernels.BF16_EXP_SHIFT) & kernels.BF16_EXP_MASK).astype(np.uint8)
     n_blocks = (numel + block_size - 1) // block_size
@@ -310,14 +315,35 @@ def entropy_section(numel, block_size, q, repeats, rng) -> dict:
     decode_s = min(_timed(lambda: rans.decode(stream, decoded)) for _ in range(repeats))
     rans.decode(stream, decoded)
     entropy = entropy_bits(changed)
+    stage = DeviceRans(device)
+    on_device = torch.from_numpy(changed).to(device)
+    count = torch.tensor(changed.size, device=device)
+    device_stream, device_length = stage.encode(on_device, count)
+    host_stream = rans.encode(changed, chunk_symbols=stage.chunk_symbols)
+    identical = device_stream[: int(device_length)].cpu().numpy().tobytes() == host_stream
+    rows = device_stream.unsqueeze(0)
+    lengths = device_length.reshape(1)
+    symbols, _, ok = stage.decode_rows(rows, changed.size, lengths)
+    device_exact = bool(ok[0]) and np.array_equal(symbols[0].cpu().numpy(), changed)
+    device_encode_s = best_s(lambda: stage.encode(on_device, count), device, repeats)
+    device_decode_s = best_s(lambda: stage.decode_rows(rows, changed.size, lengths), device, repeats)
     return {
-        "where": "host (numba rANS; not on the device yet)",
+        "device": {
+            "kernels": "CUDA (numba.cuda)" if stage.cuda_kernels else "CPU (numba.njit, the same source)",
+            "chunk_symbols": stage.chunk_symbols,
+            "stream_bytes": int(device_length),
+            "identical_to_host": identical,
+            "exact": device_exact,
+            "encode_MBps": round(changed.size / device_encode_s / 1e6, 1),
+            "decode_MBps": round(changed.size / device_decode_s / 1e6, 1),
+        },
+        "where": "host (numba rANS, its own chunk choice)",
         "changed_values": int(changed.size),
         "uncoded_bytes": int(changed.size),
         "rans_bytes": int(len(stream)),
         "entropy_bytes": round(entropy * changed.size / 8, 1),
         "rans_over_entropy": round(len(stream) / max(1e-9, entropy * changed.size / 8), 4),
-        "exact": bool(np.array_equal(decoded, changed)),
+        "exact": bool(np.array_equal(decoded, changed)) and device_exact and identical,
         "encode_MBps": round(changed.size / encode_s / 1e6, 1),
         "decode_MBps": round(changed.size / decode_s / 1e6, 1),
     }
@@ -528,18 +554,24 @@ def main() -> None:
         "schema": "ciera.bench.gpu_check/1",
         "environment": environment(device),
         "kernels": kernels_section(backend, device, args.numel, args.block_size, args.repeats, rng),
-        "device_path": device_path_section(device, args.numel, args.block_size, args.q, args.repeats, rng),
+        "device_path": {
+            entropy: device_path_section(
+                device, args.numel, args.block_size, args.q, args.repeats, rng, entropy
+            )
+            for entropy in ENTROPY_STAGES
+        },
         "bit_exact": bit_exact_section(backend, device, args.check_numel, rng),
         "emulated_gather": emulated_gather_section(
             device, args.check_numel, args.world, args.block_size, 3, rng
         ),
-        "entropy": entropy_section(args.numel, args.block_size, args.q, args.repeats, rng),
+        "entropy": entropy_section(device, args.numel, args.block_size, args.q, args.repeats, rng),
         "host_syncs": host_syncs_section(device, args.numel, args.block_size, rng),
         "multi_rank": multi_rank_section(device, args.check_numel),
     }
     result["wall_s"] = round(time.perf_counter() - start_s, 1)
     emit_json(result, args.json)
-    failed = [name for name in ("bit_exact", "emulated_gather", "device_path") if not result[name]["exact"]]
+    failed = [name for name in ("bit_exact", "emulated_gather", "entropy") if not result[name]["exact"]]
+    failed += [f"device_path {name}" for name, part in result["device_path"].items() if not part["exact"]]
     if result["multi_rank"]["run"] and not result["multi_rank"]["exact"]:
         failed.append("multi_rank")
     if failed:

@@ -22,9 +22,9 @@ to the step boundary instead:
    raises the same :class:`GatherError` on every rank; the next ``prepare`` then sends every shard in
    full. So no step computed from a wrong weight is ever applied.
 
-Changed exponents travel uncoded (one byte per value of a changed block): the configuration a device
-without an entropy coder runs (docs/runtime.md, "Backends"). The engines do not route CUDA parameters
-here yet; this module is the device gather they will call.
+Changed exponents travel rANS-coded (``entropy="rans"``, :mod:`ciera_runtime.device_rans`: the host's
+rANS format, coded on the device) where the stream is smaller than one byte per value, else uncoded; with
+``entropy="none"`` always uncoded (no entropy stage on either side).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ciera_runtime import kernels
 from ciera_runtime.allgather import _all_gather_single
+from ciera_runtime.device_rans import DeviceRans
 from ciera_runtime.errors import ConfigMismatchError, GatherError
 from ciera_runtime.torch_backend import (
     _CHECKSUM_SEED,
@@ -50,9 +51,11 @@ from ciera_runtime.torch_backend import (
 )
 
 # Per shard payload: [generation, changed values, checksum64(sign+mantissa), checksum64(exponents), shard
-# id, source rank] as int64, then the sign+mantissa plane and the block bitmap (each padded to 8 bytes), then the changed
-# blocks' exponents. A slot holds the payloads of a call's shards, each padded to 8 bytes.
-_HEADER_WORDS = 6
+# id, source rank, bytes of the changed exponents' area, 1 if that area is a rANS stream else 0] as int64,
+# then the sign+mantissa plane and the block bitmap (each padded to 8 bytes), then the changed blocks'
+# exponents — a rANS stream, or one byte each. A slot holds the payloads of a call's shards.
+_HEADER_WORDS = 8
+ENTROPY_STAGES = ("rans", "none")
 _HEADER_BYTES = 8 * _HEADER_WORDS
 _EXP_LAYOUT = {
     torch.bfloat16: (kernels.BF16_EXP_SHIFT, kernels.BF16_EXP_MASK),
@@ -88,6 +91,7 @@ class _Shard:
     last_sent: torch.Tensor  # uint8 exponents this rank sent last (its receivers' view of them)
     caches: torch.Tensor  # (W, numel) uint8: row s, the exponents rebuilt from rank s (this rank's: unused)
     block_size: int
+    area_capacity: int  # the payload's room for the changed exponents: uncoded, or the longest stream
     payload: torch.Tensor | None = None  # this step's payload (uint8, its largest possible size)
     prepared_checksum: torch.Tensor | None = None  # checksum64 of the values prepare() encoded (0-d)
     # The exponents the payload brings its receivers to: they become last_sent only when it is sent (a
@@ -121,13 +125,15 @@ class DeviceGather:
     the engine gathers, ``check()`` before the next optimizer step. Every call is collective on
     ``group``."""
 
-    def __init__(self, device: str | torch.device, group=None, block_size: int = 64) -> None:
+    def __init__(
+        self, device: str | torch.device, group=None, block_size: int = 64, entropy: str = "rans"
+    ) -> None:
         self.device = torch.device(device)
         self.group = group
         self.block_size = block_size
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.codec = DevicePayloadCodec(self.device, block_size)  # checks block_size
+        self.codec = DevicePayloadCodec(self.device, block_size, entropy)  # checks both
         self._shards: dict[int, _Shard] = {}
         self._slot_bytes: list[int] = []  # per registered shard: this step's agreed payload size (host)
         self._generation = 0
@@ -165,7 +171,8 @@ class DeviceGather:
             if tensor.device != self.device:
                 raise ValueError(f"shard {shard_id} is on {tensor.device}, this gather on {self.device}")
             described.append(f"{shard_id}:{tensor.numel()}:{tensor.dtype}")
-        fingerprint = zlib.crc32("|".join(described + [str(self.block_size)]).encode())
+        settings = [str(self.block_size), self.codec.entropy]
+        fingerprint = zlib.crc32("|".join(described + settings).encode())
         mine = torch.tensor([fingerprint], dtype=torch.int64, device=self.device)
         every = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
         _all_gather_single(every, mine, group=self.group)
@@ -336,12 +343,16 @@ class DevicePayloadCodec:
     exponents the receivers hold, decode against a receiver's cache. No process group: DeviceGather runs
     it between ranks, benchmarks/gpu_check.py between emulated ranks in one process."""
 
-    def __init__(self, device: str | torch.device, block_size: int = 64) -> None:
+    def __init__(self, device: str | torch.device, block_size: int = 64, entropy: str = "rans") -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size={block_size!r}: expected a power of two")
+        if entropy not in ENTROPY_STAGES:
+            raise ValueError(f"entropy={entropy!r}: expected 'rans' or 'none'")
         self.device = torch.device(device)
         self.block_size = block_size
+        self.entropy = entropy
         self.backend = TorchBackend(self.device)
+        self.rans = DeviceRans(self.device) if entropy == "rans" else None
 
     def new_shard(
         self, shard_id: int, index: int, numel: int, dtype: torch.dtype, rank: int, world_size: int
@@ -350,6 +361,9 @@ class DevicePayloadCodec:
         if dtype not in _EXP_LAYOUT:
             raise ValueError(f"shard {shard_id} has dtype {dtype}: expected bfloat16 or float16")
         caches = torch.zeros((world_size, numel), dtype=torch.uint8, device=self.device)
+        area_capacity = _align8(numel)
+        if self.rans is not None:
+            area_capacity = max(area_capacity, self.rans.max_stream_bytes(numel))
         return _Shard(
             shard_id=shard_id,
             index=index,
@@ -358,6 +372,7 @@ class DevicePayloadCodec:
             last_sent=torch.zeros(numel, dtype=torch.uint8, device=self.device),
             caches=caches,
             block_size=self.block_size,
+            area_capacity=area_capacity,
         )
 
     def _changed_values(self, changed_blocks: torch.Tensor, numel: int) -> torch.Tensor:
@@ -382,7 +397,16 @@ class DevicePayloadCodec:
         area = torch.zeros(numel + 1, dtype=torch.uint8, device=self.device)
         area.scatter_(0, torch.where(changed, positions, numel), exp)
         sign_mantissa = backend._sign_mantissa(patterns, state.is_fp16)
-        payload = torch.zeros(state.fixed_bytes + _align8(numel), dtype=torch.uint8, device=self.device)
+        # The changed exponents: a rANS stream where it is shorter than one byte each, else uncoded.
+        body = torch.zeros(state.area_capacity, dtype=torch.uint8, device=self.device)
+        body[:numel] = area[:numel]
+        area_bytes, coded = count, torch.zeros((), dtype=torch.int64, device=self.device)
+        if self.rans is not None:
+            stream, length = self.rans.encode(area[:numel], count)
+            coded = (length < count).to(torch.int64)
+            area_bytes = torch.where(coded == 1, length, count)
+            body[: stream.numel()] = torch.where(coded == 1, stream, body[: stream.numel()])
+        payload = torch.zeros(state.fixed_bytes + state.area_capacity, dtype=torch.uint8, device=self.device)
         header = payload[:_HEADER_BYTES].view(torch.int64)
         header[0] = generation
         header[1] = count
@@ -390,15 +414,17 @@ class DevicePayloadCodec:
         header[3] = backend.checksum64_tensor(exp)
         header[4] = state.shard_id
         header[5] = rank
+        header[6] = area_bytes
+        header[7] = coded
         at = _HEADER_BYTES
         payload[at : at + sign_mantissa.numel()] = sign_mantissa
         at += _align8(state.sign_mantissa_bytes)
         bitmap = self._pack_bits(changed_blocks)
         payload[at : at + bitmap.numel()] = bitmap
-        payload[state.fixed_bytes : state.fixed_bytes + numel] = area[:numel]
+        payload[state.fixed_bytes :] = body
         state.payload, state.prepared_exp = payload, exp
         state.prepared_checksum = self.values_checksum(shard)
-        return payload, state.fixed_bytes + count
+        return payload, state.fixed_bytes + area_bytes
 
     def values_checksum(self, shard: torch.Tensor) -> torch.Tensor:
         """checksum64 of the shard's bytes (0-d, no host read)."""
@@ -429,7 +455,8 @@ class DevicePayloadCodec:
     def repeat_payload(self, state: _Shard) -> torch.Tensor:
         """The payload of a later gather in the same step: no changed block (the bitmap zeroed)."""
         repeat = state.payload[: state.fixed_bytes].clone()
-        repeat[:_HEADER_BYTES].view(torch.int64)[1] = 0
+        header = repeat[:_HEADER_BYTES].view(torch.int64)
+        header[1] = header[6] = header[7] = 0  # no changed value, an empty uncoded area
         at = _HEADER_BYTES + _align8(state.sign_mantissa_bytes)
         repeat[at:] = 0
         return repeat
@@ -473,8 +500,17 @@ class DevicePayloadCodec:
         area = parts[:, state.fixed_bytes :]
         room = area.shape[1]
         cache = state.caches.index_select(0, sources)
-        # A changed value past the part's end reads byte 0: the count check below fails such a part.
-        gathered = torch.gather(area, 1, positions.clamp(0, max(room - 1, 0))) if room else cache
+        # The changed exponents, one byte each: uncoded in the part (zero past its end), or decoded from
+        # its rANS stream. A changed value past the area's end reads a zero: the count check fails it.
+        symbols = torch.zeros((rows, numel), dtype=torch.uint8, device=self.device)
+        symbols[:, : min(room, numel)] = area[:, :numel]
+        area_bytes, coded = header[:, 6], header[:, 7]
+        area_ok = (coded == 0) & (area_bytes == count) & (count <= room)
+        if self.rans is not None:
+            decoded, decoded_count, stream_ok = self.rans.decode_rows(area, numel, area_bytes)
+            symbols = torch.where((coded == 1).unsqueeze(1), decoded, symbols)
+            area_ok |= (coded == 1) & stream_ok & (decoded_count == count)
+        gathered = torch.gather(symbols, 1, positions.clamp(0, max(numel - 1, 0)))
         rebuilt = torch.where(changed, gathered, cache)
         values = _merge_rows(rebuilt, sign_mantissa, shift, state.is_fp16)
         ok = (
@@ -482,7 +518,7 @@ class DevicePayloadCodec:
             & (header[:, 4] == state.shard_id)
             & (header[:, 5] == sources)
             & (header[:, 1] == count)
-            & (count <= room)
+            & area_ok
             & (_checksum_rows(sign_mantissa) == header[:, 2])
             & (_checksum_rows(rebuilt) == header[:, 3])
         )

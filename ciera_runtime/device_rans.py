@@ -265,7 +265,9 @@ def _launch(kernel, threads: int, device: torch.device, *arrays):
     if device.type == "cuda":
         stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
         kernel[grid, block, stream](
-            *[cuda.as_cuda_array(a) if isinstance(a, torch.Tensor) else a for a in arrays]
+            # sync=False: the kernel runs on the stream that wrote the tensors, so numba need not wait for
+            # it (its default would block the host on that stream at every launch).
+            *[cuda.as_cuda_array(a, sync=False) if isinstance(a, torch.Tensor) else a for a in arrays]
         )
     else:
         kernel[grid, block](*[a.numpy() if isinstance(a, torch.Tensor) else a for a in arrays])

@@ -382,7 +382,9 @@ class CieraFSDP2:
         for group, shards in inputs.items():
             device = self.device_gathers.get(group)
             if device is None:
-                device = DeviceGather(next(iter(shards.values())).device, group, self.config.block_size)
+                device = DeviceGather(
+                    next(iter(shards.values())).device, group, self.config.block_size, self.config.entropy
+                )
                 device.register(shards)
                 self.device_gathers[group] = device
             device.prepare(shards)

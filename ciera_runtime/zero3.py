@@ -995,7 +995,9 @@ def _enable_device_gather(integration, key, group, members, params, routes, conf
     _agree(_describe(routes, members) + f"|device|{config.block_size}", group, dist.get_world_size(group))
     if not candidates:
         return
-    device = DeviceGather(params[candidates[0]].ds_tensor.device, group, block_size=config.block_size)
+    device = DeviceGather(
+        params[candidates[0]].ds_tensor.device, group, block_size=config.block_size, entropy=config.entropy
+    )
     device.register({ds_id: params[ds_id].ds_tensor.data for ds_id in candidates})
     for ds_id in candidates:
         routes[ds_id].path, routes[ds_id].reason = "ciera", "device gather (changed exponents uncoded)"

@@ -43,7 +43,7 @@ def _raw(weight: torch.Tensor, world_size: int) -> torch.Tensor:
     return expected
 
 
-def steady_worker(rank: int, world_size: int, port: int, result_queue) -> None:
+def steady_worker(rank: int, world_size: int, port: int, entropy: str, result_queue) -> None:
     """STEPS steps of prepare, gathers (one call of two shards, then each shard again, as recompute and
     backward do), check: bit-identical to the raw all-gather, host reads counted per phase."""
     from ciera_runtime.device_gather import DeviceGather
@@ -52,12 +52,15 @@ def steady_worker(rank: int, world_size: int, port: int, result_queue) -> None:
     try:
         generator = torch.Generator().manual_seed(7 + rank)
         weights = _weights(rank)
-        gather = DeviceGather("cpu", block_size=64)
+        gather = DeviceGather("cpu", block_size=64, entropy=entropy)
         gather.register(weights)
-        mismatches, gathers, over_raw = 0, 0, 0
+        mismatches, gathers, over_raw, coded_payloads = 0, 0, 0, 0
         steady_reads: collections.Counter = collections.Counter()
         for step in range(STEPS):
             gather.prepare(weights)
+            coded_payloads += sum(
+                int(state.payload[56:64].view(torch.int64)) for state in gather._shards.values()
+            )
             expected = {sid: _raw(w, world_size) for sid, w in weights.items()}
             # At step 2 shard 0 is prepared but never gathered: its receivers stay where they were, and
             # its next payload must be a delta on that, not on what it was never sent.
@@ -89,6 +92,7 @@ def steady_worker(rank: int, world_size: int, port: int, result_queue) -> None:
                 gather.stats.bytes_sent,
                 gather.stats.raw_bytes_equivalent,
                 over_raw,
+                coded_payloads,
             )
         )
     finally:

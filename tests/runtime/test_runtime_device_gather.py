@@ -50,10 +50,21 @@ def _spawn(worker, world_size: int, *args, timeout_s: float = 240) -> list:
     return sorted(collected)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_steady_gathers_are_exact_and_read_nothing_on_the_host(world_size: int) -> None:
-    results = _spawn(workers.steady_worker, world_size)
-    for rank, mismatches, gathers, steady_reads, host_reads, bytes_sent, raw_bytes, over_raw in results:
+@pytest.mark.parametrize("world_size,entropy", [(2, "rans"), (3, "rans"), (2, "none")])
+def test_steady_gathers_are_exact_and_read_nothing_on_the_host(world_size: int, entropy: str) -> None:
+    results = _spawn(workers.steady_worker, world_size, entropy)
+    sent = {}
+    for (
+        rank,
+        mismatches,
+        gathers,
+        steady_reads,
+        host_reads,
+        bytes_sent,
+        raw_bytes,
+        over_raw,
+        coded,
+    ) in results:
         assert gathers == workers.STEPS * 8 - 2 and mismatches == 0, rank
         assert steady_reads == {}, f"rank {rank}: host reads on the steady path: {steady_reads}"
         assert host_reads == 2 * workers.STEPS  # the sizes after each prepare, the flag at each check
@@ -62,6 +73,16 @@ def test_steady_gathers_are_exact_and_read_nothing_on_the_host(world_size: int) 
         assert over_raw == 0
         # Later gathers carry no exponents and small steps change few blocks: well under raw.
         assert bytes_sent < 0.8 * raw_bytes, (bytes_sent, raw_bytes)
+        # rANS streams where they are shorter than the uncoded exponents (most payloads here); never with
+        # entropy 'none'.
+        assert coded > (STEPS_CODED_AT_LEAST if entropy == "rans" else -1) and (
+            entropy == "rans" or coded == 0
+        )
+        sent[rank] = bytes_sent
+    print(entropy, world_size, "bytes sent per rank", sent)
+
+
+STEPS_CODED_AT_LEAST = workers.STEPS  # of STEPS x 4 shard payloads per rank
 
 
 def test_a_corrupted_slot_is_refused_by_every_rank_at_the_check_then_exact_again() -> None:

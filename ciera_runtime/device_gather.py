@@ -14,7 +14,9 @@ to the step boundary instead:
 2. **Each gather** (:meth:`DeviceGather.all_gather`) lays the call's payloads into the rank's slot
    (the first gather of a shard after ``prepare`` at the agreed size; later ones — recompute, backward —
    carry no changed block, at the payload's fixed size), moves the slots with ``all_gather_into_tensor``
-   (NCCL on GPU, gloo on CPU) and, at ``wait()``, rebuilds every other rank's part on the device.
+   (NCCL on GPU, gloo on CPU) and rebuilds every other rank's part on the device: on a GPU on a side
+   stream as soon as the bytes arrive (the caller's stream waits for it at ``wait()``), on the CPU at
+   ``wait()``.
 3. **Failures** (a checksum, count or generation that does not match; a shard that changed after
    ``prepare``) never raise inside a gather: they set a device flag and leave that source's cache as it
    was. :meth:`DeviceGather.check`, called before
@@ -146,6 +148,11 @@ class DeviceGather:
         others = [source for source in range(self.world_size) if source != self.rank]
         self._other_ranks = torch.tensor(others, dtype=torch.int64, device=self.device)
         self.stats = DeviceGatherStats()
+        # On a GPU each gather's decode runs on this side stream as soon as its bytes arrive (CCP): the
+        # stream waits for the NCCL work, decodes, and records an event that wait() makes the caller's
+        # stream wait on — the host never blocks, and the decode overlaps the caller's compute. On the
+        # CPU (gloo: a wait blocks the host anyway) the decode runs at wait().
+        self._codec_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # A testing hook: called with each received slot tensor (W x slot bytes) before decoding.
         self.fault_injector = None
 
@@ -222,6 +229,8 @@ class DeviceGather:
         """Before the optimizer applies the step: raise the same GatherError on every rank — naming every
         rank that failed and why — if any gather since the last check did not rebuild exactly (one
         all-gather of the flags, one host read)."""
+        if self._codec_stream is not None:  # the flags the side stream's decodes set
+            torch.cuda.current_stream(self.device).wait_stream(self._codec_stream)
         flags = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)
         _all_gather_single(flags, self._failed.clone(), group=self.group)
         self.stats.host_reads += 1
@@ -296,15 +305,27 @@ class DeviceGather:
                 self.codec.commit(state)
             state.gathered_this_step = True
             at += size
-        recv = torch.empty(self.world_size * slot_bytes, dtype=torch.uint8, device=self.device)
-        work = _all_gather_single(recv, send, group=self.group, async_op=True)
         self.stats.gathers += 1
         self.stats.bytes_sent += slot_bytes
         self.stats.raw_bytes_equivalent += sum(2 * state.numel for state in states)
+        parts = list(zip(sizes, raw, strict=True))
+        if self._codec_stream is None:
+            recv = torch.empty(self.world_size * slot_bytes, dtype=torch.uint8, device=self.device)
+            work = _all_gather_single(recv, send, group=self.group, async_op=True)
+            self.stats.host_s += time.perf_counter() - start_s
+            return DeviceGatherHandle(self, work, recv, states, parts, shards, outputs)
+        stream = self._codec_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the slot, shards and outputs written
+        send.record_stream(stream)
+        with torch.cuda.stream(stream):
+            recv = torch.empty(self.world_size * slot_bytes, dtype=torch.uint8, device=self.device)
+            work = _all_gather_single(recv, send, group=self.group, async_op=True)
+            work.wait()  # the side stream waits for the transfer; the host does not
+            results = self._finish(recv, states, parts, shards, outputs)
+            decoded = torch.cuda.Event()
+            decoded.record(stream)
         self.stats.host_s += time.perf_counter() - start_s
-        return DeviceGatherHandle(
-            self, work, recv, states, list(zip(sizes, raw, strict=True)), shards, outputs
-        )
+        return DeviceGatherHandle(self, None, None, states, parts, shards, outputs, results, decoded)
 
     def _finish(self, recv, states, sizes, shards, outputs) -> list[torch.Tensor]:
         start_s = time.perf_counter()
@@ -580,12 +601,22 @@ def _merge_rows(
 
 
 class DeviceGatherHandle:
-    def __init__(self, gather: DeviceGather, work, recv, states, sizes, shards, outputs) -> None:
+    def __init__(
+        self, gather: DeviceGather, work, recv, states, sizes, shards, outputs, results=None, decoded=None
+    ) -> None:
         self._gather, self._work, self._recv = gather, work, recv
         self._states, self._sizes, self._shards, self._outputs = states, sizes, shards, outputs
-        self._results: list[torch.Tensor] | None = None
+        self._results: list[torch.Tensor] | None = results
+        self._decoded = decoded  # on a GPU: the side stream's event after the decode
 
     def wait(self) -> list[torch.Tensor]:
+        """The gathered shards; on a GPU the caller's stream waits for their decode (no host wait)."""
+        if self._decoded is not None:
+            current = torch.cuda.current_stream(self._gather.device)
+            current.wait_event(self._decoded)
+            for result in self._results:  # made on the side stream, used on the caller's
+                result.record_stream(current)
+            self._decoded = None
         if self._results is None:
             self._work.wait()
             self._results = self._gather._finish(

@@ -65,3 +65,23 @@ def test_tiny_cpu_run_is_exact_and_says_it_is_not_a_gpu(tmp_path: Path) -> None:
     assert multi["host_syncs_in_gathers"] == 0 and 0.5 < multi["bytes_over_raw"] < 1.0
     for name in ("split", "split_detect", "merge", "checksum"):
         assert result["kernels"][f"{name}_GBps"] > 0
+
+
+def test_the_whole_check_runs_the_cuda_kernels_in_numbas_simulator(tmp_path: Path) -> None:
+    """The device rANS's CUDA kernels (not their CPU twin) through every section — the per-shard path,
+    the emulated W-rank gather, the 2-rank gloo gather — on CPU tensors: what the GPU compiles, run here."""
+    out = tmp_path / "gpu_check_sim.json"
+    done = run_benchmark(
+        "gpu_check.py",
+        *("--device", "cpu", "--numel", "8192", "--check-numel", "1001", "--world", "3", "--repeats", "1"),
+        *("--json", str(out)),
+        timeout=300,
+        env={"NUMBA_ENABLE_CUDASIM": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    device = result["entropy"]["device"]
+    assert device["kernels"] == "CUDA (numba.cuda)" and device["identical_to_host"] and device["exact"]
+    assert all(part["exact"] for part in result["device_path"].values())
+    assert result["emulated_gather"]["exact"] and result["multi_rank"]["exact"]
+    assert result["host_syncs"]["total"] == 0

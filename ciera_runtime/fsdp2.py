@@ -420,7 +420,7 @@ class CieraFSDP2:
                 )
             return self._plain(comm, output, input_tensor, group, async_op, input_tensor.numel() * 2)
         if stats.compressed is None:
-            stats.compressed, stats.reason = True, "device gather (changed exponents uncoded)"
+            stats.compressed, stats.reason = True, f"device gather (entropy {self.config.entropy})"
             stats.dtype, stats.numel = str(input_tensor.dtype).removeprefix("torch."), input_tensor.numel()
         start_s = time.perf_counter()
         sent_before = device.stats.bytes_sent
@@ -685,7 +685,8 @@ def enable_ciera(
     ``device_gather`` (with ``optimizer``, the one that steps the model): every BF16/FP16 module gathers
     through :class:`~ciera_runtime.device_gather.DeviceGather` on its own device — the path for CUDA
     parameters, which the host path leaves to the plain all-gather: the inputs encoded at the first
-    gather after each optimizer step, no host read per gather, changed exponents uncoded, no selection;
+    gather after each optimizer step, no host read per gather, changed exponents rANS-coded on the device
+    (``config.entropy``), no selection;
     the optimizer's step pre-hook raises the same GatherError on every rank if a gather failed. Run on
     CPU (gloo), not yet on a GPU.
     """
@@ -764,9 +765,10 @@ def enable_ciera(
         ]
         if not dist.is_initialized() or dist.get_rank() == 0:
             logger.warning(
-                "ciera_runtime.fsdp2: device gather for %d modules: exact detector, changed exponents uncoded "
-                "(no device entropy stage), no selection",
+                "ciera_runtime.fsdp2: device gather for %d modules: exact detector, entropy stage %s on the "
+                "device, no selection",
                 len(comms),
+                ciera.config.entropy,
             )
     # An iteration starts at each forward of the model (before FSDP2's own root pre-forward hook).
     model.register_forward_pre_hook(ciera._start_iteration, prepend=True)

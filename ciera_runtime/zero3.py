@@ -824,7 +824,7 @@ def enable_ciera(
     many raw bytes per rank travels as several pipelined buckets of about this size.
     ``device_gather`` (default False): the partitions go through :class:`~ciera_runtime.device_gather.
     DeviceGather` on their own device — payloads prepared at each optimizer step, no host read per gather,
-    changed exponents uncoded, every partition compressed (no selection) — for CUDA partitions, which the
+    changed exponents rANS-coded on the device (``entropy``), every partition compressed (no selection) — for CUDA partitions, which the
     host path leaves to DeepSpeed. Needs the engine (its optimizer step checks and prepares). It has run on
     CPU (gloo), not yet on a GPU.
     """
@@ -1000,7 +1000,7 @@ def _enable_device_gather(integration, key, group, members, params, routes, conf
     )
     device.register({ds_id: params[ds_id].ds_tensor.data for ds_id in candidates})
     for ds_id in candidates:
-        routes[ds_id].path, routes[ds_id].reason = "ciera", "device gather (changed exponents uncoded)"
+        routes[ds_id].path, routes[ds_id].reason = "ciera", f"device gather (entropy {config.entropy})"
         integration._engine_of[ds_id] = device
     integration.device_gathers[key] = device
     if dist.get_rank() == 0:

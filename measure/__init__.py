@@ -4,7 +4,9 @@
   `parameter_categories(model)`, `scaled_shape`, `parameter_count`, `zoo_keys`, `ZooError`.
 - `measure.corpus`: byte-level tokens of the CPython documentation topics, deterministic `batches`.
 - `measure.train`: `ciera train` — a zoo model under DeepSpeed ZeRO-3 or FSDP2, CIERA on or off, on
-  spawned gloo ranks or under torchrun (`TrainConfig`, `train`, `run_rank`, `start_run`).
+  spawned ranks or under torchrun (`TrainConfig`, `train`, `run_rank`, `start_run`).
+- `measure.placement`: where a rank runs (cuda:<LOCAL_RANK> + NCCL with CUDA, else CPU + gloo) and the
+  environment record; `measure.clock`: the step clock (CUDA events on CUDA, the host clock on CPU) and the boundary clock.
 - `measure.exponents`: exponent, block and shard change rates (`ExponentTracker` per category for
   `ciera train --exponent-stats`; `ExponentRecorder` per parameter for the bundle's tables; `layer_index`).
 - `ciera measure` (docs/measurement.md): `measure.emulated` (the emulated two-level cluster: network

@@ -71,7 +71,7 @@ def _run_row(
         "optimizer": "adam",
         "versions": _versions(run, extra_versions),
         "engine": train["engine"],
-        "backend": "gloo",
+        "backend": run.get("backend", "gloo"),  # run.json before the placement said gloo
         "nodes": math.ceil(world_size / ranks_per_node),
         "prefetch_bucket_size": int(schedule["prefetch_bucket_size"]),
         "max_reuse_distance": int(schedule["max_reuse_distance"]),

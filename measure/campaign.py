@@ -483,12 +483,11 @@ def capture_launched(
     same order, on the launcher's group; `out_dir` must be on a file system every rank sees. Rank 0 keeps
     the books (what is finished, the renames) and returns what was done; the others return None. A rank
     that does not join within `plan.timeout_s` makes the others fail with one line instead of waiting."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     from .capture import run_collectives_rank, run_exponents_rank, run_layers_rank
     from .events import EventRecorder
+    from .placement import check_ds_accelerator, init_group, place_rank
 
     rank = int(os.environ["RANK"])
     topology = launched_topology()
@@ -497,8 +496,10 @@ def capture_launched(
         prepare_out_dir(plan, out_dir)
     EventRecorder.install()  # before any engine keeps a reference to the collectives
     os.environ.setdefault("LOCAL_RANK", str(rank % topology.ranks_per_node))
+    placement = place_rank()  # cuda:<LOCAL_RANK> with NCCL when CUDA is available, else CPU with gloo
+    os.environ["DS_ACCELERATOR"] = check_ds_accelerator(placement, os.environ)
     try:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=plan.timeout_s))
+        init_group(placement, rank, topology.world_size, plan.timeout_s)
         dist.barrier()
     except Exception as error:  # noqa: BLE001 — a missing rank: one line, not a hang
         raise CaptureError(

@@ -7,6 +7,11 @@ Clock alignment: every rank leaves a barrier, then starts the iteration. When al
 share CLOCK_MONOTONIC (`time.perf_counter`), so the iteration's origin is the earliest rank's start and the
 spread of starts is recorded (`clock_spread_s`); across hosts each rank's own barrier exit is its origin and
 the spread is unknown (recorded as 0, and the run's versions say `clock: barrier`).
+
+Placement (`measure.placement`, decided in `measure.rank`): a rank runs on cuda:<LOCAL_RANK> with NCCL when
+CUDA is available, else on the CPU with gloo. On CUDA the event recorder reads its boundaries with
+`measure.clock.boundary_clock` (the current stream synchronized first; see `measure.events`), and CIERA runs
+its device path (`measure.train.placed_config`, said on the rank's log and recorded in run.json's job).
 """
 
 from __future__ import annotations
@@ -71,25 +76,21 @@ def train_config_for(system: str, **options: Any) -> TrainConfig:
 
 
 def host_description() -> dict[str, str]:
-    """What the run ran on: the device, the host and the software versions."""
+    """What the run ran on: the device (the rank's placement), the host, the process group's backend and
+    the software versions, with the environment record (measure.placement.environment_record: device name,
+    driver, CUDA runtime and NCCL versions, GPUs per node, CPU model and cores) in ``versions``."""
     import torch
+    import torch.distributed as dist
 
-    hardware = "cpu"
-    if torch.cuda.is_available():
-        hardware = torch.cuda.get_device_name()
-    else:
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    hardware = f"cpu: {line.split(':', 1)[1].strip()}"
-                    break
-        except OSError:
-            pass
+    from .placement import current, environment_record
+
+    environment = environment_record(current())
+    hardware = environment["device_name"]
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     # The host's usable cores: ranks sharing them run slower than one rank per core (a model needs it).
-    versions["host_cpus"] = (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    )
+    versions["host_cpus"] = environment["cpu_cores"]
+    for key in ("device", "driver", "nccl", "torch_cuda", "gpus_per_node", "local_world_size", "cpu_model"):
+        versions[key] = environment[key]
     try:
         import deepspeed
 
@@ -105,6 +106,7 @@ def host_description() -> dict[str, str]:
     return {
         "hardware": hardware,
         "host": socket.gethostname(),
+        "backend": dist.get_backend() if dist.is_initialized() else environment["backend"],
         "versions": json.dumps(versions, sort_keys=True),
     }
 
@@ -190,10 +192,13 @@ class _AttributedHandle:
 def _trained_loss(run, cfg: TrainConfig, step: int, rank: int, per_rank: int, what: str) -> float:
     """One unrecorded training step on this rank's part of batch ``step``; its loss, or TrainError."""
     from .corpus import batch
+    from .placement import current
 
     inputs, targets = batch(step, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
+    device = current().device
     loss = run.step(
-        inputs[rank * per_rank : (rank + 1) * per_rank], targets[rank * per_rank : (rank + 1) * per_rank]
+        inputs[rank * per_rank : (rank + 1) * per_rank].to(device),
+        targets[rank * per_rank : (rank + 1) * per_rank].to(device),
     )
     value = float(loss.detach().float().item())
     if not math.isfinite(value):
@@ -208,16 +213,24 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
     import torch
     import torch.distributed as dist
 
+    from .clock import boundary_clock
     from .corpus import batch
     from .events import EventRecorder, finish_events
-    from .train import start_run
+    from .placement import current
+    from .train import placed_config, start_run
 
-    cfg = job.train
+    placement = current()
+    cfg, changed = placed_config(job.train, placement)
+    if changed:  # recorded as run: run.json's job says device_gather
+        job = dataclasses.replace(job, train=cfg)
+        if rank == 0:
+            print(f"ciera measure: {job.run_id}: {changed}", flush=True)
     # The embedding's inputs are token ids: its backward pre-hook (where its backward starts) is exactly
     # what is wanted, and torch's note that no input requires a gradient is not news.
     warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     recorder = EventRecorder.install()  # before the engine exists: it keeps the wrapped collectives
     recorder.iterations.clear()  # under a launcher one process runs every job of the plan
+    recorder.use_clock(boundary_clock(placement), device=placement.cuda)
     model, categories, run, threads = start_run(cfg, world_size)
     num_layers = len(model.blocks)
     layer_of_name = {name: layer_index(name, num_layers) for name, _ in model.named_parameters()}
@@ -249,8 +262,8 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
         if cfg.exit_rank_at == (rank, iteration) or _injected_exit(job.run_id, rank, iteration):
             os._exit(17)  # a crash: no exception, no cleanup, no message
         inputs, targets = batch(warm + iteration, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
-        inputs = inputs[rank * per_rank : (rank + 1) * per_rank]
-        targets = targets[rank * per_rank : (rank + 1) * per_rank]
+        inputs = inputs[rank * per_rank : (rank + 1) * per_rank].to(placement.device)
+        targets = targets[rank * per_rank : (rank + 1) * per_rank].to(placement.device)
         # Python's cyclic GC runs between iterations, not inside them. The recorder keeps every event of
         # the run, so the heap grew with the capture and gen-2 collections (tens to hundreds of ms)
         # landed inside timed iterations, more often in CIERA's runs, whose gathers allocate more: a
@@ -317,7 +330,9 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
     frame.to_parquet(staging, index=False)
     os.replace(staging, out_dir / f"events-rank{rank}.parquet")
     schedule = run.schedule_config()
-    final_losses = torch.tensor(losses[job.warmup_iterations :] or [0.0], dtype=torch.float64)
+    final_losses = torch.tensor(
+        losses[job.warmup_iterations :] or [0.0], dtype=torch.float64, device=placement.device
+    )
     dist.all_reduce(final_losses)
     if rank == 0:
         document = {
@@ -331,7 +346,7 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
             "clock_spread_s": max(spreads) if spreads else 0.0,
             "gc_collect_s": gc_collect_s[job.warmup_iterations :],
             "schedule": schedule,
-            "mean_loss": (final_losses / world_size).tolist(),
+            "mean_loss": (final_losses / world_size).cpu().tolist(),
             "gathers_per_parameter": run.gathers_per_parameter(),
             "ciera": run.ciera_stats(),
             **host_description(),
@@ -357,8 +372,10 @@ def _write_json_atomic(path: Path, document: dict) -> None:
 def run_collectives_rank(job: dict, out_dir: Path, rank: int, world_size: int, progress) -> None:
     """The nccl-tests-style sweep on this group (measure.collectives); rank 0 writes collectives.json."""
     from .collectives import sweep_collectives
+    from .placement import current
 
     rows = sweep_collectives(
+        device=current().device,  # CUDA: the rank's own GPU, synchronised around the clock
         min_bytes=int(job["min_bytes"]),
         max_bytes=int(job["max_bytes"]),
         warmup=int(job["warmup"]),
@@ -380,11 +397,14 @@ def run_exponents_rank(job: dict, out_dir: Path, rank: int, world_size: int, pro
     import torch.distributed as dist
 
     from .exponents import EXPONENT_BLOCK_SIZES, ExponentRecorder
+    from .placement import current
+    from .train import placed_config, start_run
 
     train = dict(job["train"])
     train.pop("exit_rank_at", None)
-    cfg = TrainConfig(**train)
-    from .train import start_run
+    cfg, changed = placed_config(TrainConfig(**train), current())
+    if changed and rank == 0:
+        print(f"ciera measure: {job['run_id']}: {changed}", flush=True)
 
     model, categories, run, _threads = start_run(cfg, world_size)
     num_layers = len(model.blocks)

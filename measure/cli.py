@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -137,7 +138,7 @@ def train_command(
         str, typer.Option(help="on: parameter all-gathers through CIERA; off: the plain engine.")
     ] = "on",
     world_size: Annotated[
-        int, typer.Option(help="Local ranks (spawned, gloo); under torchrun the launcher's count is used.")
+        int, typer.Option(help="Local ranks (spawned); under torchrun the launcher's count is used.")
     ] = 2,
     steps: Annotated[int, typer.Option(help="Training steps, recorded (after the warm steps).")] = 20,
     warm_steps: Annotated[
@@ -157,7 +158,7 @@ def train_command(
         bool,
         typer.Option(
             "--device-gather",
-            help="CIERA's device path (what CUDA parameters take; here on CPU): changed exponents uncoded.",
+            help="CIERA's device path (what CUDA ranks use; on CPU ranks the same code): rANS on the device.",
         ),
     ] = False,
     layers: Annotated[int, typer.Option(help="Decoder blocks (0: the model's full depth).")] = 2,
@@ -195,7 +196,8 @@ def train_command(
         Path | None, typer.Option("--json", help="Write every number printed, and more.")
     ] = None,
 ) -> None:
-    """Train a zoo model with DeepSpeed ZeRO-3 or FSDP2, with or without CIERA, on local gloo ranks:
+    """Train a zoo model with DeepSpeed ZeRO-3 or FSDP2, with or without CIERA, on local ranks (one per GPU
+    with NCCL when CUDA is available, else CPU ranks with gloo; CIERA_TRAIN_BACKEND=gloo keeps them on CPU):
     loss and step time per step, bytes the all-gathers sent per step (raw and on the wire)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -243,6 +245,9 @@ def train_command(
     if launched is not None:  # torchrun / the deepspeed launcher started this process as one rank
         config = dataclasses.replace(config, world_size=launched[1])
     validate(config)  # every one-line error before the progress bar starts
+    from .placement import backend_request
+
+    backend_request(os.environ)  # a bad CIERA_TRAIN_BACKEND too
     if launched is not None and launched[0] != 0:
         train_launched(config)  # the other ranks print nothing; rank 0 reports
         return
@@ -293,7 +298,7 @@ def train_command(
     if ciera == "on":
         table.add_row(
             "entropy stage for changed exponents",
-            "none: the device gather sends them uncoded" if config.device_gather else config.entropy,
+            f"{config.entropy} (on the device)" if document["config"]["device_gather"] else config.entropy,
         )
     table.add_row("final loss", f"{document['final_loss']:.6f}" if steps_done else "-")
     table.add_row("median step", f"{document['median_step_s'] * 1e3:.1f} ms" if steps_done else "-")
@@ -301,6 +306,14 @@ def train_command(
     table.add_row("the same gathers raw", f"{raw:,.0f}")
     table.add_row("on the wire / raw", f"{sent / raw:.4f}" if raw else "-")
     table.add_row("final parameters (sha256, every rank alike)", document["parameter_digest"][:16])
+    environment = document.get("environment") or {}
+    if environment:
+        table.add_row("ranks on", f"{environment['device_name']} ({environment['backend']})")
+        if environment["device"].startswith("cuda"):
+            table.add_row(
+                "driver / NCCL / GPUs per node",
+                f"{environment['driver']} / {environment['nccl']} / {environment['gpus_per_node']}",
+            )
     table.add_row("torch threads per rank", str(document["threads_per_rank"]))
     if document["codec_threads_per_rank"] is not None:
         table.add_row("codec (numba) threads per rank", document["codec_threads_per_rank"])

@@ -1,7 +1,11 @@
 """Per-event timelines of real training iterations on one rank (`EventRecorder`).
 
 What is recorded, on `time.perf_counter`'s clock (converted to seconds from the iteration's start when the
-capture aligns the ranks' clocks):
+capture aligns the ranks' clocks). On a CUDA rank the boundaries are read with `measure.clock.boundary_clock`
+(`use_clock`): the current stream is synchronized first, so a segment ends when its kernels have finished,
+and a wait ends when the compute stream has caught up with the collective; an asynchronous collective ends
+at the wait that consumes it (NCCL's completion callback fires when the op is queued, not when it is done).
+This serialises the host with the GPU (no running ahead): correct per segment, slower than an untimed step.
 
 - **compute / optim**: the main thread's time, cut into segments. A segment ends whenever the main thread
   blocks in a collective (a synchronous call, or `Work.wait()`), runs the codec, or enters or leaves a
@@ -88,6 +92,16 @@ class EventRecorder:
         self._awaiting_decode: dict[int, collections.deque] = {}
         self._lock = threading.Lock()
         self.iterations: list[_IterationLog] = []
+        # Segment boundaries: time.perf_counter on the CPU; on CUDA a clock that synchronizes first.
+        self.clock: Callable[[], float] = time.perf_counter
+        self.device_clock = False
+        self._in_flight: dict[int, tuple[object, Event]] = {}  # CUDA: id(work) -> (work, its event)
+
+    def use_clock(self, clock: Callable[[], float], device: bool) -> None:
+        """Read segment boundaries with ``clock``; ``device``: the rank computes on a GPU (see the module
+        docstring: asynchronous collectives then end at their wait)."""
+        self.clock = clock
+        self.device_clock = device
 
     # ------------------------------------------------------------------ installation
 
@@ -114,11 +128,15 @@ class EventRecorder:
         def wait(work, *args, **kwargs):
             if not recorder._recording_here():
                 return original_wait(work, *args, **kwargs)
-            start_s = time.perf_counter()
+            start_s = recorder.clock()
             try:
                 return original_wait(work, *args, **kwargs)
             finally:
-                recorder._main_thread_elsewhere(start_s, time.perf_counter())
+                end_s = recorder.clock()
+                pending = recorder._in_flight.pop(id(work), None)
+                if pending is not None and pending[1].end_s < 0:
+                    pending[1].end_s = end_s  # CUDA: the compute stream has caught up with it here
+                recorder._main_thread_elsewhere(start_s, end_s)
 
         work_class.wait = wait
         cls._installed = recorder
@@ -166,12 +184,17 @@ class EventRecorder:
                 try:
                     return original(*args, **kwargs)
                 finally:
-                    event.end_s = time.perf_counter()
+                    event.end_s = recorder.clock()
                     if threading.get_ident() == recorder._main:
                         recorder._main_thread_elsewhere(issued_s, event.end_s)
             work = original(*args, **kwargs)
             if work is None:  # this rank is not in the group
                 event.end_s = time.perf_counter()
+                return work
+
+            if recorder.device_clock:  # NCCL's future completes when queued: the op ends at its wait
+                with recorder._lock:
+                    recorder._in_flight[id(work)] = (work, event)
                 return work
 
             def done(_future, event=event) -> None:
@@ -227,7 +250,7 @@ class EventRecorder:
         if not self._recording_here():
             change()
             return
-        now = time.perf_counter()
+        now = self.clock()
         self._close_segment(now)
         change()
         self._segment_start_s = now
@@ -327,7 +350,7 @@ class EventRecorder:
 
     @contextlib.contextmanager
     def iteration(self, index: int) -> Iterator[_IterationLog]:
-        log = _IterationLog(index, time.perf_counter())
+        log = _IterationLog(index, self.clock())
         self._stack[:] = [-1]
         self._phase = "fwd"
         self._segment_start_s = log.start_s
@@ -335,9 +358,11 @@ class EventRecorder:
         try:
             yield log
         finally:
-            end_s = time.perf_counter()
+            end_s = self.clock()
             self._close_segment(end_s)
             self._log = None
+            with self._lock:
+                self._in_flight.clear()  # never waited for: finish_events ends them at the iteration end
             log.end_s = end_s
             self.iterations.append(log)
 

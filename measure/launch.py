@@ -40,18 +40,21 @@ def _last_line(path: Path) -> str:
 def rank_environment(rank: int, world_size: int, ranks_per_node: int, port: int) -> dict[str, str]:
     threads = max(1, (os.cpu_count() or 1) // world_size)
     cache = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.cwd() / ".torch_extensions")
-    return {
+    environment = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(rank % ranks_per_node),
         "LOCAL_WORLD_SIZE": str(ranks_per_node),
         "MASTER_PORT": str(port),
-        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
         "TORCH_EXTENSIONS_DIR": cache,
         "OMP_NUM_THREADS": str(threads),
         "NUMBA_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",
     }
+    # DeepSpeed's accelerator follows the rank's placement (measure.rank sets it); a user's own is kept.
+    if os.environ.get("DS_ACCELERATOR"):
+        environment["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"]
+    return environment
 
 
 def run_job(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -131,6 +132,19 @@ def _check_capacity(plan: CapturePlan) -> None:
             raise CaptureError(f"topology {topology.name}: {error}") from None
 
 
+def _placement_note(plan: CapturePlan) -> str:
+    """Where the ranks will run (measure.placement decides in each rank; the same rule, said once here)."""
+    import torch
+
+    from .placement import choose_placement
+
+    available = torch.cuda.is_available()
+    ranks_per_node = max(topology.ranks_per_node for topology in plan.topologies)
+    return choose_placement(
+        available, ranks_per_node - 1, os.environ, torch.cuda.device_count() if available else 0
+    ).note()
+
+
 def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
     from .assemble import assemble_bundle
     from .train import launched_rank
@@ -151,6 +165,7 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
         capture_launched(plan, out)  # the other ranks print nothing; rank 0 reports
         return
     console = Console(stderr=True)
+    console.print(f"ciera measure: {_placement_note(plan)}")
     if any(topology.emulated for topology in plan.topologies):
         from .emulated import clean_leftovers
 

@@ -2,8 +2,10 @@
 
 Started by `measure.launch` (local processes, or processes inside the emulated cluster's namespaces) or by
 torchrun / the deepspeed launcher on a real cluster. The process group comes from the environment (RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT); JOB_DIR/job.json says what to run; results go to JOB_DIR. A failure
-is one line on stderr and exit code 1 (the launcher reports it and stops the other ranks).
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the rank's device and backend from LOCAL_RANK (`measure.placement`:
+cuda:<LOCAL_RANK> with NCCL when CUDA is available, else the CPU with gloo); JOB_DIR/job.json says what to
+run; results go to JOB_DIR. A failure is one line on stderr and exit code 1 (the launcher reports it and
+stops the other ranks).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 
@@ -30,7 +31,6 @@ def main(argv: list[str]) -> int:
     job = json.loads((out_dir / "job.json").read_text())
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import torch.distributed as dist
     except ImportError as error:
@@ -38,15 +38,15 @@ def main(argv: list[str]) -> int:
         return 1
     try:
         from .events import EventRecorder
+        from .placement import check_ds_accelerator, init_group, place_rank
 
+        placement = place_rank()  # cuda:<LOCAL_RANK> with NCCL when CUDA is available, else CPU with gloo
+        os.environ["DS_ACCELERATOR"] = check_ds_accelerator(placement, os.environ)
+        if rank == 0:
+            print(f"ciera measure: {placement.note()}", file=sys.stderr, flush=True)
         if job["kind"] == "layers":
             EventRecorder.install()  # wraps torch.distributed before any engine keeps a reference
-        dist.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=float(job.get("timeout_s", 300))),
-        )
+        init_group(placement, rank, world_size, float(job.get("timeout_s", 300)))
         progress = _progress_writer(out_dir) if rank == 0 else (lambda record: None)
         if job["kind"] == "layers":
             from .capture import LayersJob, run_layers_rank

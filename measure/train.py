@@ -1,7 +1,10 @@
 """`ciera train`: train a zoo model with DeepSpeed ZeRO-3 or FSDP2, with or without CIERA, on local spawned
-ranks (gloo) or under torchrun / the deepspeed launcher (the same code; the launcher's RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT are used). The codec backends in this build run on CPU, so every rank trains
-on CPU with gloo, launched or spawned; NCCL needs a CUDA codec backend.
+ranks or under torchrun / the deepspeed launcher (the same code; the launcher's RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT and LOCAL_RANK are used). Placement (`measure.placement`): with CUDA, rank r of a
+node trains on cuda:<LOCAL_RANK> with NCCL, else on the CPU with gloo (CIERA_TRAIN_BACKEND=gloo keeps CUDA
+machines on the CPU); the choice is said on the console. CUDA parameters take CIERA's device path only (the
+host codec reads CPU tensors): on CUDA, CIERA without --device-gather is switched to it, and said so.
+Step times on CUDA come from CUDA events (`measure.clock.StepClock`).
 
 Every rank builds the same model from the same seed; step s always trains on the same global batch of the
 corpus (`measure.corpus.batch`), rank r on its contiguous slice. Per step it records the global mean loss
@@ -24,7 +27,6 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 ENGINES = ("zero3", "fsdp")
@@ -71,7 +73,7 @@ class TrainConfig:
     detector: str = "exact"  # CodecConfig's default: exponent deltas
     entropy: str = "rans"  # CodecConfig.entropy: "none" sends changed exponents uncoded
     # The device path (ciera_runtime.device_gather): what CUDA parameters take; on CPU it runs the same
-    # code. Changed exponents uncoded, no selection.
+    # code. Changed exponents rANS-coded on the device (entropy "rans") or uncoded ("none"), no selection.
     device_gather: bool = False
     cache_budget_bytes: int | None = None
     timeout_s: float = 300.0
@@ -183,6 +185,7 @@ class RankResult:
     nudged: dict | None = None  # which weight the ULP nudge moved, and from/to
     warm_steps: int = 0  # steps trained before the first recorded one (cfg.warm_steps)
     warm_final_loss: float | None = None  # global mean loss of the last warm step
+    environment: dict | None = None  # measure.placement.environment_record: device, driver, NCCL, ...
 
 
 # ---------------------------------------------------------------------------------------- byte counting
@@ -234,7 +237,7 @@ def _parameter_digest(named_full_tensors) -> str:
     digest = hashlib.sha256()
     for name, tensor in named_full_tensors:
         digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -367,13 +370,24 @@ class _Zero3Run(_EngineRun):
 class _FsdpRun(_EngineRun):
     def __init__(self, cfg: TrainConfig, model, categories: dict[str, str]) -> None:
         import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from .placement import current
 
         self.cfg = cfg
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # The mesh on the rank's own device: fully_shard's default mesh takes CUDA whenever it exists, even
+        # for ranks placed on the CPU (CIERA_TRAIN_BACKEND=gloo). Without CUDA the default is the CPU mesh.
+        mesh = (
+            init_device_mesh(current().device_type, (dist.get_world_size(),))
+            if torch.cuda.is_available()
+            else None
+        )
         for block in model.blocks:
-            fully_shard(block, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
-        fully_shard(model, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
         self.model = model
         self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         self.ciera = None
@@ -489,6 +503,7 @@ def start_run(cfg: TrainConfig, world_size: int):
     import torch
 
     from .arms import nudge_one_weight
+    from .placement import current
     from .zoo import build_model, parameter_categories
 
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
@@ -502,6 +517,7 @@ def start_run(cfg: TrainConfig, world_size: int):
     )
     nudged = nudge_one_weight(model) if cfg.nudge_ulp else None
     categories = parameter_categories(model)
+    model.to(current().device)  # built on the CPU from the seed: the same weights on every device
     run = (_Zero3Run if cfg.engine == "zero3" else _FsdpRun)(cfg, model, categories)
     run.nudged = nudged
     return model, categories, run, threads
@@ -521,7 +537,9 @@ def run_rank(
     import torch.distributed as dist
 
     from .arms import LossyGather, save_state, state_digest
+    from .clock import StepClock
     from .corpus import batch
+    from .placement import current, environment_record
 
     lossy = LossyGather.installed(cfg.lossy_gather, rank)  # before the engines keep references to the gather
     counter = AllGatherCounter.installed()
@@ -534,6 +552,9 @@ def run_rank(
             f"steps ({cfg.steps})"
         )
     result = RankResult(rank, threads=threads, nudged=run.nudged, warm_steps=cfg.warm_steps)
+    device = current().device
+    result.environment = environment_record(current())
+    clock = StepClock(device)  # CUDA: the step timed by events, one synchronize at its end
     if cfg.ciera:
         from ciera_runtime import get_backend
 
@@ -557,7 +578,7 @@ def run_rank(
 
     def global_mean_loss(loss) -> float:
         """The mean of the ranks' losses, as float32 (collective)."""
-        losses = torch.tensor([loss.detach().float().item()], dtype=torch.float32)
+        losses = torch.tensor([loss.detach().float().item()], dtype=torch.float32, device=device)
         dist.all_reduce(losses)  # a sum of W float32 values in a fixed order: the same on every rank
         return struct.unpack("<f", struct.pack("<f", float(losses.item()) / world_size))[0]
 
@@ -570,8 +591,8 @@ def run_rank(
         if cfg.exit_rank_at == (rank, step):
             os._exit(17)  # a crash: no exception, no cleanup, no message
         inputs, targets = batch(step, cfg.seq_len, cfg.global_batch, cfg.seed, "train")
-        inputs = inputs[rank * per_rank : (rank + 1) * per_rank]
-        targets = targets[rank * per_rank : (rank + 1) * per_rank]
+        inputs = inputs[rank * per_rank : (rank + 1) * per_rank].to(device)
+        targets = targets[rank * per_rank : (rank + 1) * per_rank].to(device)
         if step < first_recorded:  # a warm step: trained, not timed, nothing kept but the last loss
             with lossy.during_step(step):
                 loss = run.step(inputs, targets)
@@ -586,10 +607,10 @@ def run_rank(
                 tracker.update(run.full_parameters())  # the weights before the first recorded step
             sent_before, ciera_before = counter.bytes_sent, _ciera_bytes(run.engines())
             host_before_s = sum(engine.stats.host_s for engine in run.engines())
-            start_s = time.perf_counter()
+            clock.start()
             with lossy.during_step(step):
                 loss = run.step(inputs, targets)
-            step_s = time.perf_counter() - start_s
+            step_s = clock.stop() - clock.start_s
             sent = counter.bytes_sent - sent_before
             ciera_sent, ciera_raw = (
                 after - before
@@ -597,7 +618,7 @@ def run_rank(
             )
             raw = sent - ciera_sent + ciera_raw  # CIERA's gathers counted at what they would have sent raw
             mean_loss_f32 = global_mean_loss(loss)
-            slowest_s = torch.tensor([step_s], dtype=torch.float64)
+            slowest_s = torch.tensor([step_s], dtype=torch.float64, device=device)
             dist.all_reduce(slowest_s, op=dist.ReduceOp.MAX)
             record = StepRecord(
                 step,
@@ -640,21 +661,36 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _init_group(rank: int, world_size: int, cfg: TrainConfig) -> None:
-    import torch
-    import torch.distributed as dist
-
-    backend = (
-        "nccl" if torch.cuda.is_available() and os.environ.get("CIERA_TRAIN_BACKEND") != "gloo" else "gloo"
-    )
-    if backend == "nccl":
+def placed_config(cfg: TrainConfig, placement) -> tuple[TrainConfig, str | None]:
+    """``cfg`` as it runs on ``placement`` (measure.placement.Placement), and the console line saying what
+    changed (None: nothing). CUDA parameters take CIERA's device path only (the host codec reads CPU
+    tensors): CIERA without device_gather is switched to it there; BSC (select) has no device path."""
+    if not (placement.cuda and cfg.ciera and not cfg.device_gather):
+        return cfg, None
+    if cfg.select:
         raise TrainError(
-            "CUDA is available, but `ciera train` places its ranks on CPU in this build: set "
-            "CIERA_TRAIN_BACKEND=gloo (--device-gather runs CIERA's device path on those CPU ranks)"
+            "select is on, but on CUDA ranks CIERA runs its device path, which compresses every BF16 "
+            "parameter: expected --no-select, or CIERA_TRAIN_BACKEND=gloo to train on the CPU"
         )
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s)
+    return dataclasses.replace(cfg, device_gather=True), (
+        "CIERA on CUDA: using the device gather (--device-gather; changed exponents rANS-coded on the GPU, every "
+        "BF16 parameter compressed): the host codec takes CPU tensors only"
     )
+
+
+def _say(line: str) -> None:
+    import sys
+
+    print(f"ciera train: {line}", file=sys.stderr, flush=True)
+
+
+def _init_group(rank: int, world_size: int, cfg: TrainConfig):
+    """Place this rank (measure.placement: its GPU, or the CPU) and form the process group; the placement."""
+    from .placement import init_group, place_rank
+
+    placement = place_rank()
+    init_group(placement, rank, world_size, cfg.timeout_s)
+    return placement
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig, queue) -> None:
@@ -673,7 +709,6 @@ def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig, queue
     # What torchrun / the deepspeed launcher would set (DeepSpeed asserts LOCAL_RANK).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.distributed as dist
 
     try:
@@ -750,12 +785,20 @@ def train_launched(
     others None). ``cfg.world_size`` must match the launcher's WORLD_SIZE."""
     import torch.distributed as dist
 
+    from .placement import check_ds_accelerator, place_rank
+
     rank, world_size = launched_rank()
     if world_size != cfg.world_size:
         raise TrainError(f"--world-size {cfg.world_size}, but the launcher started {world_size} ranks")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    placement = place_rank()
+    cfg, changed = placed_config(cfg, placement)
     validate(cfg)
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", str(rank)))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["DS_ACCELERATOR"] = check_ds_accelerator(placement, os.environ)
+    if rank == 0:
+        _say(placement.note())
+        if changed:
+            _say(changed)
     _init_group(rank, world_size, cfg)
     try:
         warm = None
@@ -782,8 +825,20 @@ def train(
     """Run ``cfg`` on local spawned ranks; returns the result document (every number the CLI prints).
     ``on_step`` gets rank 0's record of each recorded step, ``on_warm_step`` {"step", "loss"} of each warm
     step."""
+    import torch
+
+    from .placement import check_ds_accelerator, choose_placement
+
+    # The placement every spawned rank will make (rank r is local rank r): the last rank needs a GPU too.
+    available = torch.cuda.is_available()
+    devices = torch.cuda.device_count() if available else 0
+    last = choose_placement(available, cfg.world_size - 1, os.environ, devices)
+    _say(last.note())
+    cfg, changed = placed_config(cfg, last)
+    if changed:
+        _say(changed)
     validate(cfg)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["DS_ACCELERATOR"] = check_ds_accelerator(last, os.environ)  # the spawned ranks inherit it
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".torch_extensions"))
     import queue as queue_module
 
@@ -886,6 +941,7 @@ def summarize(cfg: TrainConfig, ranks: list[dict]) -> dict:
         "median_step_s": sorted(r["step_s"] for r in steps)[len(steps) // 2] if steps else None,
         "gathers_per_parameter": rank0["gathers_per_parameter"],
         "threads_per_rank": rank0["threads"],
+        "environment": rank0.get("environment"),  # rank 0's: device, driver, NCCL, GPUs per node, CPU
         "codec_threads_per_rank": rank0.get("codec_threads"),
         "ciera": rank0["ciera"],
         "exponent_stats": _exponent_summary(cfg, rank0),

@@ -203,7 +203,7 @@ def test_the_device_gather_trains_bit_identical_and_refuses_a_corrupted_step() -
     for result in results:
         assert result["losses_equal"] is True, result["rank"]
         assert all(result["params_equal"].values()), result["params_equal"]
-        assert result["reasons"] == ["device gather (changed exponents uncoded)"]
+        assert result["reasons"] == ["device gather (entropy rans)"]
         # Inside the gathers (issue and wait, prepare excluded): no aten op that reads the host on a GPU.
         assert result["gather_host_reads"] == {}, result["gather_host_reads"]
         (device,) = result["stats"]["device_gathers"]

@@ -336,7 +336,7 @@ def test_the_device_gather_trains_bit_identical_and_refuses_a_corrupted_step(tmp
         assert result["losses"] == result["plain_losses"], result["rank"]
         assert result["params_vs_plain"] == [] and result["resumed_vs_uninterrupted"] == []
         assert result["resumed_losses"] == result["losses"][steps // 2 :]
-        assert result["routes"] == [("ciera", "device gather (changed exponents uncoded)")]
+        assert result["routes"] == [("ciera", "device gather (entropy rans)")]
         # Inside the gathers (issue and wait, prepare excluded): no aten op that reads the host on a GPU.
         assert result["gather_host_reads"] == {}, result["gather_host_reads"]
         assert result["accumulation_losses_equal"] and result["accumulation_params_equal"]

@@ -9,8 +9,8 @@ spread of starts is recorded (`clock_spread_s`); across hosts each rank's own ba
 the spread is unknown (recorded as 0, and the run's versions say `clock: barrier`).
 
 Placement (`measure.placement`, decided in `measure.rank`): a rank runs on cuda:<LOCAL_RANK> with NCCL when
-CUDA is available, else on the CPU with gloo. On CUDA the event recorder reads its boundaries with
-`measure.clock.boundary_clock` (the current stream synchronized first; see `measure.events`), and CIERA runs
+CUDA is available, else on the CPU with gloo. On CUDA the event recorder's boundaries are CUDA
+events resolved at each iteration's end (`measure.clock.boundary_clock`; see `measure.events`), and CIERA runs
 its device path (`measure.train.placed_config`, said on the rank's log and recorded in run.json's job).
 """
 
@@ -230,7 +230,7 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
     warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     recorder = EventRecorder.install()  # before the engine exists: it keeps the wrapped collectives
     recorder.iterations.clear()  # under a launcher one process runs every job of the plan
-    recorder.use_clock(boundary_clock(placement), device=placement.cuda)
+    recorder.use_clock(boundary_clock(placement))
     model, categories, run, threads = start_run(cfg, world_size)
     num_layers = len(model.blocks)
     layer_of_name = {name: layer_index(name, num_layers) for name, _ in model.named_parameters()}

@@ -1,11 +1,12 @@
 """Per-event timelines of real training iterations on one rank (`EventRecorder`).
 
 What is recorded, on `time.perf_counter`'s clock (converted to seconds from the iteration's start when the
-capture aligns the ranks' clocks). On a CUDA rank the boundaries are read with `measure.clock.boundary_clock`
-(`use_clock`): the current stream is synchronized first, so a segment ends when its kernels have finished,
-and a wait ends when the compute stream has caught up with the collective; an asynchronous collective ends
-at the wait that consumes it (NCCL's completion callback fires when the op is queued, not when it is done).
-This serialises the host with the GPU (no running ahead): correct per segment, slower than an untimed step.
+capture aligns the ranks' clocks). On a CUDA rank the boundaries are CUDA events
+(`measure.clock.CudaBoundaryClock`, `use_clock`): each is recorded on the current stream and resolved at
+the iteration's end, so a segment ends when the stream has run its kernels and a wait ends when the
+compute stream has caught up with the collective, without a synchronize inside the iteration; an
+asynchronous collective ends at the wait that consumes it (NCCL completes its future when the op is
+queued, not when it is done).
 
 - **compute / optim**: the main thread's time, cut into segments. A segment ends whenever the main thread
   blocks in a collective (a synchronous call, or `Work.wait()`), runs the codec, or enters or leaves a
@@ -36,6 +37,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+from .clock import CudaBoundaryClock, HostBoundaryClock
 
 _UINT8 = None  # torch.uint8, set by install() (torch is imported only there)
 
@@ -92,16 +95,16 @@ class EventRecorder:
         self._awaiting_decode: dict[int, collections.deque] = {}
         self._lock = threading.Lock()
         self.iterations: list[_IterationLog] = []
-        # Segment boundaries: time.perf_counter on the CPU; on CUDA a clock that synchronizes first.
-        self.clock: Callable[[], float] = time.perf_counter
+        # Segment boundaries: the host clock on the CPU; CUDA events on CUDA (measure.clock).
+        self.clock: HostBoundaryClock | CudaBoundaryClock = HostBoundaryClock()
         self.device_clock = False
         self._in_flight: dict[int, tuple[object, Event]] = {}  # CUDA: id(work) -> (work, its event)
 
-    def use_clock(self, clock: Callable[[], float], device: bool) -> None:
-        """Read segment boundaries with ``clock``; ``device``: the rank computes on a GPU (see the module
-        docstring: asynchronous collectives then end at their wait)."""
+    def use_clock(self, clock: HostBoundaryClock | CudaBoundaryClock) -> None:
+        """Read segment boundaries with ``clock`` (``measure.clock.boundary_clock``); a device clock means
+        the rank computes on a GPU (see the module docstring: asynchronous collectives end at their wait)."""
         self.clock = clock
-        self.device_clock = device
+        self.device_clock = clock.device
 
     # ------------------------------------------------------------------ installation
 
@@ -165,7 +168,7 @@ class EventRecorder:
             # CIERA's rounds move bytes (uint8): their raw size is known only once the codec has decoded
             # (codec_timer assigns the gather's raw size to its bulk round); until then they count 0 raw.
             raw_bytes = 0 if tensor is not None and tensor.dtype == _UINT8 else size_bytes
-            issued_s = time.perf_counter()
+            issued_s = recorder.clock()
             pending = getattr(recorder._last_collective, "pending_layer", None)
             recorder._last_collective.pending_layer = None
             pending_shard = getattr(recorder._last_collective, "pending_shard", None)
@@ -189,7 +192,7 @@ class EventRecorder:
                         recorder._main_thread_elsewhere(issued_s, event.end_s)
             work = original(*args, **kwargs)
             if work is None:  # this rank is not in the group
-                event.end_s = time.perf_counter()
+                event.end_s = recorder.clock()
                 return work
 
             if recorder.device_clock:  # NCCL's future completes when queued: the op ends at its wait
@@ -350,7 +353,7 @@ class EventRecorder:
 
     @contextlib.contextmanager
     def iteration(self, index: int) -> Iterator[_IterationLog]:
-        log = _IterationLog(index, self.clock())
+        log = _IterationLog(index, self.clock.begin())
         self._stack[:] = [-1]
         self._phase = "fwd"
         self._segment_start_s = log.start_s
@@ -363,7 +366,11 @@ class EventRecorder:
             self._log = None
             with self._lock:
                 self._in_flight.clear()  # never waited for: finish_events ends them at the iteration end
-            log.end_s = end_s
+            resolve = self.clock.finish()  # CUDA: every boundary's event time, in host seconds
+            for event in log.events:
+                event.issued_s, event.start_s = resolve(event.issued_s), resolve(event.start_s)
+                event.end_s = resolve(event.end_s) if event.end_s >= 0 else event.end_s
+            log.end_s = resolve(end_s)
             self.iterations.append(log)
 
     @contextlib.contextmanager

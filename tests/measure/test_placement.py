@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from measure.clock import StepClock, boundary_clock  # noqa: E402
+from measure.clock import HostBoundaryClock, StepClock, boundary_clock  # noqa: E402
 from measure.placement import (  # noqa: E402
     BACKEND_ENV,
     CPU_PLACEMENT,
@@ -140,8 +140,13 @@ def test_step_clock_misuse_raises() -> None:
         clock.stop()
 
 
-def test_cpu_boundary_clock_is_perf_counter() -> None:
-    assert boundary_clock(CPU_PLACEMENT) is time.perf_counter
+def test_cpu_boundary_clock_is_the_host_clock() -> None:
+    clock = boundary_clock(CPU_PLACEMENT)
+    assert isinstance(clock, HostBoundaryClock) and not clock.device
+    before_s = time.perf_counter()
+    start_s, now_s = clock.begin(), clock()
+    assert before_s <= start_s <= now_s <= time.perf_counter()
+    assert clock.finish()(now_s) == now_s
 
 
 # ---------------------------------------------------------------------------------------- environment
@@ -173,20 +178,43 @@ def test_host_description_carries_the_environment() -> None:
     assert versions["host_cpus"] >= 1
 
 
-def test_event_recorder_reads_its_boundaries_with_the_clock_it_is_given() -> None:
-    """On CUDA the recorder is given `boundary_clock` (synchronize, then the host clock); here a counting
-    clock stands in for it, to check that every boundary of an iteration comes from that clock."""
+class _KeyedClock(HostBoundaryClock):
+    """CudaBoundaryClock's contract without a GPU: each boundary returns a key (a tick), and ``finish()``
+    maps every key to its 'device' time (here: 1,000 + 10 x tick)."""
+
+    def __init__(self) -> None:
+        self.ticks = iter(range(1, 100))
+        self.keys: list[float] = []
+
+    def begin(self) -> float:
+        return 0.5
+
+    def __call__(self) -> float:
+        self.keys.append(float(next(self.ticks)))
+        return self.keys[-1]
+
+    def finish(self):
+        times_s = {key: 1000.0 + 10 * key for key in self.keys}
+        return lambda value_s: times_s.get(value_s, value_s)
+
+
+def test_event_recorder_reads_its_boundaries_with_the_clock_it_is_given_and_resolves_them() -> None:
+    """On CUDA the recorder is given a CudaBoundaryClock (events, resolved at the iteration's end); a clock
+    with the same contract stands in for it: every boundary comes from that clock, and every time the
+    iteration keeps is the resolved one."""
     from measure.events import EventRecorder, finish_events
 
-    ticks = iter(range(1, 100))
+    clock = _KeyedClock()
     recorder = EventRecorder()  # not installed: no collective is wrapped, only the segments are recorded
-    recorder.use_clock(lambda: float(next(ticks)), device=False)
+    recorder.use_clock(clock)
     with recorder.iteration(0) as log:
         with recorder.phase("fwd"):
             pass
         with recorder.phase("optim"):
             pass
-    assert log.start_s == 1.0 and log.end_s == float(max(event.end_s for event in finish_events(log)))
+    assert log.start_s == 0.5 and log.end_s == float(max(event.end_s for event in finish_events(log)))
     boundaries = sorted({t for event in log.events for t in (event.start_s, event.end_s)})
-    assert boundaries == [float(t) for t in range(1, len(boundaries) + 1)]  # clock ticks, nothing else
+    # The anchor, then resolved boundaries only: no key survives.
+    assert boundaries == [0.5] + [1000.0 + 10 * key for key in clock.keys[: len(boundaries) - 1]]
+    assert log.end_s == 1000.0 + 10 * clock.keys[-1]
     assert {event.stream for event in log.events} == {"compute", "optim"}

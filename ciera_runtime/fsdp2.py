@@ -679,7 +679,7 @@ def enable_ciera(
     selected gathers through the plain all-gather, with no CIERA work. Not with
     ``reshard_after_forward=<int>`` (its backward gathers run over another group, which is not profiled).
 
-    ``part_bytes`` (default 1 MiB; 0: never): a group's flat shard of at least twice this many bytes per
+    ``part_bytes`` (default 2 MiB; 0: never): a group's flat shard of at least twice this many bytes per
     rank travels as up to 8 pipelined buckets, contiguous ranges of it (docs/fsdp2.md).
 
     ``device_gather`` (with ``optimizer``, the one that steps the model): every BF16/FP16 module gathers

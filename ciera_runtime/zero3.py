@@ -820,7 +820,7 @@ def enable_ciera(
     :func:`category_from_name`), ``priors`` {category: q} over DEFAULT_PRIORS, ``timeout_s`` 300 (bounds
     every wait of a CIERA gather: a rank that never arrives makes the others raise GatherTimeoutError).
     ``comm_profile``: a :class:`~ciera_runtime.selection.CommProfile` to use instead of measuring one.
-    ``part_bytes`` (default DEFAULT_PART_BYTES, 1 MiB; 0: never): a coalesced call of at least twice this
+    ``part_bytes`` (default DEFAULT_PART_BYTES, 2 MiB; 0: never): a coalesced call of at least twice this
     many raw bytes per rank travels as several pipelined buckets of about this size.
     ``device_gather`` (default False): the partitions go through :class:`~ciera_runtime.device_gather.
     DeviceGather` on their own device — payloads prepared at each optimizer step, no host read per gather,

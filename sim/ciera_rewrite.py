@@ -49,8 +49,8 @@ SIGN_MANTISSA_FRACTION = {"bf16": 0.5, "fp16": 11 / 16}
 FIRST_PHASES = ("fwd",)  # the first gather of a parameter after the optimizer step
 PLAIN_ENGINE = {"ciera": "zero3", "ciera-fsdp": "fsdp"}  # a CIERA system → the engine it runs in
 # The runtime's default pipelining threshold (ciera_runtime.bucket: a call of at least 2 × part_bytes
-# per rank, part_bytes = 1 MiB, travels as several buckets). Such calls are not split here: counted.
-PIPELINED_CALL_BYTES_PER_RANK = 2 << 20
+# per rank, part_bytes = 2 MiB, travels as several buckets). Such calls are not split here: counted.
+PIPELINED_CALL_BYTES_PER_RANK = 4 << 20
 
 
 @dataclass(frozen=True)

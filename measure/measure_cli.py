@@ -132,17 +132,26 @@ def _check_capacity(plan: CapturePlan) -> None:
             raise CaptureError(f"topology {topology.name}: {error}") from None
 
 
-def _placement_note(plan: CapturePlan) -> str:
-    """Where the ranks will run (measure.placement decides in each rank; the same rule, said once here)."""
+def _placement_notes(plan: CapturePlan) -> list[str]:
+    """Where the ranks will run (measure.placement decides in each rank; the same rule, said once here),
+    and, on CUDA, that the CIERA systems run the device gather (measure.train.placed_config)."""
     import torch
 
     from .placement import choose_placement
 
     available = torch.cuda.is_available()
     ranks_per_node = max(topology.ranks_per_node for topology in plan.topologies)
-    return choose_placement(
+    placement = choose_placement(
         available, ranks_per_node - 1, os.environ, torch.cuda.device_count() if available else 0
-    ).note()
+    )
+    notes = [placement.note()]
+    ciera_systems = [system for system in plan.systems if system.startswith("ciera")]
+    if placement.cuda and ciera_systems:
+        notes.append(
+            f"{', '.join(ciera_systems)}: CIERA runs its device gather on CUDA ranks (changed exponents "
+            "rANS-coded on the GPU, every BF16 parameter compressed): the host codec takes CPU tensors only"
+        )
+    return notes
 
 
 def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
@@ -165,7 +174,8 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
         capture_launched(plan, out)  # the other ranks print nothing; rank 0 reports
         return
     console = Console(stderr=True)
-    console.print(f"ciera measure: {_placement_note(plan)}")
+    for note in _placement_notes(plan):
+        console.print(f"ciera measure: {note}")
     if any(topology.emulated for topology in plan.topologies):
         from .emulated import clean_leftovers
 

@@ -6,7 +6,7 @@
 - `measure.train`: `ciera train` — a zoo model under DeepSpeed ZeRO-3 or FSDP2, CIERA on or off, on
   spawned ranks or under torchrun (`TrainConfig`, `train`, `run_rank`, `start_run`).
 - `measure.placement`: where a rank runs (cuda:<LOCAL_RANK> + NCCL with CUDA, else CPU + gloo) and the
-  environment record; `measure.clock`: the step clock (CUDA events on CUDA, the host clock on CPU) and the boundary clock.
+  environment record; `measure.clock`: the clock of steps and segment boundaries (CUDA events on CUDA, the host clock on CPU).
 - `measure.exponents`: exponent, block and shard change rates (`ExponentTracker` per category for
   `ciera train --exponent-stats`; `ExponentRecorder` per parameter for the bundle's tables; `layer_index`).
 - `ciera measure` (docs/measurement.md): `measure.emulated` (the emulated two-level cluster: network

@@ -487,7 +487,7 @@ def capture_launched(
 
     from .capture import run_collectives_rank, run_exponents_rank, run_layers_rank
     from .events import EventRecorder
-    from .placement import check_ds_accelerator, init_group, place_rank
+    from .placement import init_group, place_rank
 
     rank = int(os.environ["RANK"])
     topology = launched_topology()
@@ -497,7 +497,6 @@ def capture_launched(
     EventRecorder.install()  # before any engine keeps a reference to the collectives
     os.environ.setdefault("LOCAL_RANK", str(rank % topology.ranks_per_node))
     placement = place_rank()  # cuda:<LOCAL_RANK> with NCCL when CUDA is available, else CPU with gloo
-    os.environ["DS_ACCELERATOR"] = check_ds_accelerator(placement, os.environ)
     try:
         init_group(placement, rank, topology.world_size, plan.timeout_s)
         dist.barrier()

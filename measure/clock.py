@@ -4,13 +4,11 @@ capture aligns across ranks).
 On the CPU the work is done when the host's call returns, so the host clock is the clock. On CUDA a call
 returns once its kernels are queued: the host clock alone would time the queueing.
 
-- `StepClock` times a training step. CPU: `time.perf_counter`. CUDA: two CUDA events on the current
-  stream, resolved at the step's end (one synchronize) into host seconds anchored to a host timestamp
-  taken right after a synchronize at the step's start.
-- `boundary_clock(placement)` is the event recorder's clock for segment boundaries. CPU
-  (`HostBoundaryClock`): the host clock. CUDA (`CudaBoundaryClock`): a CUDA event per boundary on the
-  caller's current stream, each returned as a provisional host-time key and resolved into host seconds at
-  the iteration's end (one synchronize at its start, one at its end, none between).
+`boundary_clock(placement)` times `ciera train`'s steps (`begin()`, one boundary at the end, `finish()`)
+and the event recorder's segment boundaries. CPU
+(`HostBoundaryClock`): the host clock. CUDA (`CudaBoundaryClock`): a CUDA event per boundary on the
+caller's current stream, each returned as a provisional host-time key and resolved into host seconds at
+the iteration's end (one synchronize at its start, one at its end, none between).
 """
 
 from __future__ import annotations
@@ -20,53 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 from .placement import Placement
-
-
-class StepClock:
-    """One step at a time: `start()`, then `stop()` (returns the end in host seconds); `elapsed_s` after."""
-
-    def __init__(self, device: str = "cpu") -> None:
-        self.cuda = device.startswith("cuda")
-        self.device = device
-        self.start_s = 0.0
-        self.end_s = 0.0
-        self._running = False
-        self._start_event: Any = None
-
-    def start(self) -> float:
-        """Begin a step; its start in host seconds."""
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize(self.device)  # nothing queued before the start is counted in it
-            self.start_s = time.perf_counter()
-            self._start_event = torch.cuda.Event(enable_timing=True)
-            self._start_event.record()
-        else:
-            self.start_s = time.perf_counter()
-        self._running = True
-        return self.start_s
-
-    def stop(self) -> float:
-        """End the step (CUDA: an event on the current stream, then the one synchronize); its end in host
-        seconds."""
-        if not self._running:
-            raise RuntimeError("StepClock.stop() without start()")
-        self._running = False
-        if not self.cuda:
-            self.end_s = time.perf_counter()
-            return self.end_s
-        import torch
-
-        end_event = torch.cuda.Event(enable_timing=True)
-        end_event.record()
-        torch.cuda.synchronize(self.device)  # every stream, not only the one the end event is on
-        self.end_s = self.start_s + self._start_event.elapsed_time(end_event) / 1e3  # elapsed_time: ms
-        return self.end_s
-
-    @property
-    def elapsed_s(self) -> float:
-        return self.end_s - self.start_s
 
 
 class HostBoundaryClock:

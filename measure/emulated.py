@@ -42,6 +42,8 @@ import threading
 import time
 from pathlib import Path
 
+from .placement import cpu_cores as usable_cpu_cores
+
 PREFIX = "ciera-m-"
 SUBNET = "10.214"
 MAX_NODES = 254  # host numbers 1..254 of one /24
@@ -261,13 +263,6 @@ def _mem_available_bytes() -> int:
     raise EmulationUnavailable("/proc/meminfo has no MemAvailable line")
 
 
-def _cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _gb(value: float) -> str:
     return f"{value / 1e9:.1f} GB"
 
@@ -285,7 +280,7 @@ def check_capacity(
     for ``memory_per_rank_bytes`` × ranks. ``cpu_cores`` / ``mem_available_bytes`` override the machine's."""
     _check_topology(nodes, ranks_per_node)
     ranks = nodes * ranks_per_node
-    cores = cpu_cores if cpu_cores is not None else _cpu_cores()
+    cores = cpu_cores if cpu_cores is not None else usable_cpu_cores()
     if ranks > 8 * cores:
         raise TopologyError(
             f"{nodes} nodes x {ranks_per_node} ranks per node = {ranks} ranks is more than this machine "

@@ -97,14 +97,12 @@ class EventRecorder:
         self.iterations: list[_IterationLog] = []
         # Segment boundaries: the host clock on the CPU; CUDA events on CUDA (measure.clock).
         self.clock: HostBoundaryClock | CudaBoundaryClock = HostBoundaryClock()
-        self.device_clock = False
         self._in_flight: dict[int, tuple[object, Event]] = {}  # CUDA: id(work) -> (work, its event)
 
     def use_clock(self, clock: HostBoundaryClock | CudaBoundaryClock) -> None:
         """Read segment boundaries with ``clock`` (``measure.clock.boundary_clock``); a device clock means
         the rank computes on a GPU (see the module docstring: asynchronous collectives end at their wait)."""
         self.clock = clock
-        self.device_clock = clock.device
 
     # ------------------------------------------------------------------ installation
 
@@ -195,7 +193,7 @@ class EventRecorder:
                 event.end_s = recorder.clock()
                 return work
 
-            if recorder.device_clock:  # NCCL's future completes when queued: the op ends at its wait
+            if recorder.clock.device:  # NCCL's future completes when queued: the op ends at its wait
                 with recorder._lock:
                     recorder._in_flight[id(work)] = (work, event)
                 return work

@@ -114,15 +114,20 @@ _current: Placement | None = None
 
 
 def place_rank(env: Mapping[str, str] | None = None) -> Placement:
-    """Decide this process's placement (LOCAL_RANK from the environment), select its GPU, remember it."""
+    """Decide this process's placement (LOCAL_RANK from the environment), select its GPU, remember it; for
+    this process's own environment (``env`` None) also set DeepSpeed's DS_ACCELERATOR to match it."""
     import torch
 
     global _current
+    applied = env is None
     env = os.environ if env is None else env
     available = torch.cuda.is_available()
     placement = choose_placement(
         available, local_rank_of(env), env, torch.cuda.device_count() if available else 0
     )
+    accelerator = check_ds_accelerator(placement, env)
+    if applied:
+        os.environ["DS_ACCELERATOR"] = accelerator
     if placement.cuda:
         torch.cuda.set_device(placement.device)
     _current = placement

@@ -38,10 +38,9 @@ def main(argv: list[str]) -> int:
         return 1
     try:
         from .events import EventRecorder
-        from .placement import check_ds_accelerator, init_group, place_rank
+        from .placement import init_group, place_rank
 
         placement = place_rank()  # cuda:<LOCAL_RANK> with NCCL when CUDA is available, else CPU with gloo
-        os.environ["DS_ACCELERATOR"] = check_ds_accelerator(placement, os.environ)
         if rank == 0:
             print(f"ciera measure: {placement.note()}", file=sys.stderr, flush=True)
         if job["kind"] == "layers":

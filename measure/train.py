@@ -4,7 +4,7 @@ MASTER_ADDR, MASTER_PORT and LOCAL_RANK are used). Placement (`measure.placement
 node trains on cuda:<LOCAL_RANK> with NCCL, else on the CPU with gloo (CIERA_TRAIN_BACKEND=gloo keeps CUDA
 machines on the CPU); the choice is said on the console. CUDA parameters take CIERA's device path only (the
 host codec reads CPU tensors): on CUDA, CIERA without --device-gather is switched to it, and said so.
-Step times on CUDA come from CUDA events (`measure.clock.StepClock`).
+Step times on CUDA come from CUDA events (`measure.clock.boundary_clock`).
 
 Every rank builds the same model from the same seed; step s always trains on the same global batch of the
 corpus (`measure.corpus.batch`), rank r on its contiguous slice. Per step it records the global mean loss
@@ -537,7 +537,7 @@ def run_rank(
     import torch.distributed as dist
 
     from .arms import LossyGather, save_state, state_digest
-    from .clock import StepClock
+    from .clock import boundary_clock
     from .corpus import batch
     from .placement import current, environment_record
 
@@ -554,7 +554,7 @@ def run_rank(
     result = RankResult(rank, threads=threads, nudged=run.nudged, warm_steps=cfg.warm_steps)
     device = current().device
     result.environment = environment_record(current())
-    clock = StepClock(device)  # CUDA: the step timed by events, one synchronize at its end
+    clock = boundary_clock(current())  # CUDA: the step timed by events, one synchronize at each end
     if cfg.ciera:
         from ciera_runtime import get_backend
 
@@ -607,10 +607,11 @@ def run_rank(
                 tracker.update(run.full_parameters())  # the weights before the first recorded step
             sent_before, ciera_before = counter.bytes_sent, _ciera_bytes(run.engines())
             host_before_s = sum(engine.stats.host_s for engine in run.engines())
-            clock.start()
+            start_s = clock.begin()
             with lossy.during_step(step):
                 loss = run.step(inputs, targets)
-            step_s = clock.stop() - clock.start_s
+            end = clock()
+            step_s = clock.finish()(end) - start_s
             sent = counter.bytes_sent - sent_before
             ciera_sent, ciera_raw = (
                 after - before
@@ -785,7 +786,7 @@ def train_launched(
     others None). ``cfg.world_size`` must match the launcher's WORLD_SIZE."""
     import torch.distributed as dist
 
-    from .placement import check_ds_accelerator, place_rank
+    from .placement import init_group, place_rank
 
     rank, world_size = launched_rank()
     if world_size != cfg.world_size:
@@ -794,12 +795,11 @@ def train_launched(
     placement = place_rank()
     cfg, changed = placed_config(cfg, placement)
     validate(cfg)
-    os.environ["DS_ACCELERATOR"] = check_ds_accelerator(placement, os.environ)
     if rank == 0:
         _say(placement.note())
         if changed:
             _say(changed)
-    _init_group(rank, world_size, cfg)
+    init_group(placement, rank, world_size, cfg.timeout_s)
     try:
         warm = None
         if rank == 0 and on_warm_step is not None:

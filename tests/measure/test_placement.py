@@ -1,4 +1,4 @@
-"""Where a rank runs (`measure.placement`), the step clock (`measure.clock`) and the environment record,
+"""Where a rank runs (`measure.placement`), the clocks (`measure.clock`) and the environment record,
 on this CPU machine. The CUDA branch's *decision* is checked through `choose_placement` (a pure function);
 nothing here pretends to execute on CUDA."""
 
@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from measure.clock import HostBoundaryClock, StepClock, boundary_clock  # noqa: E402
+from measure.clock import HostBoundaryClock, boundary_clock  # noqa: E402
 from measure.placement import (  # noqa: E402
     BACKEND_ENV,
     CPU_PLACEMENT,
@@ -119,25 +119,7 @@ def test_ciera_on_cuda_takes_the_device_gather_and_says_so() -> None:
         placed_config(dataclasses.replace(cfg, select=True), CUDA)
 
 
-# ---------------------------------------------------------------------------------------- step clock
-
-
-def test_cpu_step_clock_is_the_host_clock() -> None:
-    clock = StepClock("cpu")
-    assert not clock.cuda
-    before_s = time.perf_counter()
-    start_s = clock.start()
-    time.sleep(0.01)
-    end_s = clock.stop()
-    after_s = time.perf_counter()
-    assert before_s <= start_s <= end_s <= after_s
-    assert clock.elapsed_s == pytest.approx(end_s - start_s) and clock.elapsed_s >= 0.009
-
-
-def test_step_clock_misuse_raises() -> None:
-    clock = StepClock("cpu")
-    with pytest.raises(RuntimeError, match="start"):
-        clock.stop()
+# ---------------------------------------------------------------------------------------- clocks
 
 
 def test_cpu_boundary_clock_is_the_host_clock() -> None:

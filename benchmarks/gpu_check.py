@@ -51,10 +51,12 @@ from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on s
 
 from ciera_runtime import kernels, rans  # noqa: E402
 from ciera_runtime.backend import CpuBackend  # noqa: E402
-from ciera_runtime.device_gather import ENTROPY_STAGES, DevicePayloadCodec, HostReadCounter  # noqa: E402
+from ciera_runtime.codec import ENTROPY_STAGES  # noqa: E402
+from ciera_runtime.device_gather import DevicePayloadCodec, HostReadCounter  # noqa: E402
 from ciera_runtime.device_rans import DeviceRans  # noqa: E402
 from ciera_runtime.selection import perturb_blocks  # noqa: E402
 from ciera_runtime.torch_backend import TorchBackend  # noqa: E402
+from measure.placement import Placement, environment_record  # noqa: E402
 
 # (exp_shift, exp_mask, is_fp16) per dtype, as the codec uses them.
 LAYOUT = {"bf16": (kernels.BF16_EXP_SHIFT, kernels.BF16_EXP_MASK, False),
@@ -513,13 +515,16 @@ def multi_rank_section(device: torch.device, numel: int, steps: int = 4) -> dict
 def environment(device: torch.device) -> dict:
     info = {"device": str(device), "device_is_gpu": device.type == "cuda", "torch": torch.__version__}
     if device.type == "cuda":
-        properties = torch.cuda.get_device_properties(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        # The record every `ciera train` / `ciera measure` run carries (device name, driver, NCCL, ...).
+        record = environment_record(Placement(f"cuda:{index}", "nccl", index, "gpu_check --device"))
         info |= {
-            "device_name": properties.name,
-            "device_memory_bytes": int(properties.total_memory),
-            "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "gpus": torch.cuda.device_count(),
+            "device_name": record["device_name"],
+            "device_memory_bytes": int(torch.cuda.get_device_properties(index).total_memory),
+            "cuda": record["torch_cuda"],
+            "driver": record["driver"],
+            "nccl": record["nccl"],
+            "gpus": record["gpus_per_node"],
         }
     info["nccl_gather"] = "ciera_runtime.device_gather.DeviceGather (section multi_rank: NCCL with 2 GPUs)"
     return info

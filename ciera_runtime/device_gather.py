@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ciera_runtime import kernels
 from ciera_runtime.allgather import _all_gather_single
+from ciera_runtime.codec import ENTROPY_STAGES
 from ciera_runtime.device_rans import DeviceRans
 from ciera_runtime.errors import ConfigMismatchError, GatherError
 from ciera_runtime.torch_backend import (
@@ -57,7 +58,6 @@ from ciera_runtime.torch_backend import (
 # then the sign+mantissa plane and the block bitmap (each padded to 8 bytes), then the changed blocks'
 # exponents — a rANS stream, or one byte each. A slot holds the payloads of a call's shards.
 _HEADER_WORDS = 8
-ENTROPY_STAGES = ("rans", "none")
 _HEADER_BYTES = 8 * _HEADER_WORDS
 _EXP_LAYOUT = {
     torch.bfloat16: (kernels.BF16_EXP_SHIFT, kernels.BF16_EXP_MASK),
@@ -418,8 +418,9 @@ class DevicePayloadCodec:
         area = torch.zeros(numel + 1, dtype=torch.uint8, device=self.device)
         area.scatter_(0, torch.where(changed, positions, numel), exp)
         sign_mantissa = backend._sign_mantissa(patterns, state.is_fp16)
+        payload = torch.zeros(state.fixed_bytes + state.area_capacity, dtype=torch.uint8, device=self.device)
         # The changed exponents: a rANS stream where it is shorter than one byte each, else uncoded.
-        body = torch.zeros(state.area_capacity, dtype=torch.uint8, device=self.device)
+        body = payload[state.fixed_bytes :]
         body[:numel] = area[:numel]
         area_bytes, coded = count, torch.zeros((), dtype=torch.int64, device=self.device)
         if self.rans is not None:
@@ -427,7 +428,6 @@ class DevicePayloadCodec:
             coded = (length < count).to(torch.int64)
             area_bytes = torch.where(coded == 1, length, count)
             body[: stream.numel()] = torch.where(coded == 1, stream, body[: stream.numel()])
-        payload = torch.zeros(state.fixed_bytes + state.area_capacity, dtype=torch.uint8, device=self.device)
         header = payload[:_HEADER_BYTES].view(torch.int64)
         header[0] = generation
         header[1] = count
@@ -442,7 +442,6 @@ class DevicePayloadCodec:
         at += _align8(state.sign_mantissa_bytes)
         bitmap = self._pack_bits(changed_blocks)
         payload[at : at + bitmap.numel()] = bitmap
-        payload[state.fixed_bytes :] = body
         state.payload, state.prepared_exp = payload, exp
         state.prepared_checksum = self.values_checksum(shard)
         return payload, state.fixed_bytes + area_bytes

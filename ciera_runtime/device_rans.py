@@ -451,8 +451,8 @@ class DeviceRans:
         chunks[:, 3::3] = (starts + 4 * LANES) // 2
         chunks[:, 4::3] = word_counts
         # The kernels read only the stream's own bytes.
-        words16 = padded[:, : (room + 3) & ~3].contiguous().view(torch.int16)
-        states32 = padded[:, : (room + 3) & ~3].contiguous().view(torch.int32)
+        aligned = padded[:, : (room + 3) & ~3].contiguous()
+        words16, states32 = aligned.view(torch.int16), aligned.view(torch.int32)
         symbols = torch.zeros((rows, max(capacity, 1)), dtype=torch.uint8, device=device)
         lanes = torch.empty((rows, n_chunks_max, LANES), dtype=torch.int64, device=device)
         bad = torch.zeros((rows, n_chunks_max), dtype=torch.int64, device=device)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from _dist_workers import init_gloo
 
-from ciera_runtime.device_gather import HostReadCounter
+from ciera_runtime.device_gather import _HEADER_BYTES, HostReadCounter
 
 
 def _close() -> None:
@@ -58,8 +58,9 @@ def steady_worker(rank: int, world_size: int, port: int, entropy: str, result_qu
         steady_reads: collections.Counter = collections.Counter()
         for step in range(STEPS):
             gather.prepare(weights)
+            # Header word 7: whether the payload's changed exponents are a rANS stream.
             coded_payloads += sum(
-                int(state.payload[56:64].view(torch.int64)) for state in gather._shards.values()
+                int(state.payload[:_HEADER_BYTES].view(torch.int64)[7]) for state in gather._shards.values()
             )
             expected = {sid: _raw(w, world_size) for sid, w in weights.items()}
             # At step 2 shard 0 is prepared but never gathered: its receivers stay where they were, and

@@ -160,7 +160,10 @@ def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
         topology = _read_json(sweep_dir / "topology.json")
         rows = _read_json(sweep_dir / "collectives.json")["rows"]
         for row in rows:
-            collectives.append({"cluster": topology["name"], **row, "source": "measured"})
+            # A sweep written before transport CPU was measured: not measured (NaN), said by the simulator.
+            collectives.append(
+                {"cluster": topology["name"], "transport_cpu_s": float("nan"), **row, "source": "measured"}
+            )
     if not runs:
         raise CaptureError(f"{out_dir}: no finished run to assemble (runs/ and exponents/ are empty)")
     runs_frame = pd.DataFrame(runs, columns=traces.empty_table("runs").columns)

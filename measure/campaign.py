@@ -81,6 +81,8 @@ class CapturePlan:
     collectives: bool = True
     collectives_max_bytes: int = 64 << 20
     collectives_repetitions: int = 5
+    # Each size is timed until about this long was spent on it (at most 200 repetitions; measure.collectives).
+    collectives_min_time_s: float = 0.5
     exponent_steps: int = 0  # 0: no exponent-statistics run
     exponent_warmup_steps: int = 10
     exponent_layers: int = 4
@@ -201,6 +203,7 @@ def plan_steps(plan: CapturePlan) -> list[Step]:
                         "max_bytes": plan.collectives_max_bytes,
                         "warmup": 2,
                         "repetitions": plan.collectives_repetitions,
+                        "min_time_s": plan.collectives_min_time_s,
                         "ranks_per_node": topology.ranks_per_node,
                         "timeout_s": plan.timeout_s,
                     },

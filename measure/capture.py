@@ -380,6 +380,7 @@ def run_collectives_rank(job: dict, out_dir: Path, rank: int, world_size: int, p
         max_bytes=int(job["max_bytes"]),
         warmup=int(job["warmup"]),
         repetitions=int(job["repetitions"]),
+        min_time_s=float(job.get("min_time_s", 0.0)),  # a job written before it: the fixed repetitions
         ranks_per_node=int(job["ranks_per_node"]),
         on_progress=progress if rank == 0 else None,
     )

@@ -8,9 +8,17 @@ multiple of n × the element size, and the row records the bytes actually moved.
 
 One measurement: a barrier, then one collective timed on every rank (on CUDA, synchronised before the
 clock stops); the slowest rank's time counts (an all-reduce MAX of the per-rank times, so every rank holds
-the same number). ``warmup`` untimed collectives run first, then ``repetitions`` measurements; a row has
-their median, min and max, algbw = S / median and busbw = algbw · (n−1)/n (all_gather, reduce_scatter) or
-algbw · 2(n−1)/n (all_reduce).
+the same number). ``warmup`` untimed collectives run first, then ``repetitions`` measurements, then more
+until about ``min_time_s`` was spent on the size (at most ``max_repetitions``; the same count on every
+rank, from the slowest rank's mean of the first ones): small collectives are fast and their times bimodal
+on gloo (a few of them take milliseconds), and five repetitions gave medians that flipped between the two
+modes from one sweep to the next. A row has the **mean** of the repetitions (what a run of many such
+collectives pays per call, as nccl-tests reports), their min and max, algbw = S / mean and busbw = algbw ·
+(n−1)/n (all_gather, reduce_scatter) or algbw · 2(n−1)/n (all_reduce). On CPU each rank also takes the CPU
+its process spent beside its calling thread over the same interval — the process group's transport
+threads moving the bytes — and the row has the mean over ranks and repetitions as ``transport_cpu_s``:
+what a collective takes from the host's cores while it runs (the simulator lets it compete with compute
+there). On CUDA it is not measured (NaN).
 
 Groups: the whole group (``nodes`` = the nodes it spans), then node 0's sub-group (``nodes`` = 1) when the
 whole group spans more than one node and a node has at least two ranks. Ranks are node-major (node k holds
@@ -25,6 +33,7 @@ the other nodes' ranks spend at a barrier).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -56,20 +65,21 @@ def bus_factor(op: str, group_size: int) -> float:
     return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
-def _row(op: str, world_size: int, nodes: int, size: int, times_s: Sequence[float], repetitions: int) -> dict:
-    median_s, min_s, max_s = times_s
-    algbw = size / median_s if median_s > 0 else float("inf")
+def _row(op: str, world_size: int, nodes: int, size: int, stats: Sequence[float]) -> dict:
+    mean_s, min_s, max_s, transport_cpu_s, repetitions = stats
+    algbw = size / mean_s if mean_s > 0 else float("inf")
     return {
         "op": op,
         "world_size": world_size,
         "nodes": nodes,
         "bytes": size,
-        "time_s": median_s,
+        "time_s": mean_s,
         "time_min_s": min_s,
         "time_max_s": max_s,
-        "repetitions": repetitions,
+        "repetitions": int(repetitions),
         "algbw_Bps": algbw,
         "busbw_Bps": algbw * bus_factor(op, world_size),
+        "transport_cpu_s": transport_cpu_s,
     }
 
 
@@ -98,12 +108,15 @@ class _Timer:
         else:
             dist.barrier(group=group)
 
-    def time(self, run: Callable[[], object], group) -> float:
+    def time(self, run: Callable[[], object], group) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process beside the calling thread) of one ``run``."""
         self.barrier(group)
-        start = time.perf_counter()
+        start, process_s, thread_s = time.perf_counter(), time.process_time(), time.thread_time()
         run()
         self.synchronize()
-        return time.perf_counter() - start
+        wall_s = time.perf_counter() - start
+        transport_s = (time.process_time() - process_s) - (time.thread_time() - thread_s)
+        return wall_s, (math.nan if self.cuda else max(transport_s, 0.0))
 
 
 def _collective(op: str, size: int, group_size: int, device, dtype, group) -> Callable[[], object]:
@@ -125,9 +138,18 @@ def _collective(op: str, size: int, group_size: int, device, dtype, group) -> Ca
 
 
 def _sweep_group(
-    group, group_size: int, plan: list[tuple[str, int]], warmup: int, repetitions: int, timer: _Timer, dtype
-) -> list[tuple[float, float, float]]:
-    """(median, min, max) of the slowest rank's time per (op, bytes) of ``plan``, on this group's ranks."""
+    group,
+    group_size: int,
+    plan: list[tuple[str, int]],
+    warmup: int,
+    repetitions: int,
+    timer: _Timer,
+    dtype,
+    min_time_s: float = 0.0,
+    max_repetitions: int = 0,
+) -> list[tuple[float, float, float, float, int]]:
+    """Per (op, bytes) of ``plan``, on this group's ranks: the slowest rank's time per repetition — its
+    mean, min and max — the mean of the ranks' transport CPU, and how many repetitions were timed."""
     import torch
     import torch.distributed as dist
 
@@ -137,15 +159,31 @@ def _sweep_group(
         for _ in range(warmup):
             run()
         timer.synchronize()
-        times = torch.tensor([timer.time(run, group) for _ in range(repetitions)], dtype=torch.float64)
-        times = times.to(timer.device)
+        measured = [timer.time(run, group) for _ in range(repetitions)]
+        # Small collectives are fast and their times bimodal (a few take milliseconds): time more of
+        # them, the same number on every rank (from the slowest rank's mean so far).
+        mean_s = torch.tensor([statistics.fmean(wall for wall, _ in measured)], dtype=torch.float64)
+        mean_s = mean_s.to(timer.device)
+        dist.all_reduce(mean_s, op=dist.ReduceOp.MAX, group=group)
+        wanted = math.ceil(min_time_s / max(float(mean_s.item()), 1e-9)) if min_time_s > 0 else 0
+        more = max(0, min(wanted, max_repetitions) - repetitions)
+        measured += [timer.time(run, group) for _ in range(more)]
+        both = torch.tensor(measured, dtype=torch.float64)
+        times, transport = both[:, 0].contiguous().to(timer.device), both[:, 1].contiguous()
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         slowest = times.cpu().tolist()
-        stats.append((statistics.median(slowest), min(slowest), max(slowest)))
+        if timer.cuda:
+            transport_s = math.nan
+        else:
+            dist.all_reduce(transport, op=dist.ReduceOp.SUM, group=group)
+            transport_s = statistics.fmean((transport / group_size).tolist())
+        stats.append((statistics.fmean(slowest), min(slowest), max(slowest), transport_s, len(slowest)))
     return stats
 
 
-def _check(ops, min_bytes, max_bytes, warmup, repetitions, ranks_per_node) -> None:
+def _check(
+    ops, min_bytes, max_bytes, warmup, repetitions, ranks_per_node, min_time_s, max_repetitions
+) -> None:
     if not ops:
         raise ValueError(f"ops is empty: expected some of {', '.join(OPS)}")
     for op in ops:
@@ -162,6 +200,20 @@ def _check(ops, min_bytes, max_bytes, warmup, repetitions, ranks_per_node) -> No
             raise ValueError(f"{name} is {value!r}: expected an integer ≥ {least}")
     if max_bytes < min_bytes:
         raise ValueError(f"max_bytes is {max_bytes}: expected at least min_bytes ({min_bytes})")
+    if (
+        isinstance(min_time_s, bool)
+        or not isinstance(min_time_s, (int, float))
+        or not 0 <= min_time_s < math.inf
+    ):
+        raise ValueError(f"min_time_s is {min_time_s!r}: expected a number of seconds ≥ 0")
+    if (
+        isinstance(max_repetitions, bool)
+        or not isinstance(max_repetitions, int)
+        or max_repetitions < repetitions
+    ):
+        raise ValueError(
+            f"max_repetitions is {max_repetitions!r}: expected an integer ≥ repetitions ({repetitions})"
+        )
 
 
 def sweep_collectives(
@@ -171,13 +223,15 @@ def sweep_collectives(
     warmup: int = 2,
     repetitions: int = 5,
     *,
+    min_time_s: float = 0.0,
+    max_repetitions: int = 200,
     ranks_per_node: int,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     on_progress: Callable[[dict], Any] | None = None,
 ) -> list[dict]:
     """Rows (dicts: op, world_size, nodes, bytes, time_s, time_min_s, time_max_s, repetitions, algbw_Bps,
-    busbw_Bps) for the whole default group, then node 0's sub-group (see the module docstring), each by
+    busbw_Bps, transport_cpu_s) for the whole default group, then node 0's sub-group (see the module docstring), each by
     op, then bytes. Every rank of the group must call it with the same arguments; every rank returns the
     same rows. ``dtype``: the element type moved (default bfloat16). ``on_progress(row)`` is called with
     each row as this rank learns it (node 0's sub-group rows reach the other nodes' ranks at its end)."""
@@ -185,7 +239,7 @@ def sweep_collectives(
     import torch.distributed as dist
 
     ops = tuple(ops)
-    _check(ops, min_bytes, max_bytes, warmup, repetitions, ranks_per_node)
+    _check(ops, min_bytes, max_bytes, warmup, repetitions, ranks_per_node, min_time_s, max_repetitions)
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("torch.distributed is not initialised: init_process_group first")
     dtype = torch.bfloat16 if dtype is None else dtype
@@ -205,12 +259,13 @@ def sweep_collectives(
 
     def rows(group_size: int, group_nodes: int, stats) -> list[dict]:
         out = []
-        for (op, size), times in zip(plan(group_size), stats, strict=True):
-            out.append(_row(op, group_size, group_nodes, size, times, repetitions))
+        for (op, size), measured in zip(plan(group_size), stats, strict=True):
+            out.append(_row(op, group_size, group_nodes, size, measured))
             progress(out[-1])
         return out
 
-    result = rows(world, nodes, _sweep_group(None, world, plan(world), warmup, repetitions, timer, dtype))
+    timing = (warmup, repetitions, timer, dtype, min_time_s, max_repetitions)
+    result = rows(world, nodes, _sweep_group(None, world, plan(world), *timing))
 
     node_ranks = [list(range(k * ranks_per_node, min((k + 1) * ranks_per_node, world))) for k in range(nodes)]
     if nodes < 2 or len(node_ranks[0]) < 2:
@@ -218,10 +273,10 @@ def sweep_collectives(
     # new_group is collective over the whole group: every rank creates every node's group, in node order.
     groups = [dist.new_group(ranks) for ranks in node_ranks if len(ranks) >= 2]
     size = len(node_ranks[0])
-    stats = torch.zeros((len(plan(size)), 3), dtype=torch.float64, device=device)
+    stats = torch.zeros((len(plan(size)), 5), dtype=torch.float64, device=device)
     if rank in node_ranks[0]:
         stats = torch.tensor(
-            _sweep_group(groups[0], size, plan(size), warmup, repetitions, timer, dtype),
+            _sweep_group(groups[0], size, plan(size), *timing),
             dtype=torch.float64,
             device=device,
         )

@@ -229,6 +229,7 @@ class CollectiveModel:
                             "repetitions": 1,
                             "time_min_s": time_s,
                             "time_max_s": time_s,
+                            "transport_cpu_s": math.nan,  # a model's row: nothing measured
                         }
                     )
         frame = pd.DataFrame(rows)

@@ -14,6 +14,10 @@ simulator re-costs graphs with.
 - **Projected cluster** (`LevelCurve`): a topology that was not measured, of a measured kind (the same
   link): `(W − 1)·α_op + k_op·(W − 1)/W · S / B_link` with α_op (per ring step) and k_op from the kind's
   measured sweeps.
+- **Transport CPU** (`transport_cpu_s`): the core-seconds per rank a collective's transport (gloo's
+  threads, beside the calling thread) took in the CPU sweep, interpolated like its time; projected:
+  `(W − 1)·c_step + (W − 1)/W · S · c_byte` fitted to the kind's sweeps; a preset's GPUs: none (their
+  hosts' cores are not simulated). None where the sweep did not measure it.
 """
 
 from __future__ import annotations
@@ -51,14 +55,22 @@ class SweepCurve:
     nodes: int
     link_Bps: float  # what gloo measured across one node's link (0: one node)
     link_factor: float  # k_op
+    transport_cpu_per_size_s: np.ndarray | None = None  # per size, per rank; None: not measured
+    fastest_s: np.ndarray | None = None  # per size, the fastest repetition's (monotone); None: times_s
 
     def time_s(self, size_bytes: np.ndarray) -> np.ndarray:
-        size = np.maximum(np.asarray(size_bytes, dtype=float), 1.0)
-        log_size, log_time = np.log(self.sizes_bytes), np.log(self.times_s)
-        inside = np.exp(np.interp(np.log(size), log_size, log_time))
-        slope = (self.times_s[-1] - self.times_s[-2]) / (self.sizes_bytes[-1] - self.sizes_bytes[-2])
-        beyond = self.times_s[-1] + max(slope, 0.0) * (size - self.sizes_bytes[-1])
-        return np.where(size > self.sizes_bytes[-1], beyond, inside)
+        return _log_log(self.sizes_bytes, self.times_s, size_bytes)
+
+    def fastest_time_s(self, size_bytes: np.ndarray) -> np.ndarray:
+        """The least a collective of this size took in the sweep: what no run can beat."""
+        return _log_log(
+            self.sizes_bytes, self.times_s if self.fastest_s is None else self.fastest_s, size_bytes
+        )
+
+    def transport_cpu_s(self, size_bytes: np.ndarray) -> np.ndarray | None:
+        if self.transport_cpu_per_size_s is None:
+            return None
+        return _log_log(self.sizes_bytes, self.transport_cpu_per_size_s, size_bytes)
 
     def link_s(self, size_bytes: np.ndarray) -> np.ndarray:
         if self.link_Bps <= 0:
@@ -75,6 +87,16 @@ class SweepCurve:
         return f"{self.op}: measured sweep, {len(self.sizes_bytes)} sizes, interpolated"
 
 
+def _log_log(sizes_bytes: np.ndarray, values: np.ndarray, at_bytes: np.ndarray) -> np.ndarray:
+    """`values` (by size) interpolated in log–log at `at_bytes`; beyond the largest size, linear in S."""
+    size = np.maximum(np.asarray(at_bytes, dtype=float), 1.0)
+    floored = np.maximum(values, 1e-12)  # a zero would have no logarithm
+    inside = np.exp(np.interp(np.log(size), np.log(sizes_bytes), np.log(floored)))
+    slope = (values[-1] - values[-2]) / (sizes_bytes[-1] - sizes_bytes[-2])
+    beyond = values[-1] + max(slope, 0.0) * (size - sizes_bytes[-1])
+    return np.where(size > sizes_bytes[-1], beyond, inside)
+
+
 @dataclass(frozen=True)
 class LevelCurve:
     """A projected topology's cost of one op: a per-call cost, a per-ring-step α, and the link part of a
@@ -87,6 +109,14 @@ class LevelCurve:
     nodes: int
     link_Bps: float
     link_factor: float
+    transport_cpu_fit: tuple[float, float] | None = None  # (c_step, c_byte); None: not measured
+
+    def transport_cpu_s(self, size_bytes: np.ndarray) -> np.ndarray | None:
+        if self.transport_cpu_fit is None:
+            return None
+        step_s, byte_s = self.transport_cpu_fit
+        share = (self.world_size - 1) / self.world_size
+        return (self.world_size - 1) * step_s + share * np.asarray(size_bytes, dtype=float) * byte_s
 
     def link_s(self, size_bytes: np.ndarray) -> np.ndarray:
         if self.link_Bps <= 0:
@@ -100,6 +130,9 @@ class LevelCurve:
 
     def time_s(self, size_bytes: np.ndarray) -> np.ndarray:
         return self.call_s + (self.world_size - 1) * self.alpha_s + self.link_s(size_bytes)
+
+    def fastest_time_s(self, size_bytes: np.ndarray) -> np.ndarray:
+        return self.link_s(size_bytes)  # a projection knows no fastest repetition: its link part alone
 
     def describe(self) -> str:
         return (
@@ -124,6 +157,12 @@ class PresetCurve:
     def link_s(self, size_bytes: np.ndarray) -> np.ndarray:
         sizes = np.asarray(size_bytes, dtype=float)
         return np.broadcast_to(self.model.link_s(self.op, sizes, self.world_size), sizes.shape).astype(float)
+
+    def transport_cpu_s(self, size_bytes: np.ndarray) -> np.ndarray | None:
+        return None  # one GPU per rank: the hosts' cores are not simulated
+
+    def fastest_time_s(self, size_bytes: np.ndarray) -> np.ndarray:
+        return self.time_s(size_bytes)  # a model: no spread
 
     def describe(self) -> str:
         return f"{self.op}: the preset's hierarchical ring α–β at W = {self.world_size}"
@@ -160,18 +199,27 @@ def sweep_curves(
     ]
     curves: dict[str, SweepCurve] = {}
     for op in STREAM_OPS.values():
-        of_op = rows[rows["op"] == op].groupby("bytes")["time_s"].median().sort_index()
+        by_size = rows[rows["op"] == op].groupby("bytes")
+        of_op = by_size["time_s"].median().sort_index()
         if len(of_op) < 3:
             return {}
         sizes = of_op.index.to_numpy(dtype=float)
         times = monotone_fit(of_op.to_numpy(dtype=float))
+        transport = None  # measured at every size, or not at all (an older or a CUDA sweep)
+        if "transport_cpu_s" in rows:
+            cpu = by_size["transport_cpu_s"].median().sort_index().to_numpy(dtype=float)
+            transport = monotone_fit(cpu) if np.isfinite(cpu).all() else None
         large = sizes >= LARGE_BYTES
         share = _ring_share(world_size, nodes)
         factor = 0.0
         if large.sum() >= 2 and share > 0 and link_Bps > 0:
             slope = float(np.polyfit(sizes[large], times[large], 1)[0])
             factor = max(slope * link_Bps / share, 0.0)
-        curves[op] = SweepCurve(op, sizes, times, world_size, nodes, link_Bps, factor)
+        fastest = None
+        if "time_min_s" in rows:
+            fastest = monotone_fit(by_size["time_min_s"].min().sort_index().to_numpy(dtype=float))
+            fastest = np.minimum(fastest, times)
+        curves[op] = SweepCurve(op, sizes, times, world_size, nodes, link_Bps, factor, transport, fastest)
     return curves
 
 
@@ -199,9 +247,39 @@ def level_curves(
                 factors.append(curve.link_factor)
         call, alpha = _call_and_step(np.array(steps, dtype=float), np.array(small_times))
         curves[op] = LevelCurve(
-            op, call, alpha, world_size, nodes, link_Bps, float(np.median(factors)) if factors else 1.0
+            op,
+            call,
+            alpha,
+            world_size,
+            nodes,
+            link_Bps,
+            float(np.median(factors)) if factors else 1.0,
+            _transport_fit([by_op[op] for by_op in measured]),
         )
     return curves
+
+
+def _transport_fit(measured: list[SweepCurve]) -> tuple[float, float] | None:
+    """(c_step, c_byte) ≥ 0 of transport CPU per rank ≈ (W − 1)·c_step + (W − 1)/W · S · c_byte, least
+    squares over every measured size of the kind's sweeps (relative error: small sizes weigh as much);
+    None when any of them lacks transport CPU."""
+    if not measured or any(curve.transport_cpu_per_size_s is None for curve in measured):
+        return None
+    steps = np.concatenate([np.full(len(c.sizes_bytes), c.world_size - 1.0) for c in measured])
+    moved = np.concatenate([c.sizes_bytes * (c.world_size - 1) / c.world_size for c in measured])
+    cpu = np.concatenate([c.transport_cpu_per_size_s for c in measured])
+    weight = 1.0 / np.maximum(cpu, 1e-9)
+    design = np.column_stack([steps * weight, moved * weight])
+    (step_s, byte_s), *_ = np.linalg.lstsq(design, cpu * weight, rcond=None)
+    if step_s < 0 or byte_s < 0:  # one term alone, whichever fits better
+        step_only = float(np.sum(steps * cpu * weight**2) / np.sum((steps * weight) ** 2))
+        byte_only = float(np.sum(moved * cpu * weight**2) / np.sum((moved * weight) ** 2))
+        errors = [
+            np.sum((cpu - step_only * steps) ** 2 * weight**2),
+            np.sum((cpu - byte_only * moved) ** 2 * weight**2),
+        ]
+        return (step_only, 0.0) if errors[0] <= errors[1] else (0.0, byte_only)
+    return float(step_s), float(byte_s)
 
 
 def _call_and_step(steps: np.ndarray, times: np.ndarray) -> tuple[float, float]:

@@ -10,7 +10,9 @@ the hosts' cores and the nodes' network links as resources.
 - **Shared resources** (processor sharing, `SharedResource`): a node's inter-node link is shared by the
   collectives in flight on it (a prefetched gather beside a reduce-scatter gets half the bandwidth each),
   and a host's cores are shared by the ranks computing on it (three ranks on two cores run at 2/3 speed
-  while all three compute, at full speed while one of them waits). Work given in seconds at full speed.
+  while all three compute, at full speed while one of them waits) and by the collectives' transport
+  (`comm_cpu_s`: gloo's threads moving the bytes, from when every rank has issued). Work given in
+  seconds at full speed.
 
 At the measured durations (`Costs.measured(graph)`: no resource use, every collective ending when it
 ended) the evaluation reproduces the measured iteration; `sim.rewrite` produces the costs of a rewritten
@@ -132,6 +134,9 @@ class Costs:
     # Collectives wait for the previous op on their stream (the capture's recorded order). Rewrites let a
     # rank's collectives overlap instead and share the link: gloo's worker threads run them concurrently.
     stream_order: bool = True
+    # Collective: core-seconds its transport (the process group's threads, the kernel's network stack)
+    # takes from its rank's host while it moves its bytes, beside the ranks' compute (None: nothing).
+    comm_cpu_s: np.ndarray | None = None
 
     @classmethod
     def measured(cls, graph: OpGraph) -> Costs:
@@ -189,6 +194,7 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
     residual_s = costs.residual_s.tolist()
     fixed_s = costs.fixed_s.tolist()
     link_work_s = costs.link_work_s.tolist()
+    comm_cpu_s = costs.comm_cpu_s.tolist() if costs.comm_cpu_s is not None else [0.0] * count
     group_of = graph.group.tolist()
     stream_order = costs.stream_order
     cores = (
@@ -205,6 +211,7 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
     for index in np.flatnonzero(graph.group >= 0).tolist():
         members.setdefault(group_of[index], []).append(index)
     issued = dict.fromkeys(members, 0)
+    all_issued = {g: event() for g in members}
     transferred = {g: event() for g in members}
     transfer_end = dict.fromkeys(members, 0.0)
 
@@ -239,6 +246,10 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
             end[index] = env.now
             done[index].succeed()
 
+    def transport_cpu(index: int, group: int):  # noqa: ANN202
+        yield all_issued[group]
+        yield cores[host[index]].use(comm_cpu_s[index], weight[index])
+
     def collective(index: int):  # noqa: ANN202
         issuer = main_prev[index]
         if issuer >= 0:
@@ -248,17 +259,25 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
         group = group_of[index]
         issued[group] += 1
         if issued[group] == len(members[group]):
+            all_issued[group].succeed()
             env.process(group_transfer(group))
         previous = stream_prev[index]
         if previous >= 0 and stream_order:
             yield done[previous]
         start[index] = env.now
+        # The transport's CPU runs on the rank's host once every rank has issued (the bytes move), beside
+        # the transfer; the op ends when both are done.
+        transport = None
+        if comm_cpu_s[index] > 0 and cores:
+            transport = env.process(transport_cpu(index, group))
         if own_s[index] > 0:
             yield timeout(own_s[index])
         if own_link_work_s[index] > 0:
             yield link.use(own_link_work_s[index])
         own_end = env.now
         yield transferred[group]
+        if transport is not None:
+            yield transport
         finish = max(own_end, transfer_end[group] + residual_s[index])
         if finish > env.now:
             yield timeout(finish - env.now)

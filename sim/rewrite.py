@@ -168,17 +168,65 @@ def mean_concurrency(start_s: np.ndarray, end_s: np.ndarray) -> np.ndarray:
     return np.where(length > 0, total / np.where(length > 0, length, 1.0), 1.0)
 
 
-def _core_share(graph: OpGraph, cluster: ClusterSpec) -> np.ndarray:
-    """Per main op, the share of a core its rank had: min(1, cores / ranks computing beside it)."""
+def transport_cpu(graph: OpGraph, cluster: ClusterSpec) -> np.ndarray | None:
+    """Per op, the core-seconds its transport takes from its rank's host on `cluster` (collectives: the
+    cluster's transport CPU at the op's size; other ops 0); None when the cluster's sweep did not measure
+    it or its cores are not simulated."""
+    if not cluster.host_cores:
+        return None
+    cpu = np.zeros(graph.size)
+    collective = np.flatnonzero((graph.group >= 0) & ~np.isin(graph.stream, KERNEL_STREAMS))
+    for stream in set(graph.stream[collective].tolist()):
+        chosen = collective[graph.stream[collective] == stream]
+        values = cluster.curves[GRAPH_STREAM_OPS[stream]].transport_cpu_s(graph.wire_bytes[chosen])
+        if values is None:
+            return None
+        cpu[chosen] = values
+    return cpu
+
+
+def weighted_concurrency(
+    start_s: np.ndarray, end_s: np.ndarray, from_s: np.ndarray, to_s: np.ndarray, rate: np.ndarray
+) -> np.ndarray:
+    """For each interval [start, end], the mean over it of Σ rate_k over the intervals [from_k, to_k] open."""
+    if not len(from_s) or not len(start_s):
+        return np.zeros(len(start_s))
+    times = np.concatenate([from_s, to_s])
+    steps = np.concatenate([rate, -rate])
+    order = np.argsort(times, kind="stable")
+    times, steps = times[order], steps[order]
+    level = np.cumsum(steps)
+    area = np.concatenate([[0.0], np.cumsum(level[:-1] * np.diff(times))])
+
+    def integral(at: np.ndarray) -> np.ndarray:
+        position = np.clip(np.searchsorted(times, at, side="right") - 1, 0, len(times) - 1)
+        return np.where(at < times[0], 0.0, area[position] + level[position] * (at - times[position]))
+
+    length = end_s - start_s
+    return np.where(
+        length > 0, (integral(end_s) - integral(start_s)) / np.where(length > 0, length, 1.0), 0.0
+    )
+
+
+def _core_share(graph: OpGraph, cluster: ClusterSpec, transport_s: np.ndarray | None) -> np.ndarray:
+    """Per main op, the share of a core its rank had: min(1, cores / (ranks computing beside it + the
+    cores the collectives in flight on its host took for their transport, spread over their measured
+    durations))."""
     share = np.ones(graph.size)
     if not cluster.host_cores:
         return share
     is_main = graph.is_main
     host = graph.rank // max(cluster.ranks_per_host, 1)
+    start, end = graph.measured_start_s, graph.measured_end_s
     for h in set(host[is_main].tolist()):
         chosen = np.flatnonzero(is_main & (host == h))
-        computing = mean_concurrency(graph.measured_start_s[chosen], graph.measured_end_s[chosen])
-        share[chosen] = np.minimum(1.0, cluster.host_cores / np.maximum(computing, 1.0))
+        busy = mean_concurrency(start[chosen], end[chosen])
+        if transport_s is not None:
+            moving = np.flatnonzero((transport_s > 0) & (host == h))
+            duration = np.maximum(end[moving] - start[moving], 1e-9)
+            rate = np.minimum(transport_s[moving] / duration, 1.0)  # one thread: at most a core
+            busy = busy + weighted_concurrency(start[chosen], end[chosen], start[moving], end[moving], rate)
+        share[chosen] = np.minimum(1.0, cluster.host_cores / np.maximum(busy, 1.0))
     return share
 
 
@@ -187,7 +235,16 @@ def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> t
     notes: list[str] = []
     is_main = graph.is_main
     world_scale = anchor.world_size / target.world_size
-    work = np.where(is_main, graph.duration_s * _core_share(graph, anchor), 0.0)
+    anchor_transport, target_transport = transport_cpu(graph, anchor), transport_cpu(graph, target)
+    if target.host_cores and (target_transport is None or anchor_transport is None):
+        # Both or neither: the anchor's compute is read net of its transport only if the target adds it back.
+        unmeasured = target.name if target_transport is None else anchor.name
+        notes.append(
+            f"{unmeasured}: transport CPU not measured by its collectives sweep — collectives take no cores "
+            "from compute (re-sweep with `ciera measure collectives`)"
+        )
+        anchor_transport = target_transport = None
+    work = np.where(is_main, graph.duration_s * _core_share(graph, anchor, anchor_transport), 0.0)
     optimizer = graph.stream == "optim"
     work[optimizer] *= world_scale
     own_link = np.zeros(graph.size)
@@ -198,12 +255,15 @@ def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> t
     collective = np.flatnonzero((graph.group >= 0) & ~kernel)
     op = np.array([GRAPH_STREAM_OPS[name] for name in graph.stream[collective]], dtype=object)
     size = graph.wire_bytes[collective]
-    anchor_time, anchor_link, target_time, target_link = (np.zeros(len(collective)) for _ in range(4))
+    anchor_time, anchor_link, target_time, target_link, target_fastest = (
+        np.zeros(len(collective)) for _ in range(5)
+    )
     for name in set(op.tolist()):
         chosen = op == name
         anchor_time[chosen] = anchor.curves[name].time_s(size[chosen])
         anchor_link[chosen] = anchor.curves[name].link_s(size[chosen])
         target_time[chosen] = target.curves[name].time_s(size[chosen])
+        target_fastest[chosen] = target.curves[name].fastest_time_s(size[chosen])
         target_link[chosen] = target.curves[name].link_s(size[chosen])
     # The rank's own time on its stream beyond what the anchor's sweep explains is in-run overhead
     # (the CPU it shared with compute, Python in hooks): kept. The target's fixed part and link part
@@ -222,7 +282,7 @@ def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> t
     own[collective] = np.maximum(0.0, target_time - target_link + in_run_rest)
     own_link[collective] = target_link / graph.world_size
     # No rank finishes a collective before every rank has issued it and it has moved its bytes.
-    floor[collective] = target_time
+    floor[collective] = target_fastest
     hosts = np.zeros(graph.size, dtype=int)  # the emulated cluster's ranks share one host
     multiplicity = np.full(graph.world_size, target.world_size / graph.world_size)
     if target.host_cores:
@@ -245,5 +305,6 @@ def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> t
         host=hosts,
         multiplicity=multiplicity,
         host_cores=float(target.host_cores),
+        comm_cpu_s=target_transport,
     )
     return costs, notes

@@ -22,6 +22,7 @@ from .errors import TraceError
 from .schema import (
     ALLOWED_VALUES,
     MINIMUM_VALUES,
+    OPTIONAL_COLUMNS,
     POSITIVE_INT_COLUMNS,
     RATE_COLUMNS,
     READABLE_VERSIONS,
@@ -96,13 +97,15 @@ def _normalised(arrow_type: pa.DataType) -> pa.DataType:
 
 def _check_columns(origin: str, name: str, actual: pa.Schema, version: int = SCHEMA_VERSION) -> None:
     expected = SCHEMAS_BY_VERSION[version][name]
-    missing = [f for f in expected.names if f not in actual.names]
+    missing = [f for f in expected.names if f not in actual.names and (name, f) not in OPTIONAL_COLUMNS]
     if missing:
         raise _fail(origin, name, missing[0], "missing column")
     extra = [f for f in actual.names if f not in expected.names]
     if extra:
         raise _fail(origin, name, extra[0], f"unexpected column (schema v{version} has none such)")
     for field in expected:
+        if field.name not in actual.names:
+            continue  # an optional column (checked above)
         found = actual.field(field.name).type
         if _normalised(found) != _normalised(field.type):
             raise _fail(origin, name, field.name, f"type {_normalised(found)}, expected {field.type}")
@@ -128,6 +131,9 @@ def _check_values(origin: str, name: str, frame: pd.DataFrame, schema: pa.Schema
                 raise _fail(origin, name, field.name, "null value, expected true/false")
             continue
         values = column.to_numpy(dtype=np.float64, na_value=np.nan)
+        if (name, field.name) in OPTIONAL_COLUMNS:
+            values = values[~np.isnan(values)]  # NaN: not measured
+            column = column[column.notna()]
         finite = np.isfinite(values)
         if not finite.all():
             raise _fail(
@@ -619,6 +625,9 @@ def read_bundle(path: str | os.PathLike[str]) -> TraceBundle:
             )
         schema = SCHEMAS_BY_VERSION[version][name]
         _check_columns(str(file), name, table.schema, version)
+        for field in schema:
+            if field.name not in table.schema.names:  # an optional column: not measured
+                table = table.append_column(field, pa.nulls(table.num_rows, field.type).fill_null(np.nan))
         frame = table.select(schema.names).cast(schema).to_pandas()
         _check_values(str(file), name, frame, schema)
         frames[name] = frame if version == SCHEMA_VERSION else upgrade_v1_table(name, frame)

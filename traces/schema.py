@@ -128,6 +128,9 @@ COLLECTIVES = pa.schema(
         ("repetitions", pa.int32()),
         ("time_min_s", pa.float64()),
         ("time_max_s", pa.float64()),
+        # Core-seconds per rank the transport took beside the calling thread (CPU sweeps; NaN: not
+        # measured — a CUDA sweep, an analytic row, or a bundle written before the column existed).
+        ("transport_cpu_s", pa.float64()),
     ]
 )
 
@@ -216,6 +219,9 @@ POSITIVE_INT_COLUMNS = {
     ("shard_changes", "iteration"),
     ("shard_changes", "world_size"),
 }
+
+# Columns a file of this schema version may lack (read as NaN) and whose NaN means "not measured".
+OPTIONAL_COLUMNS = {("collectives", "transport_cpu_s")}
 
 # Numeric columns with a floor other than 0: `events.layer` = -1 marks an event tied to no one layer.
 MINIMUM_VALUES: dict[tuple[str, str], int] = {("events", "layer"): -1}

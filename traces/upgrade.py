@@ -29,6 +29,8 @@ def upgrade_v1_table(name: str, frame: pd.DataFrame) -> pd.DataFrame:
             clock_spread_s=0.0,
         )
     elif name == "collectives":
-        frame = frame.assign(repetitions=1, time_min_s=frame["time_s"], time_max_s=frame["time_s"])
+        frame = frame.assign(
+            repetitions=1, time_min_s=frame["time_s"], time_max_s=frame["time_s"], transport_cpu_s=np.nan
+        )
     schema = TABLE_SCHEMAS[name]
     return frame[schema.names].astype(schema.empty_table().to_pandas().dtypes.to_dict())

@@ -106,15 +106,22 @@ def sim_command(
     for note in notes:
         console.print(f"note: {note}")
     calibration = Table(
-        title="collective cost curves: each cluster's measured sweep (whole group), interpolated",
+        title="collective cost curves: each cluster's measured sweep (whole group, mean per size), interpolated",
         box=box.SIMPLE_HEAD,
     )
-    for column in ("cluster", "op", "sizes", "link factor", "at 112 KiB", "at 1 MiB", "at 16 MiB"):
+    columns = ("cluster", "op", "sizes", "link factor", "at 112 KiB", "at 1 MiB", "at 16 MiB",
+               "transport CPU per rank at 112 KiB / 1 MiB")  # fmt: skip
+    for column in columns:
         calibration.add_column(column, justify="left" if column in ("cluster", "op") else "right")
     for row in document["calibration"]:
+        transport = (
+            "not measured"
+            if row.get("transport_cpu_at_112KiB_s") is None
+            else f"{row['transport_cpu_at_112KiB_s'] * 1e3:.2f} / {row['transport_cpu_at_1MiB_s'] * 1e3:.2f} ms"
+        )
         calibration.add_row(row["cluster"], row["op"], str(row["sizes"]), f"{row['link_factor']:.2f}",
                             f"{row['time_at_112KiB_s'] * 1e3:.2f} ms", f"{row['time_at_1MiB_s'] * 1e3:.1f} ms",
-                            f"{row['time_at_16MiB_s'] * 1e3:.0f} ms")  # fmt: skip
+                            f"{row['time_at_16MiB_s'] * 1e3:.0f} ms", transport)  # fmt: skip
     console.print(calibration)
     noise = document["measurement_noise"]
     line = (

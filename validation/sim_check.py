@@ -267,11 +267,14 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
         spec = measured_cluster(bundle.collectives, run)
         for op, curve in sorted(spec.curves.items()):
             at = np.array([112 << 10, 1 << 20, 16 << 20], dtype=float)
+            transport = curve.transport_cpu_s(at)
             calibration.append({
                 "cluster": cluster, "op": op, "world_size": int(run.world_size), "nodes": int(run.nodes),
                 "sizes": len(curve.sizes_bytes), "link_Bps": spec.link_Bps, "link_factor": curve.link_factor,
                 "time_at_112KiB_s": float(curve.time_s(at)[0]), "time_at_1MiB_s": float(curve.time_s(at)[1]),
                 "time_at_16MiB_s": float(curve.time_s(at)[2]),
+                "transport_cpu_at_112KiB_s": None if transport is None else float(transport[0]),
+                "transport_cpu_at_1MiB_s": None if transport is None else float(transport[1]),
             })  # fmt: skip
     document = {
         "schema": SCHEMA,

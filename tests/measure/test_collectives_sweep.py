@@ -20,6 +20,8 @@ from measure.collectives import OPS, bus_factor, sweep_collectives, sweep_sizes 
 MAX_BYTES = 64 << 10
 SIZES = [1024 << k for k in range(7)]  # 1 KiB … 64 KiB
 REPETITIONS = 3
+MIN_TIME_S = 0.01  # each size timed ~10 ms: more repetitions of the small ones, at most MAX_REPETITIONS
+MAX_REPETITIONS = 12
 TIMEOUT_S = 3.0  # the group's timeout for the missing-rank check
 
 
@@ -41,6 +43,8 @@ def _rank(rank: int, world_size: int, port: int, ranks_per_node: int, queue, che
             repetitions=REPETITIONS,
             ranks_per_node=ranks_per_node,
             on_progress=progress.append,
+            min_time_s=MIN_TIME_S,
+            max_repetitions=MAX_REPETITIONS,
         )
         queue.put(("rows", rank, rows, progress))
         if checked is not None:  # the missing-rank check: `checked` is set once rank 0 has its error
@@ -95,13 +99,17 @@ def _check_group_rows(rows: list[dict], world_size: int, nodes: int) -> None:
     assert [(row["op"], row["bytes"]) for row in rows] == [(op, size) for op in OPS for size in SIZES]
     for row in rows:
         assert row["world_size"] == world_size and row["nodes"] == nodes
-        assert row["repetitions"] == REPETITIONS
+        # At least the fixed count, more until ~MIN_TIME_S was spent, never more than the cap.
+        assert REPETITIONS <= row["repetitions"] <= MAX_REPETITIONS
+        assert row["repetitions"] == MAX_REPETITIONS or row["repetitions"] * row["time_s"] >= MIN_TIME_S * 0.3
         assert 0 < row["time_min_s"] <= row["time_s"] <= row["time_max_s"]
         assert row["algbw_Bps"] == row["bytes"] / row["time_s"]
         factor = (
             2 * (world_size - 1) / world_size if row["op"] == "all_reduce" else (world_size - 1) / world_size
         )
         assert row["busbw_Bps"] == pytest.approx(row["algbw_Bps"] * factor, rel=1e-12)
+        # The process's CPU beside the calling thread (gloo's transport threads), per rank: measured on CPU.
+        assert 0 <= row["transport_cpu_s"] < 10 * row["time_max_s"] + 0.1
 
 
 def test_two_ranks_sweep_one_node_and_a_missing_rank_times_out() -> None:
@@ -149,6 +157,9 @@ def test_sizes_double_and_round_up_to_the_group() -> None:
         ({"min_bytes": 4096, "max_bytes": 1024}, "max_bytes is 1024"),
         ({"repetitions": 0}, "repetitions is 0"),
         ({"ranks_per_node": 0}, "ranks_per_node is 0"),
+        ({"min_time_s": -1.0}, "min_time_s is -1.0"),
+        ({"min_time_s": float("nan")}, "min_time_s is nan"),
+        ({"repetitions": 5, "max_repetitions": 4}, "max_repetitions is 4"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(kwargs: dict, message: str) -> None:

@@ -148,6 +148,27 @@ def test_shared_cores_cap_each_flow_at_one_core() -> None:
     assert done.processed and env.now == pytest.approx(1.0)  # one thread does not go faster than a core
 
 
+def test_a_collectives_transport_takes_host_cores_from_compute_once_every_rank_has_issued() -> None:
+    # Two ranks on one 2-core host. Rank 0 computes 0–1, issues a gather and waits for it (1–3); rank 1
+    # issues it at 1 inside a segment that computes on to 3. The transfer runs from 1 (the last issue).
+    rank0 = _events([("compute", 0, 0, 1), ("allgather", 1, 1, 3, 100), ("compute", 3, 3, 4)], rank=0)
+    rank1 = _events([("compute", 0, 0, 3), ("allgather", 1, 1, 3, 100), ("compute", 3, 3, 4)], rank=1)
+    graph = build_graph(pd.concat([rank0, rank1]))
+    base = Costs.measured(graph)
+    cores = Costs(**{**base.__dict__, "host_cores": 2.0})
+    compute_end = np.flatnonzero(graph.is_main & (graph.rank == 1))[1]  # rank 1's work after the issue
+    assert evaluate(graph, cores).end_s[compute_end] == pytest.approx(3.0)
+    # 1 core-second of transport per rank from 1: three flows (two transports, rank 1's compute) on two
+    # cores run at 2/3 until the transports end at 2.5; rank 1's compute, 1.5 s short then, ends at 3.5.
+    transport = Costs(**{**cores.__dict__, "comm_cpu_s": np.where(graph.is_main, 0.0, 1.0)})
+    loaded = evaluate(graph, transport)
+    assert loaded.end_s[compute_end] == pytest.approx(3.5)
+    assert loaded.iteration_s == pytest.approx(evaluate(graph, cores).iteration_s + 0.5)
+    # Without shared cores, transport CPU is nothing to wait for.
+    free = Costs(**{**base.__dict__, "comm_cpu_s": np.where(graph.is_main, 0.0, 5.0)})
+    assert evaluate(graph, free).iteration_s == pytest.approx(evaluate(graph).iteration_s)
+
+
 @pytest.fixture(scope="module")
 def measured(shipped_measured_bundle: traces.TraceBundle) -> traces.TraceBundle:
     return shipped_measured_bundle

@@ -87,6 +87,30 @@ def test_projected_topologies_fit_a_per_call_and_a_per_step_cost() -> None:
     assert curve.time_s(np.array([0.0]))[0] == pytest.approx(63 * 2e-4, rel=0.05)
 
 
+def test_transport_cpu_is_interpolated_by_size_and_projected_per_step_and_byte() -> None:
+    # Per rank: 0.1 ms per ring step + 2 ns per byte moved (W − 1)/W · S, swept at W = 2, 3, 4.
+    def with_cpu(world: int) -> pd.DataFrame:
+        sweep = _sweep(f"c{world}", world, world, 1e7, 2e-4)
+        moved = sweep["bytes"] * (world - 1) / world
+        return sweep.assign(transport_cpu_s=(world - 1) * 1e-4 + moved * 2e-9)
+
+    measured = [sweep_curves(with_cpu(w), f"c{w}", w, w, 1e7) for w in (2, 3, 4)]
+    curve = measured[0]["all_gather"]
+    np.testing.assert_allclose(
+        curve.transport_cpu_s(np.array([1 << 20])), [1e-4 + (1 << 19) * 2e-9], rtol=1e-6
+    )
+    low, middle, high = curve.transport_cpu_s(np.array([64 << 10, 100 << 10, 128 << 10]))
+    assert low < middle < high
+    projected = level_curves(measured, 64, 64, 1e7)["all_gather"]
+    assert projected.transport_cpu_fit == pytest.approx((1e-4, 2e-9), rel=1e-3)
+    # A sweep without it (older, CUDA) has none, and neither has a projection from it.
+    plain = sweep_curves(_sweep("c", 2, 2, 1e7, 1e-4), "c", 2, 2, 1e7)
+    assert plain["all_gather"].transport_cpu_s(np.array([1024])) is None
+    assert (
+        level_curves([plain, measured[1]], 8, 8, 1e7)["all_gather"].transport_cpu_s(np.array([1024])) is None
+    )
+
+
 def test_mean_concurrency_counts_what_was_open_beside_each_interval() -> None:
     np.testing.assert_allclose(mean_concurrency(np.array([0.0, 1.0]), np.array([2.0, 2.0])), [1.5, 2.0])
     np.testing.assert_allclose(mean_concurrency(np.array([0.0, 2.0]), np.array([1.0, 3.0])), [1.0, 1.0])

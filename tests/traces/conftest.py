@@ -98,6 +98,7 @@ def make_tiny_bundle(layers: int = 2, world_size: int = 4, iterations: int = 2) 
                 "repetitions": 5,
                 "time_min_s": 0.0009,
                 "time_max_s": 0.0012,
+                "transport_cpu_s": 0.0002,
             }
         ]
     )

@@ -164,6 +164,25 @@ def test_round_trip_with_events_and_shard_changes(events_bundle, tmp_path):
         assert pq.read_schema(path / f"{name}.parquet").metadata[SCHEMA_VERSION_KEY] == b"2"
 
 
+def test_transport_cpu_is_optional_nan_when_not_measured_and_checked_when_it_is(events_bundle, tmp_path):
+    # A bundle written before the column existed: its collectives file lacks it and reads as NaN.
+    path = traces.write_bundle(events_bundle, tmp_path / "b")
+    table = pq.read_table(path / "collectives.parquet")
+    older = table.drop_columns(["transport_cpu_s"])
+    pq.write_table(older.replace_schema_metadata(table.schema.metadata), path / "collectives.parquet")
+    loaded = traces.read_bundle(path)
+    assert len(loaded.collectives) and loaded.collectives["transport_cpu_s"].isna().all()
+    # Measured values round-trip; a negative one is refused in one line.
+    measured = loaded.collectives.assign(transport_cpu_s=0.25e-3)
+    again = traces.read_bundle(
+        traces.write_bundle(dataclasses.replace(loaded, collectives=measured), tmp_path / "c")
+    )
+    assert (again.collectives["transport_cpu_s"] == 0.25e-3).all()
+    negative = measured.assign(transport_cpu_s=-1.0)
+    with pytest.raises(traces.TraceError, match=r"column 'transport_cpu_s': value -1.*expected >= 0"):
+        traces.validate_bundle(dataclasses.replace(loaded, collectives=negative), "origin")
+
+
 def test_seven_tables_and_five_table_construction_still_works():
     assert traces.TABLE_NAMES == (
         "runs",

@@ -100,6 +100,67 @@ _INITIAL_PAYLOAD_RATIO = 0.45
 # engines: 6 and 11); README, "Training steps".
 DEFAULT_PART_BYTES = 2 << 20
 MAX_PARTS = 8
+# Pipelining adds collectives: a step's extra calls stay within max(EXTRA_CALLS_PER_STEP, EXTRA_CALLS_SHARE ×
+# the step's engine calls) (PartBudget). Without it a zoo model with many calls over 4 MiB made 15-27
+# collectives per step against FSDP2's 11.
+EXTRA_CALLS_SHARE = 0.1
+EXTRA_CALLS_PER_STEP = 4
+
+
+def parts_wanted(raw_bytes_per_rank: int, part_bytes: int) -> int:
+    """Parts an engine call of ``raw_bytes_per_rank`` would travel as without a budget: one below twice
+    ``part_bytes`` (and with 0: never cut), else one per ``part_bytes``, at most MAX_PARTS."""
+    if part_bytes <= 0 or raw_bytes_per_rank < 2 * part_bytes:
+        return 1
+    return min(MAX_PARTS, raw_bytes_per_rank // part_bytes)
+
+
+class PartBudget:
+    """How many parts each engine call travels as, the same on every rank. The first step cuts nothing and
+    records its calls (key, raw bytes per rank, how often); at the next step's start the extra calls are
+    handed out, largest call first (ties: first seen first), each up to ``parts_wanted`` and within the
+    step's budget, max(EXTRA_CALLS_PER_STEP, EXTRA_CALLS_SHARE × its calls). It reads only what every rank
+    sees alike — the engine's calls, their sizes and their order — so every rank cuts alike. A call the
+    first step did not make travels whole."""
+
+    def __init__(self, part_bytes: int) -> None:
+        self.part_bytes = part_bytes
+        self._seen: dict[object, list[int]] = {}  # key -> [raw bytes per rank, calls in the first step]
+        self._plan: dict[object, int] | None = None  # key -> parts, from the second step on
+        self.first_step_calls = 0
+        self.extra_calls_per_step = 0
+
+    def parts(self, key: object, raw_bytes_per_rank: int) -> int:
+        if self._plan is None:
+            entry = self._seen.setdefault(key, [raw_bytes_per_rank, 0])
+            entry[1] += 1
+            return 1
+        return self._plan.get(key, 1)
+
+    def describe(self) -> dict:
+        """The plan as counted: calls of the first step, extra calls per step from the second on (None
+        before the plan is made), and the budget they kept within."""
+        return {
+            "first_step_calls": self.first_step_calls,
+            "extra_calls_per_step": self.extra_calls_per_step if self._plan is not None else None,
+            "budget_per_step": max(EXTRA_CALLS_PER_STEP, int(EXTRA_CALLS_SHARE * self.first_step_calls)),
+        }
+
+    def start_step(self) -> None:
+        """A training step starts (the model's top-level forward): after the first, the plan is made."""
+        if self._plan is not None or not self._seen:
+            return
+        self.first_step_calls = sum(count for _, count in self._seen.values())
+        budget = max(EXTRA_CALLS_PER_STEP, int(EXTRA_CALLS_SHARE * self.first_step_calls))
+        order = {key: index for index, key in enumerate(self._seen)}
+        plan: dict[object, int] = {}
+        for key, (raw, count) in sorted(self._seen.items(), key=lambda item: (-item[1][0], order[item[0]])):
+            extra = min(parts_wanted(raw, self.part_bytes) - 1, budget // count)
+            if extra > 0:
+                plan[key] = 1 + extra
+                budget -= extra * count
+                self.extra_calls_per_step += extra * count
+        self._plan = plan
 
 
 def check_part_bytes(part_bytes) -> int:

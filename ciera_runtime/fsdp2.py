@@ -54,7 +54,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from ciera_runtime.allgather import CompressedAllGather
-from ciera_runtime.bucket import DEFAULT_PART_BYTES, MAX_PARTS, check_part_bytes
+from ciera_runtime.bucket import DEFAULT_PART_BYTES, PartBudget, check_part_bytes
 from ciera_runtime.codec import CodecConfig
 from ciera_runtime.errors import SelectionMismatchError
 from ciera_runtime.selection import CommProfile, Decision, ShardInfo, select_for_group
@@ -256,6 +256,7 @@ class CieraFSDP2:
         # A group's flat shard of at least 2 x part_bytes travels as several buckets, each a contiguous
         # range of it, encoded and issued in turn and decoded in turn (see zero3.CieraZero3.part_bytes).
         self.part_bytes = part_bytes
+        self.part_budget = PartBudget(part_bytes)  # how many parts, within a per-step budget of extra calls
         # The BSC table every rank applied (rank 0's), one row per candidate module, with its name.
         self.selection: list[dict] = []
         self.engines: dict[dist.ProcessGroup, CompressedAllGather] = {}
@@ -320,7 +321,8 @@ class CieraFSDP2:
         sent_before = engine.stats.bytes_sent
         # One collective per part of the group's flat shard (one part below 2 x part_bytes), each in
         # flight on return (one round in steady state); part k of every rank lands in its rank's slice.
-        ranges = _part_ranges(input_tensor.numel(), input_tensor.element_size(), self.part_bytes)
+        count = self.part_budget.parts(stats.shard_id, raw_bytes)
+        ranges = _part_ranges(input_tensor.numel(), count)
         if len(ranges) == 1:
             parts = [([input_tensor], [stats.shard_id], [output])]
         else:
@@ -459,6 +461,7 @@ class CieraFSDP2:
     def _start_iteration(self, module, args) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a root forward re-run by autograd (checkpointed root): same iteration
+        self.part_budget.start_step()
         if self.iteration > 0 or self._current:
             self.history.append(dict(self._current))
             del self.history[:-_HISTORY]
@@ -485,6 +488,7 @@ class CieraFSDP2:
             "wire_bytes": wire,
             "wire_ratio": wire / raw if raw else None,
             "iterations": self.iteration,
+            "part_budget": self.part_budget.describe(),
             "select": self.select,
             "selection": [dict(row) for row in self.selection],
             "engines": [
@@ -518,12 +522,10 @@ class CieraFSDP2:
         }
 
 
-def _part_ranges(numel: int, element_size: int, part_bytes: int) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) ranges of a flat shard, the same on every rank (sizes only)."""
-    total = numel * element_size
-    if part_bytes <= 0 or total < 2 * part_bytes:
+def _part_ranges(numel: int, count: int) -> list[tuple[int, int]]:
+    """``count`` contiguous [start, stop) ranges of a flat shard, the same on every rank (sizes only)."""
+    if count <= 1:
         return [(0, numel)]
-    count = min(MAX_PARTS, total // part_bytes)
     step = -(-numel // count)
     return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 

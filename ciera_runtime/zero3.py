@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciera_runtime.bucket import DEFAULT_PART_BYTES, MAX_PARTS, check_part_bytes
+from ciera_runtime.bucket import DEFAULT_PART_BYTES, PartBudget, check_part_bytes
 from ciera_runtime.codec import CodecConfig
 from ciera_runtime.errors import CieraError, ConfigMismatchError, GatherError
 
@@ -242,6 +242,7 @@ class CieraZero3:
         self._ds_bytes_sent = 0
         self._ds_gathers = 0
         self._pipelined_calls = 0  # coalesced calls cut into several buckets (part_bytes)
+        self.part_budget = PartBudget(part_bytes)  # how many, within a per-step budget of extra calls
         self._module_params_cache: dict[int, tuple[frozenset, tuple[int, ...]]] = {}
         self._active = False
 
@@ -345,6 +346,7 @@ class CieraZero3:
             "ciera_raw_bytes_equivalent": ciera["raw_bytes_equivalent"],
             "ciera_host_s": host_s,  # on the training thread, network waits left out
             "ciera_pipelined_calls": self._pipelined_calls,
+            "ciera_part_budget": self.part_budget.describe(),
             "deepspeed_gathers": self._ds_gathers,
             "deepspeed_bytes_sent": self._ds_bytes_sent,
             "bytes_sent": ciera["bytes_sent"] + self._ds_bytes_sent,
@@ -416,7 +418,9 @@ class CieraZero3:
                 self._pending.append(job)
                 jobs.append(job)
                 continue
-            parts = _parts(group_params, self.part_bytes)
+            raw = sum(param.ds_tensor.numel() * param.ds_tensor.element_size() for param in group_params)
+            count = self.part_budget.parts(tuple(param.ds_id for param in group_params), raw)
+            parts = _parts(group_params, count)
             self._pipelined_calls += len(parts) > 1
             for part in parts:
                 shards = [param.ds_tensor.data for param in part]
@@ -569,7 +573,8 @@ class CieraZero3:
                 self._attribute_use(ds_ids, phase)
             return result
 
-        def reset_step() -> None:
+        def reset_step() -> None:  # DeepSpeed: at the start of each forward of the model
+            self.part_budget.start_step()
             result = original_reset()
             with self._lock:
                 self._attribute_use(list(self._awaiting_use), "unused")
@@ -755,13 +760,14 @@ def _describe(routes: dict, members: list[int]) -> str:
     )
 
 
-def _parts(params: list, part_bytes: int) -> list[list]:
-    """``params`` (ds_id order) cut into contiguous runs of at least ``part_bytes`` raw bytes per rank
-    (the last run takes the remainder; at most MAX_PARTS runs): the same cut on every rank."""
-    total = sum(param.ds_tensor.numel() * param.ds_tensor.element_size() for param in params)
-    if part_bytes <= 0 or total < 2 * part_bytes:
+def _parts(params: list, count: int) -> list[list]:
+    """``params`` (ds_id order) cut into ``count`` contiguous runs of about equal raw bytes per rank (a
+    remainder under half a run joins the last; a run holds at least one parameter): the same cut on
+    every rank."""
+    if count <= 1:
         return [params]
-    target = max(part_bytes, -(-total // MAX_PARTS))
+    total = sum(param.ds_tensor.numel() * param.ds_tensor.element_size() for param in params)
+    target = -(-total // count)
     parts, current, size = [], [], 0
     for param in params:
         current.append(param)
@@ -821,7 +827,8 @@ def enable_ciera(
     every wait of a CIERA gather: a rank that never arrives makes the others raise GatherTimeoutError).
     ``comm_profile``: a :class:`~ciera_runtime.selection.CommProfile` to use instead of measuring one.
     ``part_bytes`` (default DEFAULT_PART_BYTES, 2 MiB; 0: never): a coalesced call of at least twice this
-    many raw bytes per rank travels as several pipelined buckets of about this size.
+    many raw bytes per rank travels as several pipelined buckets of about this size, from the second
+    step on and within a per-step budget of extra calls (bucket.PartBudget: the largest calls first).
     ``device_gather`` (default False): the partitions go through :class:`~ciera_runtime.device_gather.
     DeviceGather` on their own device — payloads prepared at each optimizer step, no host read per gather,
     changed exponents rANS-coded on the device (``entropy``), every partition compressed (no selection) — for CUDA partitions, which the

@@ -90,7 +90,12 @@ def test_pipelined_buckets_stay_bit_identical(training_results) -> None:
         blocks = [
             row for name, row in result["pipelined_stats"]["modules"].items() if name.startswith("blocks.")
         ]
-        assert blocks and all(row["pipelined_gathers"] == row["gathers"] > 0 for row in blocks)
+        # From the second step on, the largest calls travel as parts, within the per-step budget of
+        # extra calls; the first step cuts nothing.
+        budget = result["pipelined_stats"]["part_budget"]
+        assert 0 < budget["extra_calls_per_step"] <= budget["budget_per_step"]
+        assert blocks and any(row["pipelined_gathers"] > 0 for row in blocks)
+        assert all(row["pipelined_gathers"] < row["gathers"] for row in blocks)
 
 
 def test_no_entropy_stage_is_bit_identical_and_leaves_raw_after_the_seeds(training_results) -> None:

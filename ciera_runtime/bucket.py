@@ -116,51 +116,58 @@ def parts_wanted(raw_bytes_per_rank: int, part_bytes: int) -> int:
 
 
 class PartBudget:
-    """How many parts each engine call travels as, the same on every rank. The first step cuts nothing and
-    records its calls (key, raw bytes per rank, how often); at the next step's start the extra calls are
-    handed out, largest call first (ties: first seen first), each up to ``parts_wanted`` and within the
-    step's budget, max(EXTRA_CALLS_PER_STEP, EXTRA_CALLS_SHARE × its calls). It reads only what every rank
-    sees alike — the engine's calls, their sizes and their order — so every rank cuts alike. A call the
-    first step did not make travels whole."""
+    """How many parts each engine call travels as, the same on every rank. Each step's calls are recorded
+    (key, raw bytes per rank, how often); at a step's start, when the step before made other calls than
+    the plan was made from (the first step; DeepSpeed's first step, which records its trace and gathers
+    module by module, then its prefetching steps), the extra calls are handed out again from that step:
+    largest call first (ties: first seen first), each up to ``parts_wanted``, within the step's budget,
+    max(EXTRA_CALLS_PER_STEP, EXTRA_CALLS_SHARE × its calls). It reads only what every rank sees alike —
+    the engine's calls, their sizes and their order — so every rank cuts alike. A call the plan's step
+    did not make travels whole."""
 
     def __init__(self, part_bytes: int) -> None:
         self.part_bytes = part_bytes
-        self._seen: dict[object, list[int]] = {}  # key -> [raw bytes per rank, calls in the first step]
-        self._plan: dict[object, int] | None = None  # key -> parts, from the second step on
-        self.first_step_calls = 0
+        self._step: dict[object, list[int]] = {}  # this step: key -> [raw bytes per rank, calls]
+        self._planned_from: dict[object, list[int]] | None = None  # the step the plan was made from
+        self._plan: dict[object, int] = {}  # key -> parts
+        self.plans = 0  # plans made so far (a stable schedule: 1, or 2 under DeepSpeed)
+        self.planned_step_calls = 0
         self.extra_calls_per_step = 0
 
     def parts(self, key: object, raw_bytes_per_rank: int) -> int:
-        if self._plan is None:
-            entry = self._seen.setdefault(key, [raw_bytes_per_rank, 0])
-            entry[1] += 1
-            return 1
+        entry = self._step.setdefault(key, [raw_bytes_per_rank, 0])
+        entry[1] += 1
         return self._plan.get(key, 1)
 
     def describe(self) -> dict:
-        """The plan as counted: calls of the first step, extra calls per step from the second on (None
-        before the plan is made), and the budget they kept within."""
+        """The plan as counted: calls of the step it was made from, extra calls per step (None before a
+        plan), the budget they kept within, and how many plans were made."""
         return {
-            "first_step_calls": self.first_step_calls,
-            "extra_calls_per_step": self.extra_calls_per_step if self._plan is not None else None,
-            "budget_per_step": max(EXTRA_CALLS_PER_STEP, int(EXTRA_CALLS_SHARE * self.first_step_calls)),
+            "planned_step_calls": self.planned_step_calls,
+            "extra_calls_per_step": self.extra_calls_per_step if self.plans else None,
+            "budget_per_step": max(EXTRA_CALLS_PER_STEP, int(EXTRA_CALLS_SHARE * self.planned_step_calls)),
+            "plans": self.plans,
         }
 
     def start_step(self) -> None:
-        """A training step starts (the model's top-level forward): after the first, the plan is made."""
-        if self._plan is not None or not self._seen:
+        """A training step starts (the model's top-level forward): re-plan if the last step's calls differ
+        from those the plan was made from."""
+        finished, self._step = self._step, {}
+        if not finished or finished == self._planned_from:
             return
-        self.first_step_calls = sum(count for _, count in self._seen.values())
-        budget = max(EXTRA_CALLS_PER_STEP, int(EXTRA_CALLS_SHARE * self.first_step_calls))
-        order = {key: index for index, key in enumerate(self._seen)}
+        self.planned_step_calls = sum(count for _, count in finished.values())
+        budget = max(EXTRA_CALLS_PER_STEP, int(EXTRA_CALLS_SHARE * self.planned_step_calls))
+        order = {key: index for index, key in enumerate(finished)}
         plan: dict[object, int] = {}
-        for key, (raw, count) in sorted(self._seen.items(), key=lambda item: (-item[1][0], order[item[0]])):
-            extra = min(parts_wanted(raw, self.part_bytes) - 1, budget // count)
+        extra_calls = 0
+        for key, (raw, count) in sorted(finished.items(), key=lambda item: (-item[1][0], order[item[0]])):
+            extra = min(parts_wanted(raw, self.part_bytes) - 1, (budget - extra_calls) // count)
             if extra > 0:
                 plan[key] = 1 + extra
-                budget -= extra * count
-                self.extra_calls_per_step += extra * count
-        self._plan = plan
+                extra_calls += extra * count
+        self._plan, self._planned_from = plan, finished
+        self.extra_calls_per_step = extra_calls
+        self.plans += 1
 
 
 def check_part_bytes(part_bytes) -> int:

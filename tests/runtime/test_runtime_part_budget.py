@@ -43,7 +43,25 @@ def test_the_first_step_is_whole_then_the_largest_calls_get_parts_within_the_bud
     # Budget max(4, int(0.1 × 12)) = 4 extra calls: all to the first 16 MiB call (first seen of the
     # two largest), 5 parts; none left for the others.
     assert second == third == [5, 1, 1] + [1] * 9
-    assert budget.describe() == {"first_step_calls": 12, "extra_calls_per_step": 4, "budget_per_step": 4}
+    assert budget.describe() == {
+        "planned_step_calls": 12, "extra_calls_per_step": 4, "budget_per_step": 4, "plans": 1,
+    }  # fmt: skip
+
+
+def test_a_step_with_other_calls_is_planned_again_from_that_step() -> None:
+    # DeepSpeed's first step gathers module by module (it records its trace); from the second it
+    # coalesces prefetch buckets: other keys. The plan follows the calls the engine now makes.
+    first = [(f"m{i}", 3 * MIB) for i in range(4)]
+    later = [("bucket0", 12 * MIB), ("bucket1", 12 * MIB)]
+    budget = PartBudget(2 * MIB)
+    parts = []
+    for step in (first, later, later, later):
+        budget.start_step()
+        parts.append([budget.parts(key, raw) for key, raw in step])
+    assert parts[0] == [1] * 4
+    assert parts[1] == [1, 1]  # planned from the first step's calls: these are not among them
+    assert parts[2] == parts[3] == [5, 1]  # planned from the second: 4 extra to the first large call
+    assert budget.describe()["plans"] == 2
 
 
 def test_a_call_made_several_times_a_step_pays_its_extra_parts_each_time() -> None:
@@ -75,6 +93,7 @@ def test_property_within_budget_and_alike_for_every_rank(sizes, part_bytes, repe
     assert plans[0] == plans[1] == plans[2]  # the same calls: the same cuts on every rank
     first, second, third = plans[0]
     assert first == [1] * len(step) and second == third
+    assert all(rank.describe()["plans"] == 1 for rank in ranks)  # the same calls every step: one plan
     extra = sum(p - 1 for p in second)
     assert extra <= max(EXTRA_CALLS_PER_STEP, int(EXTRA_CALLS_SHARE * len(step)))
     for (_, size), parts in zip(step, second, strict=True):

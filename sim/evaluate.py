@@ -194,7 +194,9 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
     residual_s = costs.residual_s.tolist()
     fixed_s = costs.fixed_s.tolist()
     link_work_s = costs.link_work_s.tolist()
-    comm_cpu_s = costs.comm_cpu_s.tolist() if costs.comm_cpu_s is not None else [0.0] * count
+    # Transport CPU needs the shared cores; without them it is nothing to wait for (and no events).
+    transport_on = costs.comm_cpu_s is not None and costs.host_cores > 0
+    comm_cpu_s = costs.comm_cpu_s.tolist() if transport_on else [0.0] * count
     group_of = graph.group.tolist()
     stream_order = costs.stream_order
     cores = (
@@ -211,7 +213,7 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
     for index in np.flatnonzero(graph.group >= 0).tolist():
         members.setdefault(group_of[index], []).append(index)
     issued = dict.fromkeys(members, 0)
-    all_issued = {g: event() for g in members}
+    all_issued = {g: event() for g in members} if transport_on else {}
     transferred = {g: event() for g in members}
     transfer_end = dict.fromkeys(members, 0.0)
 
@@ -259,7 +261,8 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
         group = group_of[index]
         issued[group] += 1
         if issued[group] == len(members[group]):
-            all_issued[group].succeed()
+            if transport_on:
+                all_issued[group].succeed()
             env.process(group_transfer(group))
         previous = stream_prev[index]
         if previous >= 0 and stream_order:

@@ -115,6 +115,9 @@ def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
                     "warm_steps": job.warm_steps,
                     # Python's GC, run before each timed iteration outside its time (measure/capture.py)
                     "gc_collect_median_s": _median(run.get("gc_collect_s", [])),
+                    # CPU per rank and iteration beside the main thread (transport threads), median; None
+                    # for runs captured before it was recorded.
+                    "transport_cpu_median_s": _median(run.get("transport_cpu_s", [])),
                 },
             )
         )

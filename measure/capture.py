@@ -295,8 +295,9 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
     measured = recorder.iterations[job.warmup_iterations :]
     host = socket.gethostname()
     timing = [(log.start_s, log.end_s) for log in measured]
+    transport = [log.transport_cpu_s for log in measured]
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (host, timing))
+    dist.all_gather_object(gathered, (host, timing, transport))
     one_host = len({entry[0] for entry in gathered}) == 1
     rows = []
     iteration_s, spreads = [], []
@@ -344,6 +345,10 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
             "iteration_s": iteration_s,
             "clock": "shared" if one_host else "barrier",
             "clock_spread_s": max(spreads) if spreads else 0.0,
+            # Per timed iteration, the mean over ranks of the CPU each process spent beside its main thread.
+            "transport_cpu_s": [
+                sum(entry[2][index] for entry in gathered) / world_size for index in range(len(measured))
+            ],
             "gc_collect_s": gc_collect_s[job.warmup_iterations :],
             "schedule": schedule,
             "mean_loss": (final_losses / world_size).cpu().tolist(),

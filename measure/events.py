@@ -67,6 +67,9 @@ class _IterationLog:
     start_s: float
     events: list[Event] = field(default_factory=list)
     end_s: float = 0.0
+    # CPU seconds this process spent beside its main thread over the iteration: the process group's
+    # transport threads (and any other worker thread), what the sweep's transport_cpu_s measures per call.
+    transport_cpu_s: float = 0.0
 
 
 class EventRecorder:
@@ -352,6 +355,7 @@ class EventRecorder:
     @contextlib.contextmanager
     def iteration(self, index: int) -> Iterator[_IterationLog]:
         log = _IterationLog(index, self.clock.begin())
+        process_s, thread_s = time.process_time(), time.thread_time()  # the main thread runs iterations
         self._stack[:] = [-1]
         self._phase = "fwd"
         self._segment_start_s = log.start_s
@@ -360,6 +364,9 @@ class EventRecorder:
             yield log
         finally:
             end_s = self.clock()
+            log.transport_cpu_s = max(
+                0.0, (time.process_time() - process_s) - (time.thread_time() - thread_s)
+            )
             self._close_segment(end_s)
             self._log = None
             with self._lock:

@@ -48,6 +48,9 @@ def test_capture_gives_a_valid_bundle_of_measured_runs(captured: Path) -> None:
     assert set(bundle.runs["source"]) == {"measured"}
     assert sorted(bundle.runs["system"]) == ["ciera", "fsdp", "zero3"]
     assert set(bundle.runs["layers"]) == {1}
+    # Each run records the CPU its ranks spent beside their main threads per iteration (transport).
+    transport = [json.loads(v)["transport_cpu_median_s"] for v in bundle.runs["versions"]]
+    assert all(value is not None and 0 <= value < 60 for value in transport), transport
     runs = bundle.runs.set_index("run_id")
     assert (runs["engine"] == np.where(runs["system"] == "fsdp", "fsdp", "zero3")).all()
     assert (runs["backend"] == "gloo").all() and (runs["nodes"] == 1).all()

@@ -2,6 +2,7 @@
 
     python benchmarks/transport_cpu.py --json out/transport_cpu.json [--topology 2x1] [--rate 200mbit]
         [--bytes-per-rank 57344] [--calls 200]
+    python benchmarks/transport_cpu.py --runs CAPTURED_BUNDLE [--sweeps measured] [--json FILE]
 
 The simulator lets each collective's transport CPU (the sweep's ``transport_cpu_s``: the process's CPU time
 minus the calling thread's over the call, gloo's threads moving the bytes) compete with compute on the
@@ -11,6 +12,12 @@ iproute2; otherwise one line and exit 2), per rank and call, the transport CPU a
 ``--calls`` all-gathers of ``--bytes-per-rank`` each called (a) after a barrier, as the sweep does,
 (b) back to back, (c) after ~1 ms of single-threaded matmul each, as between a run's layers. Every rank
 uses one torch thread. Prints the per-rank means and their mean over ranks.
+
+``--runs BUNDLE`` (no root): for each run of a captured bundle that recorded its ranks' transport CPU
+(`versions` `transport_cpu_median_s`, captures from 2026-12-03 19:30 UTC on), that in-run figure per rank
+and iteration against what the simulator charges for the same iteration — the sweep's per-call transport
+CPU (``--sweeps``: the bundle holding the cluster's sweep, default the shipped ``measured``) summed over
+the iteration's collectives, per rank (median over iterations).
 """
 
 from __future__ import annotations
@@ -58,6 +65,40 @@ print(json.dumps(result), flush=True)
 """
 
 
+def compare_runs(runs_bundle: str, sweeps_bundle: str) -> dict:
+    """In-run transport CPU per rank and iteration against the sweep's per-call figures summed over it."""
+    import statistics
+
+    import traces
+    from sim.opgraph import build_graph
+    from sim.rewrite import measured_cluster, transport_cpu
+
+    captured = traces.read_bundle(traces.resolve_bundle(runs_bundle))
+    sweeps = traces.read_bundle(traces.resolve_bundle(sweeps_bundle))
+    rows = []
+    for run in captured.runs.itertuples():
+        in_run = json.loads(run.versions).get("transport_cpu_median_s")
+        of_cluster = sweeps.runs[sweeps.runs["cluster"] == run.cluster]
+        if in_run is None or of_cluster.empty:
+            continue  # captured before the recording, or no sweep of its cluster
+        spec = measured_cluster(sweeps.collectives, of_cluster.iloc[0])
+        events = captured.events[captured.events["run_id"] == run.run_id]
+        modelled = []
+        for _, per_iteration in events.groupby("iteration"):
+            graph = build_graph(per_iteration)
+            charged = transport_cpu(graph, spec)
+            if charged is None:
+                break
+            modelled.append(float(charged.sum()) / graph.world_size)
+        if modelled:
+            rows.append({
+                "run_id": run.run_id, "in_run_s": in_run, "sweep_modelled_s": statistics.median(modelled),
+                "ratio": in_run / statistics.median(modelled) if statistics.median(modelled) else None,
+            })  # fmt: skip
+    return {"benchmark": "transport_cpu_runs", "runs_bundle": runs_bundle, "sweeps_bundle": sweeps_bundle,
+            "runs": rows}  # fmt: skip
+
+
 def main() -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
@@ -65,7 +106,12 @@ def main() -> None:
     parser.add_argument("--rate", default="200mbit", help="inter-node link rate, tc syntax")
     parser.add_argument("--bytes-per-rank", type=int, default=56 << 10)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--runs", help="a captured bundle: its runs' transport CPU against the sweep's")
+    parser.add_argument("--sweeps", default="measured", help="with --runs: the bundle with the sweeps")
     args = parser.parse_args()
+    if args.runs:
+        emit_json(compare_runs(args.runs, args.sweeps), args.json)
+        return
     try:
         nodes, ranks_per_node = (int(part) for part in args.topology.lower().split("x"))
     except ValueError:

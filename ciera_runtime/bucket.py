@@ -107,6 +107,11 @@ EXTRA_CALLS_SHARE = 0.1
 EXTRA_CALLS_PER_STEP = 4
 
 
+def extra_calls_budget(step_calls: int) -> int:
+    """Extra collectives pipelining may add to a step of ``step_calls`` engine calls."""
+    return max(EXTRA_CALLS_PER_STEP, int(EXTRA_CALLS_SHARE * step_calls))
+
+
 def parts_wanted(raw_bytes_per_rank: int, part_bytes: int) -> int:
     """Parts an engine call of ``raw_bytes_per_rank`` would travel as without a budget: one below twice
     ``part_bytes`` (and with 0: never cut), else one per ``part_bytes``, at most MAX_PARTS."""
@@ -145,7 +150,7 @@ class PartBudget:
         return {
             "planned_step_calls": self.planned_step_calls,
             "extra_calls_per_step": self.extra_calls_per_step if self.plans else None,
-            "budget_per_step": max(EXTRA_CALLS_PER_STEP, int(EXTRA_CALLS_SHARE * self.planned_step_calls)),
+            "budget_per_step": extra_calls_budget(self.planned_step_calls),
             "plans": self.plans,
         }
 
@@ -156,7 +161,7 @@ class PartBudget:
         if not finished or finished == self._planned_from:
             return
         self.planned_step_calls = sum(count for _, count in finished.values())
-        budget = max(EXTRA_CALLS_PER_STEP, int(EXTRA_CALLS_SHARE * self.planned_step_calls))
+        budget = extra_calls_budget(self.planned_step_calls)
         order = {key: index for index, key in enumerate(finished)}
         plan: dict[object, int] = {}
         extra_calls = 0

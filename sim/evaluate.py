@@ -271,7 +271,7 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
         # The transport's CPU runs on the rank's host once every rank has issued (the bytes move), beside
         # the transfer; the op ends when both are done.
         transport = None
-        if comm_cpu_s[index] > 0 and cores:
+        if transport_on and comm_cpu_s[index] > 0:
             transport = env.process(transport_cpu(index, group))
         if own_s[index] > 0:
             yield timeout(own_s[index])

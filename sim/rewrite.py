@@ -147,25 +147,10 @@ def projected_cluster(kind: list[ClusterSpec], nodes: int, ranks_per_node: int, 
 
 
 def mean_concurrency(start_s: np.ndarray, end_s: np.ndarray) -> np.ndarray:
-    """For each interval, the mean number of the intervals (itself included) open during it."""
-    if not len(start_s):
-        return np.zeros(0)
-    times = np.concatenate([start_s, end_s])
-    steps = np.concatenate([np.ones(len(start_s)), -np.ones(len(end_s))])
-    order = np.lexsort((steps, times))  # at a tie, an end before a start
-    times, steps = times[order], steps[order]
-    open_count = np.cumsum(steps)
-    # ∫ count dt up to each boundary, then per interval the difference over its length.
-    area = np.concatenate([[0.0], np.cumsum(open_count[:-1] * np.diff(times))])
-
-    def integral(at: np.ndarray) -> np.ndarray:
-        position = np.searchsorted(times, at, side="right") - 1
-        position = np.clip(position, 0, len(times) - 1)
-        return area[position] + open_count[position] * (at - times[position])
-
-    length = end_s - start_s
-    total = integral(end_s) - integral(start_s)
-    return np.where(length > 0, total / np.where(length > 0, length, 1.0), 1.0)
+    """For each interval, the mean number of the intervals (itself included) open during it (1 for an
+    empty one)."""
+    open_count = weighted_concurrency(start_s, end_s, start_s, end_s, np.ones(len(start_s)))
+    return np.where(end_s - start_s > 0, open_count, 1.0)
 
 
 def transport_cpu(graph: OpGraph, cluster: ClusterSpec) -> np.ndarray | None:

@@ -22,7 +22,7 @@ from .depth import block_map, repeat_blocks
 from .errors import SimInputError
 from .evaluate import evaluate
 from .opgraph import build_graph
-from .rewrite import ClusterSpec, rewrite_costs, traced_cluster
+from .rewrite import ClusterSpec, rewrite_costs, traced_cluster, transport_scale
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,10 @@ def predict_run(
     times, simulated, notes = [], 0, []
     counts: dict[str, int] = {}
     sizes = parameter_sizes(seen, target_layers) if ciera_on is not None else {}
-    for _, per_iteration in events.groupby("iteration", sort=True):
-        graph = repeat_blocks(build_graph(per_iteration), anchor_layers, target_layers, ratio)
+    traced = [build_graph(per_iteration) for _, per_iteration in events.groupby("iteration", sort=True)]
+    scale, scale_note = transport_scale(anchor, traced, anchor_cluster)
+    for traced_graph in traced:
+        graph = repeat_blocks(traced_graph, anchor_layers, target_layers, ratio)
         if ciera_on is not None:
             graph = ciera_graph(
                 graph,
@@ -115,10 +117,12 @@ def predict_run(
                 counts,
                 world_size=target_cluster.world_size,
             )
-        costs, notes = rewrite_costs(graph, anchor_cluster, target_cluster)
+        costs, notes = rewrite_costs(graph, anchor_cluster, target_cluster, scale)
         result = evaluate(graph, costs)
         times.append(result.iteration_s)
         simulated += result.events
+    if scale_note:
+        notes = [*notes, scale_note]
     basis = f"{anchor_id} ({len(times)} iterations)"
     if anchor_layers != target_layers:
         basis += f", blocks repeated {anchor_layers} → {target_layers}"

@@ -170,6 +170,26 @@ def transport_cpu(graph: OpGraph, cluster: ClusterSpec) -> np.ndarray | None:
     return cpu
 
 
+def transport_scale(run: pd.Series, graphs: list[OpGraph], cluster: ClusterSpec) -> tuple[float, str | None]:
+    """The traced run's transport CPU measured in the run (per rank and iteration, beside its main thread)
+    over what its cluster's sweep says its collectives take: the sweep times each size alone and back to
+    back, so its per-call CPU overstates the engine's (1.3–2.4× on the emulated cluster). Both the anchor's
+    and the target's modelled transport are scaled by it. 1 with a note when the run did not record it."""
+    modelled = [transport_cpu(graph, cluster) for graph in graphs]
+    if not graphs or any(values is None for values in modelled):
+        return 1.0, None  # transport not simulated: nothing to scale
+    measured = _versions(run).get("transport_cpu_median_s")
+    if not isinstance(measured, int | float) or not np.isfinite(measured):
+        return 1.0, (
+            f"run {run['run_id']}: transport CPU not recorded in the run — the sweep's per-call transport "
+            "CPU is used as is (recapture with `ciera measure` to calibrate it)"
+        )
+    per_rank = float(
+        np.median([values.sum() / g.world_size for values, g in zip(modelled, graphs, strict=True)])
+    )
+    return (float(measured) / per_rank if per_rank > 0 else 1.0), None
+
+
 def weighted_concurrency(
     start_s: np.ndarray, end_s: np.ndarray, from_s: np.ndarray, to_s: np.ndarray, rate: np.ndarray
 ) -> np.ndarray:
@@ -215,8 +235,11 @@ def _core_share(graph: OpGraph, cluster: ClusterSpec, transport_s: np.ndarray | 
     return share
 
 
-def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> tuple[Costs, list[str]]:
-    """The costs of `graph` (traced on `anchor`) on `target`; notes say what was assumed."""
+def rewrite_costs(
+    graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec, transport_scale: float = 1.0
+) -> tuple[Costs, list[str]]:
+    """The costs of `graph` (traced on `anchor`) on `target`; notes say what was assumed. The sweeps'
+    transport CPU is multiplied by `transport_scale` (the anchor run's in-run calibration)."""
     notes: list[str] = []
     is_main = graph.is_main
     world_scale = anchor.world_size / target.world_size
@@ -229,6 +252,10 @@ def rewrite_costs(graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec) -> t
             "from compute (re-sweep with `ciera measure collectives`)"
         )
         anchor_transport = target_transport = None
+    if anchor_transport is not None:
+        anchor_transport = anchor_transport * transport_scale
+    if target_transport is not None:
+        target_transport = target_transport * transport_scale
     work = np.where(is_main, graph.duration_s * _core_share(graph, anchor, anchor_transport), 0.0)
     optimizer = graph.stream == "optim"
     work[optimizer] *= world_scale

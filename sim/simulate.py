@@ -41,7 +41,7 @@ from .evaluate import BREAKDOWN_KEYS, Costs, Evaluation, critical_path, evaluate
 from .memory import MemoryEstimate, ModelFootprint, activation_bytes, estimate, model_footprint
 from .opgraph import OpGraph, build_graph
 from .predict import parameter_ratio
-from .rewrite import ClusterSpec, preset_cluster, rewrite_costs, traced_cluster
+from .rewrite import ClusterSpec, preset_cluster, rewrite_costs, traced_cluster, transport_scale
 from .shards import shard_table
 from .system_rewrite import (
     BSC_SYSTEMS,
@@ -293,6 +293,7 @@ class Simulator:
         self._ciera_templates: dict[tuple[str, int, int], dict[tuple, CieraTemplate]] = {}
         self._model_runs: dict[tuple[str, str], pd.DataFrame] = {}
         self._anchor_clusters: dict[str, ClusterSpec] = {}
+        self._transport_scales: dict[str, tuple[float, str | None]] = {}
         self._targets: dict[int, ClusterSpec] = {}
         self._shards: dict[tuple[str, str, int], tuple[pd.DataFrame, tuple[str, ...]]] = {}
         self._outcomes: dict[tuple[str, str, str, int, str], _Outcome] = {}
@@ -387,6 +388,15 @@ class Simulator:
             self._anchor_clusters[run_id] = traced_cluster(self.bundle.collectives, anchor)
         return self._anchor_clusters[run_id]
 
+    def transport_scale(self, anchor: pd.Series) -> tuple[float, str | None]:
+        """The anchor run's in-run transport CPU over its sweep's (sim/rewrite.py `transport_scale`), and
+        a note when the run did not record it."""
+        run_id = str(anchor["run_id"])
+        if run_id not in self._transport_scales:
+            traced = self.graphs(anchor, int(anchor["layers"]))
+            self._transport_scales[run_id] = transport_scale(anchor, traced, self.anchor_cluster(anchor))
+        return self._transport_scales[run_id]
+
     def anchor_time_s(self, anchor: pd.Series) -> AnchorTime:
         """The anchor cluster's collective times (what the system rewrites rescale durations by),
         remembered per (curve op, sizes): the rewrites ask for the same few sizes once per collective of
@@ -460,6 +470,9 @@ class Simulator:
             plan, plan_notes = self.plan(rewrite, model, dtype, world_size, graphs[0], selection)
 
         anchor_time_s = self.anchor_time_s(anchor)
+        scale, scale_note = self.transport_scale(anchor)
+        if scale_note:
+            plan_notes = (*plan_notes, scale_note)
         depth = self.target_layers(model, dtype)
         started = time.perf_counter()
         evaluated = []
@@ -473,7 +486,7 @@ class Simulator:
                 )
                 if plan is None:
                     self._system_graphs[graph_key] = rewritten
-            costs, _ = rewrite_costs(rewritten.graph, anchor_cluster, target)
+            costs, _ = rewrite_costs(rewritten.graph, anchor_cluster, target, scale)
             evaluated.append((rewritten, costs, evaluate(rewritten.graph, costs)))
         self.simpy_seconds += time.perf_counter() - started
         times = np.array([result.iteration_s for _, _, result in evaluated])
@@ -517,7 +530,9 @@ class Simulator:
                 (str(anchor["run_id"]), self.target_layers(model, dtype), nearest), {}
             ),
         )
-        costs, _ = rewrite_costs(free.graph, anchor_cluster, self.target(world_size))
+        costs, _ = rewrite_costs(
+            free.graph, anchor_cluster, self.target(world_size), self.transport_scale(anchor)[0]
+        )
         return evaluate(free.graph, costs).iteration_s
 
     def best(self, system: str, model: str, dtype: str, world_size: int) -> _Outcome:

@@ -5,6 +5,7 @@ each on cases whose answer is known."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pandas as pd
@@ -27,7 +28,15 @@ from sim.depth import block_map, repeat_blocks
 from sim.errors import SimInputError
 from sim.evaluate import evaluate
 from sim.opgraph import build_graph
-from sim.rewrite import ClusterSpec, mean_concurrency, measured_cluster, projected_cluster, rewrite_costs
+from sim.rewrite import (
+    ClusterSpec,
+    mean_concurrency,
+    measured_cluster,
+    projected_cluster,
+    rewrite_costs,
+    transport_cpu,
+    transport_scale,
+)
 
 
 def _sweep(cluster: str, world: int, nodes: int, link_Bps: float, alpha_s: float) -> pd.DataFrame:
@@ -171,6 +180,34 @@ def test_the_rewrite_onto_its_own_cluster_stays_near_the_replay(measured: traces
     spec = measured_cluster(measured.collectives, run)
     costs, _ = rewrite_costs(graph, spec, spec)
     assert evaluate(graph, costs).iteration_s == pytest.approx(evaluate(graph).iteration_s, rel=0.10)
+
+
+def test_the_sweeps_transport_cpu_is_scaled_to_what_the_run_itself_measured(
+    measured: traces.TraceBundle,
+) -> None:
+    run = _run(measured, "zero3", 2, CLUSTER)
+    graph = build_graph(_iteration(measured, run.run_id))
+    spec = measured_cluster(measured.collectives, run)
+    modelled = transport_cpu(graph, spec)
+    assert modelled is not None and modelled.sum() > 0
+    per_rank_s = float(modelled.sum()) / graph.world_size
+    recorded = run.copy()
+    recorded["versions"] = json.dumps(
+        {**json.loads(run["versions"]), "transport_cpu_median_s": per_rank_s / 2}
+    )
+    scale, note = transport_scale(recorded, [graph], spec)
+    assert scale == pytest.approx(0.5) and note is None
+    # Less transport CPU beside compute: the compute read off the anchor is less, the iteration no longer.
+    half = evaluate(graph, rewrite_costs(graph, spec, spec, scale)[0]).iteration_s
+    full = evaluate(graph, rewrite_costs(graph, spec, spec, 1.0)[0]).iteration_s
+    assert half == pytest.approx(full, rel=0.05)
+    # A run captured before runs recorded it: the sweep as is, said.
+    missing = run.copy()
+    missing["versions"] = json.dumps(
+        {k: v for k, v in json.loads(run["versions"]).items() if k != "transport_cpu_median_s"}
+    )
+    scale, note = transport_scale(missing, [graph], spec)
+    assert scale == 1.0 and note is not None and run.run_id in note and "not recorded" in note
 
 
 def test_a_faster_link_and_a_larger_world_move_the_iteration_the_right_way(

@@ -7,8 +7,14 @@ S / n), for ``all_reduce`` the buffer. A size that does not divide into the grou
 multiple of n × the element size, and the row records the bytes actually moved.
 
 One measurement: a barrier, then one collective timed on every rank (on CUDA, synchronised before the
-clock stops); the slowest rank's time counts (an all-reduce MAX of the per-rank times, so every rank holds
-the same number). ``warmup`` untimed collectives run first, then ``repetitions`` measurements, then more
+clock stops). What counts is the collective's time **from the last rank's start** to the last rank's end,
+when every rank reads one clock (all on one host: ``perf_counter`` is the host's monotonic clock, shared
+by every process and network namespace) — ranks leave the barrier at different times, and on a host with
+more ranks than cores that skew was several milliseconds per call (4 ranks on 2 cores: 5.9 ms mean against
+1.3 ms min at 128 KiB), cost the sweep then charged to the collective although the simulator makes
+cross-rank waiting itself (a collective ends no earlier than its last participant's issue). On ranks of
+several hosts (no shared clock) the slowest rank's own time counts; dedicated hosts leave a barrier
+microseconds apart. Either way an all-reduce MAX gives every rank the same number. ``warmup`` untimed collectives run first, then ``repetitions`` measurements, then more
 until about ``min_time_s`` was spent on the size (at most ``max_repetitions``; the same count on every
 rank, from the slowest rank's mean of the first ones): small collectives are fast and their times bimodal
 on gloo (a few of them take milliseconds), and five repetitions gave medians that flipped between the two
@@ -34,6 +40,7 @@ the other nodes' ranks spend at a barrier).
 from __future__ import annotations
 
 import math
+import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -108,15 +115,16 @@ class _Timer:
         else:
             dist.barrier(group=group)
 
-    def time(self, run: Callable[[], object], group) -> tuple[float, float]:
-        """(wall seconds, CPU seconds of this process beside the calling thread) of one ``run``."""
+    def time(self, run: Callable[[], object], group) -> tuple[float, float, float, float]:
+        """(wall seconds, CPU seconds of this process beside the calling thread, start and end on the
+        host's clock) of one ``run``."""
         self.barrier(group)
         start, process_s, thread_s = time.perf_counter(), time.process_time(), time.thread_time()
         run()
         self.synchronize()
-        wall_s = time.perf_counter() - start
+        end = time.perf_counter()
         transport_s = (time.process_time() - process_s) - (time.thread_time() - thread_s)
-        return wall_s, (math.nan if self.cuda else max(transport_s, 0.0))
+        return end - start, (math.nan if self.cuda else max(transport_s, 0.0)), start, end
 
 
 def _collective(op: str, size: int, group_size: int, device, dtype, group) -> Callable[[], object]:
@@ -147,9 +155,11 @@ def _sweep_group(
     dtype,
     min_time_s: float = 0.0,
     max_repetitions: int = 0,
+    shared_clock: bool = False,
 ) -> list[tuple[float, float, float, float, int]]:
-    """Per (op, bytes) of ``plan``, on this group's ranks: the slowest rank's time per repetition — its
-    mean, min and max — the mean of the ranks' transport CPU, and how many repetitions were timed."""
+    """Per (op, bytes) of ``plan``, on this group's ranks: the time per repetition (from the last rank's
+    start on a shared clock, else the slowest rank's own) — its mean, min and max — the mean of the ranks'
+    transport CPU, and how many repetitions were timed."""
     import torch
     import torch.distributed as dist
 
@@ -162,16 +172,22 @@ def _sweep_group(
         measured = [timer.time(run, group) for _ in range(repetitions)]
         # Small collectives are fast and their times bimodal (a few take milliseconds): time more of
         # them, the same number on every rank (from the slowest rank's mean so far).
-        mean_s = torch.tensor([statistics.fmean(wall for wall, _ in measured)], dtype=torch.float64)
+        mean_s = torch.tensor([statistics.fmean(m[0] for m in measured)], dtype=torch.float64)
         mean_s = mean_s.to(timer.device)
         dist.all_reduce(mean_s, op=dist.ReduceOp.MAX, group=group)
         wanted = math.ceil(min_time_s / max(float(mean_s.item()), 1e-9)) if min_time_s > 0 else 0
         more = max(0, min(wanted, max_repetitions) - repetitions)
         measured += [timer.time(run, group) for _ in range(more)]
-        both = torch.tensor(measured, dtype=torch.float64)
-        times, transport = both[:, 0].contiguous().to(timer.device), both[:, 1].contiguous()
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-        slowest = times.cpu().tolist()
+        table = torch.tensor(measured, dtype=torch.float64)
+        # Columns: own wall time, start, end — each the maximum over the group's ranks.
+        latest = table[:, [0, 2, 3]].contiguous().to(timer.device)
+        transport = table[:, 1].contiguous()
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=group)
+        latest = latest.cpu()
+        if shared_clock:
+            slowest = (latest[:, 2] - latest[:, 1]).clamp(min=0.0).tolist()
+        else:
+            slowest = latest[:, 0].tolist()
         if timer.cuda:
             transport_s = math.nan
         else:
@@ -264,7 +280,10 @@ def sweep_collectives(
             progress(out[-1])
         return out
 
-    timing = (warmup, repetitions, timer, dtype, min_time_s, max_repetitions)
+    # One host (the emulated cluster, one machine's GPUs): every rank reads the same monotonic clock.
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    timing = (warmup, repetitions, timer, dtype, min_time_s, max_repetitions, len(set(hosts)) == 1)
     result = rows(world, nodes, _sweep_group(None, world, plan(world), *timing))
 
     node_ranks = [list(range(k * ranks_per_node, min((k + 1) * ranks_per_node, world))) for k in range(nodes)]

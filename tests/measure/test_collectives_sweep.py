@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from measure import collectives  # noqa: E402
 from measure.collectives import OPS, bus_factor, sweep_collectives, sweep_sizes  # noqa: E402
 
 MAX_BYTES = 64 << 10
@@ -31,14 +32,24 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _rank(rank: int, world_size: int, port: int, ranks_per_node: int, queue, checked) -> None:
+def _rank(
+    rank: int, world_size: int, port: int, ranks_per_node: int, queue, checked, late_s: float = 0.0
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    if late_s and rank == world_size - 1:  # this rank leaves every barrier `late_s` after the others
+        barrier = collectives._Timer.barrier
+
+        def late_barrier(self, group) -> None:
+            barrier(self, group)
+            time.sleep(late_s)
+
+        collectives._Timer.barrier = late_barrier
     try:
         progress = []
         rows = sweep_collectives(
-            max_bytes=MAX_BYTES,
+            max_bytes=MAX_BYTES if not late_s else 4096,
             warmup=1,
             repetitions=REPETITIONS,
             ranks_per_node=ranks_per_node,
@@ -67,14 +78,18 @@ def _rank(rank: int, world_size: int, port: int, ranks_per_node: int, queue, che
 
 
 def _spawn(
-    world_size: int, ranks_per_node: int, missing_rank_check: bool = False, deadline_s: float = 120
+    world_size: int,
+    ranks_per_node: int,
+    missing_rank_check: bool = False,
+    deadline_s: float = 120,
+    late_s: float = 0.0,
 ) -> dict:
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     checked = context.Event() if missing_rank_check else None
     processes = mp.start_processes(
         _rank,
-        args=(world_size, _free_port(), ranks_per_node, queue, checked),
+        args=(world_size, _free_port(), ranks_per_node, queue, checked, late_s),
         nprocs=world_size,
         join=False,
         start_method="spawn",
@@ -135,6 +150,14 @@ def test_four_ranks_two_per_node_sweep_the_whole_group_and_node_zero() -> None:
     assert rows == whole + node
     _check_group_rows(whole, world_size=4, nodes=2)
     _check_group_rows(node, world_size=2, nodes=1)
+
+
+def test_a_rank_that_leaves_the_barrier_late_does_not_make_the_collective_slower() -> None:
+    # One host, one clock: a collective counts from its last rank's start. Without that, each of these
+    # ~0.1 ms collectives would count the 30 ms the late rank slept.
+    late_s = 0.03
+    rows, _ = _spawn(2, ranks_per_node=2, late_s=late_s)[("rows", 0)]
+    assert rows and all(row["time_s"] < late_s / 3 for row in rows), [row["time_s"] for row in rows]
 
 
 def test_sizes_double_and_round_up_to_the_group() -> None:

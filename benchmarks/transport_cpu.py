@@ -66,35 +66,27 @@ print(json.dumps(result), flush=True)
 
 
 def compare_runs(runs_bundle: str, sweeps_bundle: str) -> dict:
-    """In-run transport CPU per rank and iteration against the sweep's per-call figures summed over it."""
-    import statistics
-
+    """In-run transport CPU per rank and iteration against the sweep's per-call figures summed over it:
+    the simulator's own calibration (sim/rewrite.py `transport_scale`)."""
     import traces
     from sim.opgraph import build_graph
-    from sim.rewrite import measured_cluster, transport_cpu
+    from sim.rewrite import measured_cluster, transport_scale
 
     captured = traces.read_bundle(traces.resolve_bundle(runs_bundle))
     sweeps = traces.read_bundle(traces.resolve_bundle(sweeps_bundle))
     rows = []
-    for run in captured.runs.itertuples():
-        in_run = json.loads(run.versions).get("transport_cpu_median_s")
-        of_cluster = sweeps.runs[sweeps.runs["cluster"] == run.cluster]
+    for _, run in captured.runs.iterrows():
+        in_run = json.loads(run["versions"]).get("transport_cpu_median_s")
+        of_cluster = sweeps.runs[sweeps.runs["cluster"] == run["cluster"]]
         if in_run is None or of_cluster.empty:
             continue  # captured before the recording, or no sweep of its cluster
         spec = measured_cluster(sweeps.collectives, of_cluster.iloc[0])
-        events = captured.events[captured.events["run_id"] == run.run_id]
-        modelled = []
-        for _, per_iteration in events.groupby("iteration"):
-            graph = build_graph(per_iteration)
-            charged = transport_cpu(graph, spec)
-            if charged is None:
-                break
-            modelled.append(float(charged.sum()) / graph.world_size)
-        if modelled:
-            rows.append({
-                "run_id": run.run_id, "in_run_s": in_run, "sweep_modelled_s": statistics.median(modelled),
-                "ratio": in_run / statistics.median(modelled) if statistics.median(modelled) else None,
-            })  # fmt: skip
+        events = captured.events[captured.events["run_id"] == run["run_id"]]
+        graphs = [build_graph(per_iteration) for _, per_iteration in events.groupby("iteration")]
+        scale, note = transport_scale(run, graphs, spec)
+        if note is None and scale > 0:
+            rows.append({"run_id": run["run_id"], "in_run_s": in_run, "sweep_modelled_s": in_run / scale,
+                         "ratio": scale})  # fmt: skip
     return {"benchmark": "transport_cpu_runs", "runs_bundle": runs_bundle, "sweeps_bundle": sweeps_bundle,
             "runs": rows}  # fmt: skip
 

@@ -186,8 +186,12 @@ def check_part_bytes(part_bytes) -> int:
 
 # A rank that could not rebuild a gather: the same summary on that rank and, later, on the others.
 NOTICE_SUMMARY = "a rank could not rebuild its gathered weights, no rank returns them"
+# A rank that gave up on a round (timeout, a failed collective) says so too: without the notice the others
+# learn of it only by their own timeout, one timeout later, and their recovery misses its rendezvous.
+GAVE_UP_SUMMARY = "a rank gave up on a CIERA round, no rank returns this gather"
 # Waits are cut into slices; between two, the group's store is checked for another rank's failure.
 WAIT_SLICE_S = 0.1
+DRAIN_TIMEOUTS = 2
 
 
 def _align8(n: int) -> int:
@@ -492,7 +496,9 @@ class BucketGather:
         engine = self.engine
         if self._store is None or self.row_group is None:
             return
-        deadline_s = time.perf_counter() + engine.timeout_s
+        # Two timeouts: a rank that learns of the failure only by its own timeout (its peer died before
+        # posting a notice) arrives one timeout after the others.
+        deadline_s = time.perf_counter() + DRAIN_TIMEOUTS * engine.timeout_s
         for group in (self.row_group, self.overflow_group):
             name = group.group_name
             open_rounds = [entry for entry in self._rounds_open.pop(name, []) if not entry[2].is_completed()]
@@ -694,19 +700,19 @@ class BucketGather:
                 except RuntimeError as error:
                     text = str(error)
                     if "timed out" not in text.lower() and "timeout" not in text.lower():
-                        raise self._poisoned(
-                            GatherError(
-                                shard_id, {engine.rank: f"{round_name} round failed: {text.splitlines()[0]}"}
-                            )
-                        ) from error
+                        reason = f"{round_name} round failed: {text.splitlines()[0]}"
+                        self._post_notice(shard_id, reason, GAVE_UP_SUMMARY)
+                        raise self._poisoned(GatherError(shard_id, {engine.rank: reason})) from error
                 notice = self._read_notice()
                 if notice is not None:
                     raise self._poisoned(notice)
                 if time.perf_counter() >= deadline_s:
+                    reason = f"waited {engine.timeout_s:g} s in the {round_name} round"
+                    self._post_notice(shard_id, reason, GAVE_UP_SUMMARY)
                     raise self._poisoned(
                         GatherTimeoutError(
                             shard_id,
-                            {engine.rank: f"waited {engine.timeout_s:g} s in the {round_name} round"},
+                            {engine.rank: reason},
                             "a rank did not reach the gather (crashed, restarted, or gathering another shard)",
                         )
                     )
@@ -719,15 +725,17 @@ class BucketGather:
         try:
             if not self._store.check([self._notice_key]):
                 return None
-            shard, rank, reason = self._store.get(self._notice_key).decode().split("|", 2)
+            shard, rank, summary, reason = self._store.get(self._notice_key).decode().split("|", 3)
+            return GatherError(int(shard), {int(rank): reason}, summary)
         except (RuntimeError, ValueError):
             return None
-        return GatherError(int(shard), {int(rank): reason}, NOTICE_SUMMARY)
 
-    def _post_notice(self, shard_id: int, reason: str) -> None:
+    def _post_notice(self, shard_id: int, reason: str, summary: str = NOTICE_SUMMARY) -> None:
+        """Tell every rank of this group's generation that this rank failed (the first notice stays)."""
         if self._store is not None:
             try:
-                self._store.set(self._notice_key, f"{shard_id}|{self.engine.rank}|{reason}")
+                if not self._store.check([self._notice_key]):
+                    self._store.set(self._notice_key, f"{shard_id}|{self.engine.rank}|{summary}|{reason}")
             except RuntimeError:
                 pass
 

@@ -129,6 +129,43 @@ def bucket_failure_worker(rank: int, world_size: int, port: int, result_queue) -
         dist.destroy_process_group()
 
 
+def bucket_stall_worker(rank: int, world_size: int, port: int, timeout_s: float, result_queue) -> None:
+    """Rank 1 stalls past the timeout before its fourth call: rank 0 gives up on that round. Rank 1's
+    round then pairs with the one rank 0 abandoned (exact), and its next call must learn of rank 0's
+    failure from the store at once, not by its own timeout, so both meet at the recovery. Each rank makes
+    two more calls after its error: the recovery and one more, exact."""
+    from ciera_runtime import CieraError, CodecConfig, CompressedAllGather
+
+    init_gloo(rank, world_size, port)
+    try:
+        engine = CompressedAllGather(config=CodecConfig(block_size=64), timeout_s=timeout_s)
+        log, errors_at, call = [], None, 0
+        while errors_at is None or call <= errors_at + 2:
+            if rank == 1 and call == 3:
+                time.sleep(timeout_s + 1.0)
+            # From the stall on, rank 1's calls are one behind rank 0's: the weights stay put, so what
+            # each call pairs with is still known.
+            everyone = _all_weights(3, world_size, min(call, 3))
+            start_s = time.perf_counter()
+            try:
+                got = engine.all_gather_bucket(everyone[rank], (0, 1)).wait()
+                exact = all(
+                    same_bits(got[i], torch.cat([everyone[r][i] for r in range(world_size)]))
+                    for i in range(2)
+                )
+                log.append((call, "exact" if exact else "wrong", "", time.perf_counter() - start_s))
+            except CieraError as error:
+                log.append((call, "error", str(error), time.perf_counter() - start_s))
+                errors_at = call if errors_at is None else errors_at
+            call += 1
+            if call > 12:
+                break
+        path = engine._bucket_path
+        result_queue.put((rank, log, path.recoveries, path.unfinished_rounds()))
+    finally:
+        dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- fault injection
 
 # The per-shard suite's faults (a bucket has no other shard's row to swap in), and the bucket path's own.

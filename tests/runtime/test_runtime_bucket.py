@@ -68,6 +68,21 @@ def test_a_decode_failure_surfaces_here_on_that_rank_and_at_the_next_call_on_the
     assert all(recoveries == 1 for _, recoveries in results.values())
 
 
+def test_a_rank_that_gives_up_tells_the_others_so_both_meet_at_the_recovery() -> None:
+    timeout_s = 3.0
+    results = {rank: rest for rank, *rest in _run(workers.bucket_stall_worker, 2, timeout_s)}
+    for rank, (log, recoveries, unfinished) in results.items():
+        outcomes = [outcome for _, outcome, _, _ in log]
+        assert "wrong" not in outcomes, (rank, log)
+        assert outcomes.count("error") == 1 and outcomes[-2:] == ["exact", "exact"], (rank, log)
+        assert recoveries == 1 and unfinished == 0, (rank, recoveries, unfinished)
+    ((_, _, gave_up, waited_s),) = [entry for entry in results[0][0] if entry[1] == "error"]
+    assert "waited 3 s in the bucket round" in gave_up and waited_s >= timeout_s
+    ((_, _, told, told_after_s),) = [entry for entry in results[1][0] if entry[1] == "error"]
+    # Rank 1 learns it from rank 0's notice, well before its own timeout would have fired.
+    assert "gave up on a CIERA round" in told and "rank 0" in told and told_after_s < timeout_s / 2, told
+
+
 def _check_faults(world_size: int, injections: int, seed: int) -> collections.Counter:
     """Per injection, every rank's (faulted, clean, clean) outcomes must be one of:
     all exact; the same error on every rank in the faulted gather, then exact; or a one-sided failure —

@@ -85,6 +85,11 @@ def _run_row(
     }
 
 
+def _read_json_if_present(path: Path) -> dict[str, Any]:
+    """A record a capture may lack (written by a later version): {} when absent."""
+    return _read_json(path) if path.exists() else {}
+
+
 def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
     """The bundle of every finished step in `out_dir`."""
     from .campaign import model_label
@@ -118,6 +123,11 @@ def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
                     # CPU per rank and iteration beside the main thread (transport threads), median; None
                     # for runs captured before it was recorded.
                     "transport_cpu_median_s": _median(run.get("transport_cpu_s", [])),
+                    # Share of the host's CPU other processes used while the run's job ran (launch.py);
+                    # None for runs captured before it was recorded.
+                    "other_cpu_share": _read_json_if_present(run_dir / "host_cpu.json").get(
+                        "other_cpu_share"
+                    ),
                 },
             )
         )

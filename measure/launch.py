@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -66,13 +67,15 @@ def run_job(
     timeout_s: float = 600.0,
     on_progress: Callable[[dict], None] | None = None,
 ) -> None:
-    """Run `job` on `world_size` ranks; results are in `job_dir` when it returns."""
+    """Run `job` on `world_size` ranks; results are in `job_dir` when it returns, with
+    ``host_cpu.json``: how much of the host's CPU other processes used meanwhile (:func:`host_cpu_record`)."""
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "job.json").write_text(json.dumps(job, indent=1))
     port = free_port() if cluster is None else 29500 + (os.getpid() % 1000)
     processes: list[subprocess.Popen] = []
     logs = [job_dir / f"rank{rank}.log" for rank in range(world_size)]
     argv = [sys.executable, "-m", "measure.rank", str(job_dir)]
+    start = _cpu_sample()
     try:
         for rank in range(world_size):
             env = os.environ | rank_environment(rank, world_size, ranks_per_node, port)
@@ -84,6 +87,7 @@ def run_job(
                     process = cluster.popen(rank, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
             processes.append(process)
         _watch(processes, logs, job_dir / "progress.jsonl", timeout_s, on_progress)
+        (job_dir / "host_cpu.json").write_text(json.dumps(host_cpu_record(start, _cpu_sample())))
     finally:
         for process in processes:
             if process.poll() is None:
@@ -93,6 +97,52 @@ def run_job(
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def _host_cpus_and_busy_s() -> tuple[int, float] | None:
+    """(CPUs, CPU-seconds in user, nice and system mode since boot) over the whole host, from /proc/stat;
+    None where there is none. Interrupt time is left out: the emulated link's shaping causes it."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+        user, nice, system = (int(value) for value in lines[0].split()[1:4])
+    except (OSError, ValueError, IndexError):
+        return None
+    cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    return cpus, (user + nice + system) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_sample() -> dict[str, float] | None:
+    """The host's busy CPU-seconds and this process's own, its finished children's included (the ranks,
+    once reaped, with what they ran themselves)."""
+    host = _host_cpus_and_busy_s()
+    if host is None:
+        return None
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {
+        "cpus": host[0],
+        "host_busy_s": host[1],
+        "own_cpu_s": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,
+        "wall_s": time.monotonic(),
+    }
+
+
+def host_cpu_record(start: dict[str, float] | None, end: dict[str, float] | None) -> dict[str, Any]:
+    """What other processes took from the host while a job ran: its CPU-seconds and their share of all the
+    host's CPU time (``other_cpu_share``; None where it cannot be read). A capture's times include that
+    contention; the console says so (`ciera measure`)."""
+    if start is None or end is None:
+        return {"other_cpu_share": None}
+    wall_s = max(1e-9, end["wall_s"] - start["wall_s"])
+    job_cpu_s = end["own_cpu_s"] - start["own_cpu_s"]
+    other_cpu_s = max(0.0, end["host_busy_s"] - start["host_busy_s"] - job_cpu_s)
+    return {
+        "wall_s": wall_s,
+        "host_cpus": end["cpus"],
+        "job_cpu_s": job_cpu_s,
+        "other_cpu_s": other_cpu_s,
+        "other_cpu_share": other_cpu_s / (wall_s * max(1, end["cpus"])),
+    }
 
 
 def _watch(processes, logs, progress_path: Path, timeout_s: float, on_progress) -> None:

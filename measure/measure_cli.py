@@ -277,9 +277,31 @@ def _run_summaries(bundle) -> list[dict]:
             "allgather_raw_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_raw_bytes"]),
             "allgather_wire_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_wire_bytes"]),
             "gc_collect_median_s": json.loads(run.versions).get("gc_collect_median_s"),
+            "other_cpu_share": json.loads(run.versions).get("other_cpu_share"),
         }
         for run in runs.itertuples()
     ]
+
+
+# Above this share of the host's CPU taken by other processes during a run, the capture warns: on the
+# 2-core machine of docs/measurement.md a test suite beside a capture took ~40 % and slowed runs by ~40 %.
+BUSY_HOST_SHARE = 0.05
+
+
+def other_cpu_line(summaries: list[dict]) -> str:
+    """One console line on what other processes took from the host during the runs ("" when unrecorded)."""
+    shares = [(s["other_cpu_share"], s["run_id"]) for s in summaries if s.get("other_cpu_share") is not None]
+    if not shares:
+        return ""
+    busy = [share for share, _ in shares if share > BUSY_HOST_SHARE]
+    worst, worst_run = max(shares)
+    if not busy:
+        return f"other processes used at most {100 * worst:.1f} % of the host's CPU during any run"
+    return (
+        f"[bold yellow]the host was busy[/]: other processes used more than {100 * BUSY_HOST_SHARE:.0f} % of "
+        f"its CPU during {len(busy)} of {len(shares)} runs (up to {100 * worst:.0f} %, {worst_run}); those "
+        "runs' times include that contention — recapture them on a quiet machine (docs/measurement.md)"
+    )
 
 
 def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:
@@ -321,6 +343,9 @@ def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:
                 f"{1e3 * min(collects):.0f}-{1e3 * max(collects):.0f} ms per iteration, untimed; "
                 "docs/measurement.md)"
             )
+        busy_line = other_cpu_line(summaries)
+        if busy_line:
+            console.print(busy_line)
     console.print(
         f"{len(done['captured'])} captured, {len(done['kept'])} kept from before; wall {wall_s:.0f} s; "
         f"bundle: {path} ({len(bundle.runs)} runs, {len(bundle.events)} events)"

@@ -256,6 +256,10 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
         )
 
 
+def _none_if_missing(value) -> float | None:
+    return None if value is None or value != value else float(value)  # NaN: not recorded
+
+
 def _run_summaries(bundle) -> list[dict]:
     import traces
 
@@ -277,19 +281,16 @@ def _run_summaries(bundle) -> list[dict]:
             "allgather_raw_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_raw_bytes"]),
             "allgather_wire_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_wire_bytes"]),
             "gc_collect_median_s": json.loads(run.versions).get("gc_collect_median_s"),
-            "other_cpu_share": json.loads(run.versions).get("other_cpu_share"),
+            "other_cpu_share": _none_if_missing(summaries.loc[run.run_id, "other_cpu_share"]),
         }
         for run in runs.itertuples()
     ]
 
 
-# Above this share of the host's CPU taken by other processes during a run, the capture warns: on the
-# 2-core machine of docs/measurement.md a test suite beside a capture took ~40 % and slowed runs by ~40 %.
-BUSY_HOST_SHARE = 0.05
-
-
 def other_cpu_line(summaries: list[dict]) -> str:
     """One console line on what other processes took from the host during the runs ("" when unrecorded)."""
+    from traces import BUSY_HOST_SHARE
+
     shares = [(s["other_cpu_share"], s["run_id"]) for s in summaries if s.get("other_cpu_share") is not None]
     if not shares:
         return ""

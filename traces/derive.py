@@ -18,6 +18,8 @@ other events with layer -1 belong to no layer and count only in the iteration's 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 
@@ -181,14 +183,31 @@ def derive_layer_tables(
     return _typed(LAYERS, layers), _typed(ITERATIONS, iterations)
 
 
+# A run during which other processes took more than this share of the host's CPU (`versions`'
+# other_cpu_share, recorded by `ciera measure`) was measured on a busy host: its times include that work.
+# On the 2-core machine of docs/measurement.md a test suite beside a capture took ~40 % and slowed it ~40 %.
+BUSY_HOST_SHARE = 0.05
+
+
+def other_cpu_share(versions: str | None) -> float | None:
+    """The run's recorded share of the host's CPU that other processes used; None when not recorded."""
+    try:
+        value = json.loads(versions or "{}").get("other_cpu_share")
+    except (ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) else None
+
+
 def run_summaries(bundle) -> pd.DataFrame:
     """One row per run with timed iterations: iterations, median / min / max iteration time, and the
     all-gather bytes one rank's iteration moved (raw and on the wire: event sums over ranks and iterations,
-    divided by both). What `ciera measure` prints and the report's Measured runs section show."""
+    divided by both), and the share of the host's CPU other processes used meanwhile (None: not
+    recorded). What `ciera measure` prints and the report's Measured runs section show."""
     times = bundle.iterations.groupby("run_id")["iteration_s"].agg(["size", "median", "min", "max"])
     gathers = bundle.events[bundle.events["stream"] == "allgather"]
     sums = gathers.groupby("run_id")[["raw_bytes", "wire_bytes"]].sum()
     ranks = bundle.events.groupby("run_id")["rank"].nunique()
+    versions = bundle.runs.set_index("run_id")["versions"]
     rows = []
     for run_id in times.index:
         per_iteration = float(ranks.get(run_id, 1)) * float(times.loc[run_id, "size"])
@@ -201,6 +220,7 @@ def run_summaries(bundle) -> pd.DataFrame:
                 "iteration_max_s": float(times.loc[run_id, "max"]),
                 "allgather_raw_bytes": float(sums["raw_bytes"].get(run_id, 0.0)) / per_iteration,
                 "allgather_wire_bytes": float(sums["wire_bytes"].get(run_id, 0.0)) / per_iteration,
+                "other_cpu_share": other_cpu_share(versions.get(run_id)),
             }
         )
     return pd.DataFrame(rows)

@@ -136,6 +136,20 @@ def sim_command(
         f"of a run differ by mean {noise['iteration_spread_mean'] * 100:.1f} %, max "
         f"{noise['iteration_spread_max'] * 100:.1f} % (max − min over median){line}"
     )
+    recorded = noise.get("runs_with_host_cpu_recorded", 0)
+    if not recorded:
+        console.print("host CPU beside the runs: not recorded (captured before `ciera measure` recorded it)")
+    elif noise["runs_on_a_busy_host"]:
+        console.print(
+            f"[bold yellow]{noise['runs_on_a_busy_host']} of {recorded} runs were measured on a busy host[/] "
+            f"(other processes took up to {noise['other_cpu_share_max'] * 100:.0f} % of its CPU): their times "
+            "include that work, and so do these errors"
+        )
+    else:
+        console.print(
+            f"host CPU beside the runs: other processes took at most {noise['other_cpu_share_max'] * 100:.1f} % "
+            f"during any of the {recorded} runs"
+        )
     per_category = []
     for name, count in document["held_out_not_predicted_by_category"].items():
         if name in document["held_out_mean_abs_error_by_category"]:

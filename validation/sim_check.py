@@ -117,7 +117,9 @@ def category(run: pd.Series, seen_runs: pd.DataFrame) -> str:
 def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -> dict[str, Any]:
     """How repeatable the measurements are, independent of any model: the spread of a run's timed
     iterations ((max − min) / median), and how far a line a + b·L fitted to *all* measured depths of one
-    (cluster, system) — in sample, the best any depth-linear model can do — misses its own points."""
+    (cluster, system) — in sample, the best any depth-linear model can do — misses its own points; and
+    how many runs were measured while other processes took more than ``traces.BUSY_HOST_SHARE`` of the
+    host's CPU (of those that recorded it: `ciera measure` from 2026-12-04 on)."""
     times = bundle.iterations[bundle.iterations["run_id"].isin(measured_runs["run_id"])]
     per_run = times.groupby("run_id")["iteration_s"].agg(["median", "min", "max", "size"])
     spread = (per_run["max"] - per_run["min"]) / per_run["median"]
@@ -129,7 +131,12 @@ def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -
         depths, medians = group["layers"].to_numpy(dtype=float), group["median"].to_numpy()
         slope, intercept = np.polyfit(depths, medians, 1)
         residuals += list(np.abs((intercept + slope * depths) / medians - 1.0))
+    summaries = traces.run_summaries(bundle)
+    shares = summaries[summaries["run_id"].isin(measured_runs["run_id"])]["other_cpu_share"].dropna()
     return {
+        "runs_with_host_cpu_recorded": int(len(shares)),
+        "runs_on_a_busy_host": int((shares > traces.BUSY_HOST_SHARE).sum()),
+        "other_cpu_share_max": float(shares.max()) if len(shares) else None,
         "timed_iterations_per_run": int(per_run["size"].min()) if len(per_run) else 0,
         "iteration_spread_mean": float(spread.mean()) if len(spread) else 0.0,
         "iteration_spread_max": float(spread.max()) if len(spread) else 0.0,

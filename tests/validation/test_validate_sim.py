@@ -177,6 +177,17 @@ def test_measurement_noise_is_computed_from_the_measurements_alone(bundle: trace
     assert noise["timed_iterations_per_run"] == 2
     assert noise["iteration_spread_mean"] == pytest.approx(0.2 / 1.1)
     assert noise["depth_line_residual_max"] == pytest.approx(0.0, abs=1e-9)
+    # The shipped runs predate the host-CPU record: none counted, none guessed.
+    assert noise["runs_with_host_cpu_recorded"] == 0 and noise["other_cpu_share_max"] is None
+    # Two runs that recorded it, one on a busy host; a garbled record counts as not recorded.
+    first, second, third = runs["run_id"].iloc[:3]
+    recorded = bundle.runs.copy()
+    for run_id, versions in ((first, {"other_cpu_share": 0.41}), (second, {"other_cpu_share": 0.01})):
+        recorded.loc[recorded["run_id"] == run_id, "versions"] = json.dumps(versions)
+    recorded.loc[recorded["run_id"] == third, "versions"] = "{not json"
+    busy = measurement_noise(dataclasses.replace(bundle, runs=recorded, iterations=iterations), runs)
+    assert busy["runs_with_host_cpu_recorded"] == 2 and busy["runs_on_a_busy_host"] == 1
+    assert busy["other_cpu_share_max"] == pytest.approx(0.41)
 
 
 def test_cli_refuses_a_bad_tolerance_in_one_line() -> None:

@@ -733,9 +733,10 @@ class BucketGather:
     def _post_notice(self, shard_id: int, reason: str, summary: str = NOTICE_SUMMARY) -> None:
         """Tell every rank of this group's generation that this rank failed (the first notice stays)."""
         if self._store is not None:
-            try:
-                if not self._store.check([self._notice_key]):
-                    self._store.set(self._notice_key, f"{shard_id}|{self.engine.rank}|{summary}|{reason}")
+            try:  # set only where unset, atomically: the first notice stays
+                self._store.compare_set(
+                    self._notice_key, "", f"{shard_id}|{self.engine.rank}|{summary}|{reason}"
+                )
             except RuntimeError:
                 pass
 

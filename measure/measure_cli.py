@@ -289,19 +289,20 @@ def _run_summaries(bundle) -> list[dict]:
 
 def other_cpu_line(summaries: list[dict]) -> str:
     """One console line on what other processes took from the host during the runs ("" when unrecorded)."""
-    from traces import BUSY_HOST_SHARE
+    import pandas as pd
 
-    shares = [(s["other_cpu_share"], s["run_id"]) for s in summaries if s.get("other_cpu_share") is not None]
-    if not shares:
+    from traces import BUSY_HOST_SHARE, busy_host_summary
+
+    host = busy_host_summary(pd.DataFrame(summaries, columns=["run_id", "other_cpu_share"]))
+    if not host["recorded"]:
         return ""
-    busy = [share for share, _ in shares if share > BUSY_HOST_SHARE]
-    worst, worst_run = max(shares)
-    if not busy:
-        return f"other processes used at most {100 * worst:.1f} % of the host's CPU during any run"
+    if not host["busy"]:
+        return f"other processes used at most {100 * host['largest_share']:.1f} % of the host's CPU during any run"
     return (
         f"[bold yellow]the host was busy[/]: other processes used more than {100 * BUSY_HOST_SHARE:.0f} % of "
-        f"its CPU during {len(busy)} of {len(shares)} runs (up to {100 * worst:.0f} %, {worst_run}); those "
-        "runs' times include that contention — recapture them on a quiet machine (docs/measurement.md)"
+        f"its CPU during {host['busy']} of {host['recorded']} runs (up to {100 * host['largest_share']:.0f} %, "
+        f"{host['busiest_run']}); those runs' times include that contention — recapture them on a quiet "
+        "machine (docs/measurement.md)"
     )
 
 

@@ -198,6 +198,23 @@ def other_cpu_share(versions: str | None) -> float | None:
     return float(value) if isinstance(value, int | float) else None
 
 
+def busy_host_summary(summaries: pd.DataFrame) -> dict:
+    """Of runs (rows of :func:`run_summaries`): how many recorded the host's CPU, how many of those ran on a
+    busy host (above BUSY_HOST_SHARE), the largest share and its run — what `ciera measure` and `ciera
+    validate sim` both report."""
+    recorded = summaries.dropna(subset=["other_cpu_share"]) if len(summaries) else summaries
+    if recorded.empty:
+        return {"recorded": 0, "busy": 0, "largest_share": None, "busiest_run": None}
+    shares = recorded["other_cpu_share"].astype(float)
+    busiest = shares.idxmax()
+    return {
+        "recorded": int(len(shares)),
+        "busy": int((shares > BUSY_HOST_SHARE).sum()),
+        "largest_share": float(shares[busiest]),
+        "busiest_run": str(recorded.loc[busiest, "run_id"]),
+    }
+
+
 def run_summaries(bundle) -> pd.DataFrame:
     """One row per run with timed iterations: iterations, median / min / max iteration time, and the
     all-gather bytes one rank's iteration moved (raw and on the wire: event sums over ranks and iterations,

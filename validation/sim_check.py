@@ -132,11 +132,11 @@ def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -
         slope, intercept = np.polyfit(depths, medians, 1)
         residuals += list(np.abs((intercept + slope * depths) / medians - 1.0))
     summaries = traces.run_summaries(bundle)
-    shares = summaries[summaries["run_id"].isin(measured_runs["run_id"])]["other_cpu_share"].dropna()
+    host = traces.busy_host_summary(summaries[summaries["run_id"].isin(measured_runs["run_id"])])
     return {
-        "runs_with_host_cpu_recorded": int(len(shares)),
-        "runs_on_a_busy_host": int((shares > traces.BUSY_HOST_SHARE).sum()),
-        "other_cpu_share_max": float(shares.max()) if len(shares) else None,
+        "runs_with_host_cpu_recorded": host["recorded"],
+        "runs_on_a_busy_host": host["busy"],
+        "other_cpu_share_max": host["largest_share"],
         "timed_iterations_per_run": int(per_run["size"].min()) if len(per_run) else 0,
         "iteration_spread_mean": float(spread.mean()) if len(spread) else 0.0,
         "iteration_spread_max": float(spread.max()) if len(spread) else 0.0,

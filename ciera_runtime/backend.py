@@ -132,7 +132,11 @@ class CpuBackend:
         if self.threads < threads:
             self.threads_basis += f", capped at numba's pool of {self.threads}"
 
-    def _cap_threads(self) -> None:
+    def _cap_threads(self, numel: int) -> None:
+        """Cap the caller's numba threads before a kernel that may run in parallel; a shard too small for
+        a parallel region runs serially (unless forced), and the check (~2 us) is skipped."""
+        if numel < self._kernels.PARALLEL_MIN_VALUES and self._kernels._parallel_detect is not True:
+            return
         if self._numba.get_num_threads() > self.threads:
             self._numba.set_num_threads(self.threads)
 
@@ -149,7 +153,7 @@ class CpuBackend:
         force_all,
         sm_out,
     ):
-        self._cap_threads()
+        self._cap_threads(bits.size)
         return self._kernels.encode_planes_hash(
             bits,
             exp_shift,
@@ -176,21 +180,21 @@ class CpuBackend:
         force_all,
         sm_out,
     ):
-        self._cap_threads()
+        self._cap_threads(bits.size)
         return self._kernels.encode_planes_exact(
             bits, exp_shift, exp_mask, is_fp16, block_size, exp_out, last_exp, changed_out, force_all, sm_out
         )
 
     def extract_exponents(self, bits, exp_shift, exp_mask, exp_out):
-        self._cap_threads()
+        self._cap_threads(bits.size)
         self._kernels.extract_exponents(bits, exp_shift, exp_mask, exp_out)
 
     def pack_sign_mantissa(self, bits, is_fp16, out):
-        self._cap_threads()
+        self._cap_threads(bits.size)
         self._kernels.pack_sign_mantissa(bits, is_fp16, out)
 
     def merge_planes_checked(self, exp, sign_mantissa, exp_shift, is_fp16, out) -> int:
-        self._cap_threads()
+        self._cap_threads(out.size)
         return self._kernels.merge_planes_checked(exp, sign_mantissa, exp_shift, is_fp16, out)
 
     # Serial kernels: no thread count to cap (checking it costs ~2 us a call, several calls a payload).
@@ -201,15 +205,15 @@ class CpuBackend:
         self._kernels.scatter_blocks(packed, changed_blocks, block_offsets, block_size, exp)
 
     def checksum64(self, plane: np.ndarray) -> int:
-        self._cap_threads()
+        self._cap_threads(plane.size)
         return self._kernels.checksum64(plane)
 
     def ans_encode_into(self, data: np.ndarray, out: np.ndarray) -> int:
-        self._cap_threads()
+        self._cap_threads(data.size)
         return self._rans.encode_into(data, out)
 
     def ans_decode(self, stream, out: np.ndarray) -> None:
-        self._cap_threads()
+        self._cap_threads(out.size)
         self._rans.decode(stream, out)
 
 

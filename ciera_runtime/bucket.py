@@ -977,6 +977,12 @@ class BucketGather:
         decode_start_s = time.perf_counter()
         results = []
         failure: tuple[int, str] | None = None
+        # Where each source's message of each shard starts in its area (8-aligned, in entry order): one
+        # running sum per source, not one per shard and source (that grew with the square of the shards).
+        starts = [
+            np.concatenate(([0], np.cumsum([_align8(_entry_length(e)) for e in header.entries])))
+            for header in headers
+        ]
         for index, shard_id in enumerate(bucket.shard_ids):
             state = engine._shards[shard_id]
             numel = state.numel
@@ -987,7 +993,7 @@ class BucketGather:
             out_bits[rank * numel : (rank + 1) * numel] = bits_of[index]
             if failure is None:
                 failure = self._decode_sources(
-                    index, shard_id, state, headers, received, overflow_rows, head, out_bits
+                    index, shard_id, state, headers, starts, received, overflow_rows, head, out_bits
                 )
             if output is not None and not contiguous:
                 output.copy_(result.view(output.shape))
@@ -1042,15 +1048,18 @@ class BucketGather:
                 return GatherError(first, {rank: "entry table does not add up"}, "gather aborted")
         return None
 
-    def _decode_sources(self, index, shard_id, state, headers, received, overflow_rows, head, out_bits):
-        """Rebuild every other rank's part of shard ``index``; (shard, reason) of the first failure."""
+    def _decode_sources(
+        self, index, shard_id, state, headers, starts, received, overflow_rows, head, out_bits
+    ):
+        """Rebuild every other rank's part of shard ``index`` (``starts[source][index]``: where its message
+        begins in that source's area); (shard, reason) of the first failure."""
         engine = self.engine
         numel = state.numel
         for source in range(engine.world_size):
             if source == engine.rank:
                 continue
             entries = headers[source].entries
-            offset = sum(_align8(_entry_length(e)) for e in entries[:index])
+            offset = int(starts[source][index])
             entry = entries[index]
             kind, length = _entry_kind(entry), _entry_length(entry)
             area = received[source, head:]

@@ -15,11 +15,13 @@ all-gather sends it in its first round and the variable part in a second one.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import struct
 import zlib
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,6 +47,7 @@ _HEADER_CRC_OFFSET = HEADER_BYTES - 4
 HEADER_FLAGS_OFFSET = struct.calcsize("<4sHB")  # the flags byte: magic, version, dtype come first
 _META_CRC_OFFSET = struct.calcsize("<4sHBBIIQQQIIQI")
 assert struct.calcsize(HEADER_FORMAT) == HEADER_BYTES
+_HEADER_STRUCT = struct.Struct(HEADER_FORMAT)
 
 FLAG_FULL_EXPONENTS = 1  # every block carries exponents: decodable without any cache
 FLAG_RAW_EXPONENTS = 2  # exponent section is raw bytes (rANS did not pay off, or a resync payload)
@@ -60,6 +63,9 @@ FLAG_EXPONENT_DELTAS = 8
 class DType(IntEnum):
     BF16 = 1
     FP16 = 2
+
+
+_DTYPES = {int(dtype): dtype for dtype in DType}  # header code → DType
 
 
 _EXP_LAYOUT = {
@@ -129,10 +135,10 @@ class CodecConfig:
     def entropy_code(self) -> int:
         return ENTROPY_STAGES[self.entropy]
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> int:
         """32-bit fingerprint of everything sender and receivers must agree on (the backend may differ:
-        every backend writes the same bytes)."""
+        every backend writes the same bytes). Computed once: every payload's header carries it."""
         text = f"ciera/{FORMAT_VERSION}/{self.block_size}/{self.detector}/{self.verify_every}"
         if self.entropy != "rans":  # the default's fingerprint is the one it always had
             text += f"/{self.entropy}"
@@ -171,8 +177,9 @@ class PayloadLayout:
         return self.fixed_bytes + self.numel
 
 
-@dataclass(frozen=True)
-class PayloadHeader:
+class PayloadHeader(NamedTuple):
+    """A payload's parsed header (a tuple: built for every payload received, so it must be cheap)."""
+
     dtype: DType
     flags: int
     shard_id: int
@@ -221,23 +228,22 @@ def parse_header(payload: np.ndarray, shard_id: int, source_rank: int) -> Payloa
     if payload.size < HEADER_BYTES:
         raise PayloadError(shard_id, source_rank, f"payload truncated: {payload.size} bytes < header")
     header_bytes = payload[:HEADER_BYTES].tobytes()
-    magic, version = header_bytes[:4], struct.unpack_from("<H", header_bytes, 4)[0]
+    fields = _HEADER_STRUCT.unpack(header_bytes)
+    magic, version = fields[0], fields[1]
     if magic != MAGIC:
         raise PayloadError(shard_id, source_rank, f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise PayloadError(
             shard_id, source_rank, f"format version {version}, this build reads {FORMAT_VERSION}"
         )
-    (stored_crc,) = struct.unpack_from("<I", header_bytes, _HEADER_CRC_OFFSET)
-    if zlib.crc32(header_bytes[:_HEADER_CRC_OFFSET]) != stored_crc:
+    if zlib.crc32(header_bytes[:_HEADER_CRC_OFFSET]) != fields[16]:
         raise PayloadError(shard_id, source_rank, "header CRC mismatch: payload header corrupted")
-    fields = struct.unpack(HEADER_FORMAT, header_bytes)
-    dtype_code, flags = fields[2], fields[3]
-    if dtype_code not in (DType.BF16, DType.FP16):
-        raise PayloadError(shard_id, source_rank, f"unknown dtype code {dtype_code}")
-    if flags & ~_KNOWN_FLAGS:
-        raise PayloadError(shard_id, source_rank, f"unknown flags {flags:#x}")
-    return PayloadHeader(DType(dtype_code), *fields[3:16])
+    dtype = _DTYPES.get(fields[2])
+    if dtype is None:
+        raise PayloadError(shard_id, source_rank, f"unknown dtype code {fields[2]}")
+    if fields[3] & ~_KNOWN_FLAGS:
+        raise PayloadError(shard_id, source_rank, f"unknown flags {fields[3]:#x}")
+    return PayloadHeader(dtype, *fields[3:16])
 
 
 def _meta_crc(payload: np.ndarray, layout: PayloadLayout, exp_section: np.ndarray) -> int:
@@ -245,6 +251,9 @@ def _meta_crc(payload: np.ndarray, layout: PayloadLayout, exp_section: np.ndarra
     own checksum in the header: kernels.checksum64, a faster pass than CRC-32 over half the shard)."""
     crc = zlib.crc32(payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes])
     return zlib.crc32(exp_section, crc)
+
+
+_TORCH_DTYPES: dict = {}  # torch dtype → DType (None: not 16-bit float), filled on first sight
 
 
 def shard_bits(shard, expected_dtype: DType | None = None, what: str = "shard") -> np.ndarray:
@@ -258,9 +267,13 @@ def shard_bits(shard, expected_dtype: DType | None = None, what: str = "shard") 
             raise ValueError(
                 f"{what} is on {shard.device}: the codec backends in this build work on CPU tensors"
             )
-        if shard.dtype not in (torch.bfloat16, torch.float16):
+        found = _TORCH_DTYPES.get(shard.dtype) or _TORCH_DTYPES.setdefault(
+            shard.dtype,
+            dtype_from_name(shard.dtype) if shard.dtype in (torch.bfloat16, torch.float16) else None,
+        )
+        if found is None:
             raise ValueError(f"{what} has dtype {shard.dtype}: expected torch.bfloat16 or torch.float16")
-        if expected_dtype is not None and dtype_from_name(shard.dtype) != expected_dtype:
+        if expected_dtype is not None and found != expected_dtype:
             raise ValueError(f"{what} has dtype {shard.dtype}, expected {expected_dtype.name.lower()}")
         return shard.detach().reshape(-1).contiguous().view(torch.int16).numpy().view(np.uint16)
     if not isinstance(shard, np.ndarray):

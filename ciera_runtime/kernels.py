@@ -474,15 +474,21 @@ def scatter_blocks(packed, changed_blocks, block_offsets, block_size, exp):
         exp[start:stop] = packed[src : src + stop - start]
 
 
+@njit(cache=True, nogil=True)
+def _changed_block_offsets(changed_blocks, block_size, numel):
+    offsets = np.empty(changed_blocks.size, dtype=np.int64)
+    total = 0
+    for k in range(changed_blocks.size):
+        offsets[k] = total
+        total += min(block_size, numel - changed_blocks[k] * block_size)
+    return offsets, total
+
+
 def changed_block_offsets(changed_blocks: np.ndarray, block_size: int, numel: int) -> tuple[np.ndarray, int]:
-    """Start offset of each changed block inside the packed exponent array, and the total length."""
-    lengths = np.full(changed_blocks.size, block_size, dtype=np.int64)
-    if changed_blocks.size and (changed_blocks[-1] + 1) * block_size > numel:
-        lengths[-1] = numel - changed_blocks[-1] * block_size
-    offsets = np.zeros(changed_blocks.size, dtype=np.int64)
-    if changed_blocks.size > 1:
-        np.cumsum(lengths[:-1], out=offsets[1:])
-    return offsets, int(lengths.sum())
+    """Start offset of each changed block inside the packed exponent array, and the total length (only
+    the shard's last block can be short). One compiled loop: every payload asks it twice."""
+    offsets, total = _changed_block_offsets(changed_blocks, np.int64(block_size), np.int64(numel))
+    return offsets, int(total)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -363,16 +363,21 @@ def _symbol_tables(freqs):
 
 
 @njit(cache=True, nogil=True)
-def _decode_table(symbols, freqs_present):
-    """slot -> freq << 20 | (slot - cumfreq) << 8 | symbol, 4 B per slot (16 KiB: stays in L1)."""
-    table = np.empty(PROB_SCALE, dtype=np.uint32)
-    slot = 0
-    for k in range(symbols.size):
-        freq = freqs_present[k]
-        for bias in range(freq):
-            table[slot] = np.uint32((freq << 20) | (bias << 8) | symbols[k])
-            slot += 1
-    return table
+def _encode_serial_into(data, out, chunk_symbols):
+    """The whole of ``encode_into`` on the calling thread, in one compiled call: histogram, frequencies,
+    tables, chunks and layout (a small shard's stream costs ~10 us less than through the separate steps;
+    the same bytes)."""
+    n = data.size
+    freqs = _normalize_frequencies(_histogram(data))
+    bounds, inv_freqs, cums, cmpl_freqs = _symbol_tables(freqs)
+    n_chunks = (n + chunk_symbols - 1) // chunk_symbols
+    words = np.empty(n, dtype=np.uint16)
+    word_counts = np.zeros(n_chunks, dtype=np.int64)
+    states = np.zeros((n_chunks, LANES), dtype=np.int64)
+    _encode_chunks_serial(
+        data, bounds, inv_freqs, cums, cmpl_freqs, chunk_symbols, words, word_counts, states
+    )
+    return _write_stream(out, n, chunk_symbols, freqs, words, word_counts, states)
 
 
 def encode_into(data: np.ndarray, out: np.ndarray, chunk_symbols: int | None = None) -> int:
@@ -392,20 +397,24 @@ def encode_into(data: np.ndarray, out: np.ndarray, chunk_symbols: int | None = N
         chunk_symbols = choose_chunk_symbols(n)
     if chunk_symbols <= 0:
         raise ValueError(f"chunk_symbols={chunk_symbols}: expected a positive integer")
-    freqs = normalize_frequencies(_histogram(data))
-    bounds, inv_freqs, cums, cmpl_freqs = _symbol_tables(freqs)
     n_chunks = (n + chunk_symbols - 1) // chunk_symbols
-    words = np.empty(n, dtype=np.uint16)
-    word_counts = np.zeros(n_chunks, dtype=np.int64)
-    states = np.zeros((n_chunks, LANES), dtype=np.int64)
     # Chunks on all threads or on this one, chosen by measured speed like the detectors (a parallel region
     # waits for every thread, which on a busy machine can cost more than the encode); same bytes either way.
     parallel = n_chunks > 1 and kernels._choice.choose("ans_encode", n)
-    kernel = _encode_chunks if parallel else _encode_chunks_serial
+    if not parallel:
+        start_s = time.perf_counter()
+        length = int(_encode_serial_into(data, out, chunk_symbols))
+        if n_chunks > 1:
+            kernels._choice.record("ans_encode", False, n, time.perf_counter() - start_s)
+        return length
+    freqs = normalize_frequencies(_histogram(data))
+    bounds, inv_freqs, cums, cmpl_freqs = _symbol_tables(freqs)
+    words = np.empty(n, dtype=np.uint16)
+    word_counts = np.zeros(n_chunks, dtype=np.int64)
+    states = np.zeros((n_chunks, LANES), dtype=np.int64)
     start_s = time.perf_counter()
-    kernel(data, bounds, inv_freqs, cums, cmpl_freqs, chunk_symbols, words, word_counts, states)
-    if n_chunks > 1:
-        kernels._choice.record("ans_encode", parallel, n, time.perf_counter() - start_s)
+    _encode_chunks(data, bounds, inv_freqs, cums, cmpl_freqs, chunk_symbols, words, word_counts, states)
+    kernels._choice.record("ans_encode", True, n, time.perf_counter() - start_s)
     return int(_write_stream(out, n, chunk_symbols, freqs, words, word_counts, states))
 
 
@@ -419,13 +428,108 @@ def encode(data: np.ndarray, chunk_symbols: int | None = None) -> bytes:
     return out[:length].tobytes()
 
 
+# Why a stream is invalid (`_parse_stream`'s status; 0: valid), the message `decode` raises with.
+_STREAM_ERRORS = {
+    1: "rANS stream truncated inside its frequency table",
+    2: "rANS frequency table does not sum to the probability scale",
+    3: "rANS frequency table lists a symbol twice or out of order: corrupted data",
+    4: "rANS stream truncated before a chunk's lane states",
+    5: "rANS stream is {size} bytes, its tables describe {detail}",
+    6: "rANS single-symbol stream carries words or moved states: corrupted data",
+    7: "rANS stream inconsistent in {detail} chunk(s): corrupted data",
+}
+
+
+@njit(inline="always")
+def _get_u32(buf, offset):
+    return (
+        np.int64(buf[offset])
+        | (np.int64(buf[offset + 1]) << 8)
+        | (np.int64(buf[offset + 2]) << 16)
+        | (np.int64(buf[offset + 3]) << 24)
+    )
+
+
+@njit(cache=True, nogil=True)
+def _parse_stream(buf, n, chunk_symbols, present_count):
+    """Check a stream's tables (header fields already checked: n > 0, chunk_symbols > 0, 0 < present <=
+    256) and locate its chunks: (status, detail, decode table, lane states, word starts (in 16-bit words),
+    word counts, the symbol of a one-symbol stream or -1)."""
+    n_chunks = (n + chunk_symbols - 1) // chunk_symbols
+    table = np.empty(PROB_SCALE, dtype=np.uint32)
+    states = np.empty((n_chunks, LANES), dtype=np.int64)
+    word_starts = np.empty(n_chunks, dtype=np.int64)
+    word_counts = np.empty(n_chunks, dtype=np.int64)
+    offset = 12
+    table_end = offset + 4 * present_count + 4 * n_chunks
+    if buf.size < table_end:
+        return 1, 0, table, states, word_starts, word_counts, -1
+    total = 0
+    for k in range(present_count):  # every symbol a byte, every frequency >= 1, summing to the scale
+        listed = _get_u32(buf, offset + 4 * k)
+        if listed >> 16 > 255 or listed & 0xFFFF < 1:
+            return 2, 0, table, states, word_starts, word_counts, -1
+        total += listed & 0xFFFF
+    if total != PROB_SCALE:
+        return 2, 0, table, states, word_starts, word_counts, -1
+    previous, slot = -1, 0
+    for k in range(present_count):  # symbols strictly increasing; slot -> freq << 20 | bias << 8 | symbol
+        listed = _get_u32(buf, offset + 4 * k)
+        symbol, freq = listed >> 16, listed & 0xFFFF
+        if symbol <= previous:
+            return 3, 0, table, states, word_starts, word_counts, -1
+        previous = symbol
+        for bias in range(freq):
+            table[slot] = np.uint32((freq << 20) | (bias << 8) | symbol)
+            slot += 1
+    cursor = table_end
+    for chunk in range(n_chunks):
+        word_counts[chunk] = _get_u32(buf, offset + 4 * present_count + 4 * chunk)
+        if cursor + 4 * LANES > buf.size:
+            return 4, 0, table, states, word_starts, word_counts, -1
+        for lane in range(LANES):
+            states[chunk, lane] = _get_u32(buf, cursor + 4 * lane)
+        cursor += 4 * LANES
+        word_starts[chunk] = cursor // 2
+        cursor += (2 * word_counts[chunk] + 3) & ~3
+    if cursor != buf.size:
+        return 5, cursor, table, states, word_starts, word_counts, -1
+    if present_count == 1:
+        # One symbol (frequency 4096): states never move and no words are written.
+        for chunk in range(n_chunks):
+            if word_counts[chunk] != 0:
+                return 6, 0, table, states, word_starts, word_counts, -1
+            for lane in range(LANES):
+                if states[chunk, lane] != STATE_LOW:
+                    return 6, 0, table, states, word_starts, word_counts, -1
+        return 0, 0, table, states, word_starts, word_counts, _get_u32(buf, offset) >> 16
+    return 0, 0, table, states, word_starts, word_counts, -1
+
+
+@njit(cache=True, nogil=True)
+def _decode_serial(buf, n, chunk_symbols, present_count, out):
+    """``_parse_stream`` then every chunk on the calling thread, in one compiled call: (status, detail)."""
+    status, detail, table, states, word_starts, word_counts, single = _parse_stream(
+        buf, n, chunk_symbols, present_count
+    )
+    if status != 0:
+        return status, detail
+    if single >= 0:
+        out[:] = single
+        return 0, 0
+    bad = _decode_chunks_serial(
+        buf.view(np.uint16), word_starts, word_counts, states, table, chunk_symbols, out
+    )
+    return (7, bad) if bad else (0, 0)
+
+
 def decode(stream: bytes | memoryview | np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Decode a stream made by :func:`encode`; raises RansFormatError on truncated or corrupted input."""
     buf = np.frombuffer(stream, dtype=np.uint8) if not isinstance(stream, np.ndarray) else stream
     if buf.size < 12 or buf.size % 4:
         raise RansFormatError(f"rANS stream of {buf.size} bytes is too short or not 4-byte aligned")
-    head = buf[:12].view(np.uint32)
-    n, chunk_symbols, present_count = int(head[0]), int(head[1]), int(head[2])
+    buf = np.ascontiguousarray(buf)
+    n, chunk_symbols, present_count = (int(v) for v in buf[:12].view(np.uint32))
     if out is None:
         out = np.empty(n, dtype=np.uint8)
     elif out.size != n:
@@ -435,45 +539,23 @@ def decode(stream: bytes | memoryview | np.ndarray, out: np.ndarray | None = Non
     if chunk_symbols <= 0 or not 0 < present_count <= 256:
         raise RansFormatError(f"rANS header invalid: chunk_symbols={chunk_symbols}, present={present_count}")
     n_chunks = (n + chunk_symbols - 1) // chunk_symbols
-    offset = 12
-    table_end = offset + 4 * present_count + 4 * n_chunks
-    if buf.size < table_end:
-        raise RansFormatError("rANS stream truncated inside its frequency table")
-    listed = buf[offset : offset + 4 * present_count].view(np.uint32)
-    symbols = (listed >> 16).astype(np.int64)
-    freqs_present = (listed & 0xFFFF).astype(np.int64)
-    if symbols.max() > 255 or freqs_present.min() < 1 or freqs_present.sum() != PROB_SCALE:
-        raise RansFormatError("rANS frequency table does not sum to the probability scale")
-    if present_count > 1 and (np.diff(symbols) <= 0).any():
-        raise RansFormatError("rANS frequency table lists a symbol twice or out of order: corrupted data")
-    table = _decode_table(symbols, freqs_present)
-    word_counts = buf[offset + 4 * present_count : table_end].view(np.uint32).astype(np.int64)
-    # Chunk c: LANES states then its words, padded to 4 bytes; locate all in the 16-bit word view.
-    states = np.empty((n_chunks, LANES), dtype=np.int64)
-    word_starts = np.empty(n_chunks, dtype=np.int64)
-    cursor = table_end
-    for chunk in range(n_chunks):
-        if cursor + 4 * LANES > buf.size:
-            raise RansFormatError("rANS stream truncated before a chunk's lane states")
-        states[chunk] = buf[cursor : cursor + 4 * LANES].view(np.uint32)
-        cursor += 4 * LANES
-        word_starts[chunk] = cursor // 2
-        cursor += _pad4(2 * int(word_counts[chunk]))
-    if cursor != buf.size:
-        raise RansFormatError(f"rANS stream is {buf.size} bytes, its tables describe {cursor}")
-    if present_count == 1:
-        # One symbol (frequency 4096): states never move and no words are written.
-        if word_counts.any() or (states != STATE_LOW).any():
-            raise RansFormatError("rANS single-symbol stream carries words or moved states: corrupted data")
-        out[:] = symbols[0]
-        return out
-    words = buf.view(np.uint16)
     parallel = n_chunks > 1 and kernels._choice.choose("ans_decode", n)
-    kernel = _decode_chunks if parallel else _decode_chunks_serial
     start_s = time.perf_counter()
-    bad_chunks = kernel(words, word_starts, word_counts, states, table, chunk_symbols, out)
+    if parallel:
+        status, detail, table, states, word_starts, word_counts, single = _parse_stream(
+            buf, n, chunk_symbols, present_count
+        )
+        if status == 0 and single >= 0:
+            out[:] = single
+        elif status == 0:
+            bad = _decode_chunks(
+                buf.view(np.uint16), word_starts, word_counts, states, table, chunk_symbols, out
+            )
+            status, detail = (7, bad) if bad else (0, 0)
+    else:
+        status, detail = _decode_serial(buf, n, chunk_symbols, present_count, out)
     if n_chunks > 1:
         kernels._choice.record("ans_decode", parallel, n, time.perf_counter() - start_s)
-    if bad_chunks:
-        raise RansFormatError(f"rANS stream inconsistent in {bad_chunks} chunk(s): corrupted data")
+    if status:
+        raise RansFormatError(_STREAM_ERRORS[int(status)].format(size=buf.size, detail=int(detail)))
     return out

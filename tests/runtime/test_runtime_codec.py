@@ -244,12 +244,15 @@ def test_starting_the_codec_keeps_torchs_thread_count() -> None:
     assert done.stdout.strip() == "1"
 
 
-def test_codec_threads_default_to_the_cores_of_one_local_rank_and_cap_every_caller(monkeypatch) -> None:
+def test_codec_threads_default_to_the_cores_of_one_local_rank_and_cap_every_parallel_caller(
+    monkeypatch,
+) -> None:
     import os
     import threading
 
     import numba
 
+    from ciera_runtime import kernels
     from ciera_runtime.backend import CpuBackend, default_codec_threads
 
     cores = len(os.sched_getaffinity(0))
@@ -270,21 +273,30 @@ def test_codec_threads_default_to_the_cores_of_one_local_rank_and_cap_every_call
     pool = numba.config.NUMBA_NUM_THREADS
     assert CpuBackend(threads=pool + 5).threads == pool  # never more than numba's pool
     backend = CpuBackend(threads=1)
-    data = np.random.default_rng(5).integers(0, 7, 50_000).astype(np.uint8)
+    rng = np.random.default_rng(5)
+    # Large enough for a parallel region (two rANS chunks); a small stream always runs serially.
+    data = rng.integers(0, 7, 2 * kernels.PARALLEL_MIN_VALUES).astype(np.uint8)
+    small = rng.integers(0, 7, 5_000).astype(np.uint8)
     stream = np.empty(data.size * 2 + 4096, dtype=np.uint8)
     seen: dict[str, object] = {}
 
+    def round_trip(values: np.ndarray) -> bool:
+        length = backend.ans_encode_into(values, stream)
+        out = np.empty_like(values)
+        backend.ans_decode(stream[:length], out)
+        return bool((out == values).all())
+
     def call_from_a_fresh_thread() -> None:  # numba's count is per thread: a new one starts at the pool
         seen["before"] = numba.get_num_threads()
-        length = backend.ans_encode_into(data, stream)
-        out = np.empty_like(data)
-        backend.ans_decode(stream[:length], out)
-        seen["after"], seen["exact"] = numba.get_num_threads(), bool((out == data).all())
+        seen["small exact"] = round_trip(small)
+        seen["after small"] = numba.get_num_threads()  # a serial call does not pay for the check
+        seen["exact"] = round_trip(data)
+        seen["after"] = numba.get_num_threads()
 
     worker = threading.Thread(target=call_from_a_fresh_thread)
     worker.start()
     worker.join()
-    assert seen == {"before": pool, "after": 1, "exact": True}
+    assert seen == {"before": pool, "small exact": True, "after small": pool, "exact": True, "after": 1}
 
 
 def _adam_like_step(bits: np.ndarray, rng: np.random.Generator, lr: float) -> np.ndarray:

@@ -117,10 +117,11 @@ class CpuBackend:
     def __init__(self, threads: int | None = None) -> None:
         import numba
 
-        from ciera_runtime import kernels, rans
+        from ciera_runtime import kernels, payload_passes, rans
 
         self._kernels = kernels
         self._rans = rans
+        self._passes = payload_passes
         self._numba = numba
         kernels.start_thread_pool()
         if threads is None:
@@ -196,6 +197,29 @@ class CpuBackend:
     def merge_planes_checked(self, exp, sign_mantissa, exp_shift, is_fp16, out) -> int:
         self._cap_threads(out.size)
         return self._kernels.merge_planes_checked(exp, sign_mantissa, exp_shift, is_fp16, out)
+
+    # A small shard's whole payload in one compiled call each way (ciera_runtime/payload_passes.py); the
+    # encoder and decoder use them for shards that run serially anyway (codec._serial_passes).
+    serial_payload_passes = True
+
+    def encode_exact_payload(
+        self, bits, exp_shift, exp_mask, is_fp16, block_size, exp_out, last_exp, base, changed_out, full,
+        sm_out, bitmap_out, exp_region, use_rans,
+    ):  # fmt: skip
+        return self._passes.encode_exact(
+            bits, exp_shift, exp_mask, bool(is_fp16), block_size, exp_out, last_exp, base, changed_out,
+            bool(full), sm_out, bitmap_out, exp_region, bool(use_rans),
+        )  # fmt: skip
+
+    def rebuild_payload(
+        self, bitmap, n_blocks, header_changed, full, deltas, exact_detector, raw_exponents, exp_section,
+        block_size, exp_cache, sign_mantissa, exp_shift, is_fp16, out,
+    ):  # fmt: skip
+        return self._passes.rebuild(
+            bitmap, n_blocks, header_changed, bool(full), bool(deltas), bool(exact_detector),
+            bool(raw_exponents), exp_section, block_size, exp_cache, sign_mantissa, exp_shift, bool(is_fp16),
+            out,
+        )  # fmt: skip
 
     # Serial kernels: no thread count to cap (checking it costs ~2 us a call, several calls a payload).
     def gather_blocks(self, exp, changed_blocks, block_offsets, block_size, out):

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ciera_runtime import kernels
+from ciera_runtime import kernels, payload_passes, rans
 from ciera_runtime.backend import CodecBackend, get_backend
 from ciera_runtime.errors import ChecksumMismatchError, OutOfStepError, PayloadError, StalePayloadError
 from ciera_runtime.rans import RansFormatError
@@ -283,6 +283,16 @@ def shard_bits(shard, expected_dtype: DType | None = None, what: str = "shard") 
     return np.ascontiguousarray(shard).reshape(-1).view(np.uint16)
 
 
+def _serial_passes(backend: CodecBackend, numel: int) -> bool:
+    """Whether a payload of ``numel`` values takes the backend's one-call serial passes (the CPU backend,
+    a shard that runs serially anyway: under PARALLEL_MIN_VALUES, parallel kernels not forced)."""
+    return (
+        numel < kernels.PARALLEL_MIN_VALUES
+        and kernels._parallel_detect is not True
+        and getattr(backend, "serial_payload_passes", False)
+    )
+
+
 def new_epoch() -> int:
     """Random non-zero 63-bit identity of one encoder instance (a restarted sender gets a new one)."""
     return secrets.randbits(63) | 1
@@ -357,6 +367,24 @@ class ShardEncoder:
         ]
         exp_plane = self._exp_scratch  # the pass writes this gather's exponent plane here
         base_plane = None  # what the receivers hold (exact detector): the deltas' base
+        if self.config.detector == "exact" and _serial_passes(self.backend, self.numel):
+            # The same steps as below in one compiled call (ciera_runtime/payload_passes.py).
+            base_plane = self._sent_exp
+            sm_checksum, changed_count, exp_bytes, raw = self.backend.encode_exact_payload(
+                bits, shift, mask, is_fp16, block_size, exp_plane, self._last_exp, base_plane, self._changed,
+                full, sm_out, buffer[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes],
+                buffer[layout.fixed_bytes : layout.max_payload_bytes], self.config.entropy == "rans",
+            )  # fmt: skip
+            self._sent_exp, self._exp_scratch = exp_plane, base_plane
+            self.last_changed_blocks = int(changed_count)
+            flags = FLAG_FULL_EXPONENTS if full else 0
+            if exp_bytes:
+                flags |= 0 if full else FLAG_EXPONENT_DELTAS
+                flags |= FLAG_RAW_EXPONENTS if raw else 0
+            self.generation += 1
+            return self._finish_payload(
+                buffer, bits, flags, None, int(changed_count), int(exp_bytes), sm_checksum, self.generation
+            )
         if self.config.detector == "hash":
             sm_checksum = self.backend.encode_planes_hash(
                 bits, shift, mask, is_fp16, block_size, self._hash_cache, exp_plane, self._changed,
@@ -456,7 +484,7 @@ class ShardEncoder:
         bitmap_end = layout.bitmap_offset + layout.bitmap_bytes
         payload[bitmap_end : layout.sign_mantissa_offset] = 0
         payload[layout.sign_mantissa_offset + layout.sign_mantissa_bytes : layout.fixed_bytes] = 0
-        if changed.size:
+        if changed is not None and changed.size:  # None: the bitmap is already written
             payload[layout.bitmap_offset : bitmap_end] = np.packbits(changed, bitorder="little")
         shard_crc = 0
         verify_every = self.config.verify_every
@@ -682,57 +710,97 @@ class ShardDecoder:
             layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
         ]
         bitmap = payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes]
-        changed = np.unpackbits(bitmap, count=layout.n_blocks, bitorder="little")
-        changed_blocks = np.flatnonzero(changed)
-        if changed_blocks.size != header.changed_blocks:
-            raise self._fail(
-                f"bitmap has {changed_blocks.size} blocks set, header says {header.changed_blocks}"
-            )
-        if header.full and changed_blocks.size != layout.n_blocks:
-            raise self._fail("full-exponent payload does not flag every block")
         deltas = bool(header.flags & FLAG_EXPONENT_DELTAS)
-        if deltas != (not header.full and self.config.detector == "exact" and bool(changed_blocks.size)):
-            raise self._fail(
-                f"exponent deltas flag is {'set' if deltas else 'clear'} on a "
-                f"{'full' if header.full else 'delta'} payload of the {self.config.detector} detector"
-            )
-        offsets, changed_values = kernels.changed_block_offsets(
-            changed_blocks, self.config.block_size, self.numel
-        )
-        packed_exp = np.empty(changed_values, dtype=np.uint8)
-        if header.flags & FLAG_RAW_EXPONENTS:
-            if exp_section.size != changed_values:
+        shift, _ = _EXP_LAYOUT[self.dtype]
+        is_fp16 = self.dtype == DType.FP16
+        checksum = None
+        if _serial_passes(self.backend, self.numel):
+            # The same checks and steps as below in one compiled call (ciera_runtime/payload_passes.py).
+            status, detail, checksum = self.backend.rebuild_payload(
+                bitmap, layout.n_blocks, header.changed_blocks, header.full, deltas,
+                self.config.detector == "exact", bool(header.flags & FLAG_RAW_EXPONENTS), exp_section,
+                self.config.block_size, self.exp_cache, sign_mantissa, shift, is_fp16, out,
+            )  # fmt: skip
+            if status:
+                raise self._fail(self._rebuild_problem(int(status), int(detail), header, bitmap, exp_section))
+        else:
+            changed = np.unpackbits(bitmap, count=layout.n_blocks, bitorder="little")
+            changed_blocks = np.flatnonzero(changed)
+            if changed_blocks.size != header.changed_blocks:
                 raise self._fail(
-                    f"raw exponent section is {exp_section.size} bytes, expected {changed_values}"
+                    self._rebuild_problem(payload_passes.BITMAP_COUNT, changed_blocks.size, header)
                 )
-            packed_exp[:] = exp_section
-        elif changed_values:
-            try:
-                self.backend.ans_decode(exp_section, packed_exp)
-            except RansFormatError as error:
-                raise self._fail(f"exponent stream invalid: {error}") from None
-        elif exp_section.size:
-            raise self._fail(f"no changed blocks but {exp_section.size} exponent bytes")
-        if deltas:  # exponent = cached exponent + delta, mod 256
-            base = np.empty(changed_values, dtype=np.uint8)
-            self.backend.gather_blocks(self.exp_cache, changed_blocks, offsets, self.config.block_size, base)
-            np.add(packed_exp, base, out=packed_exp)
-        # Only now, with header, bitmap and exponents verified, touch the cache.
-        if changed_values:
-            self.backend.scatter_blocks(
-                packed_exp, changed_blocks, offsets, self.config.block_size, self.exp_cache
+            if header.full and changed_blocks.size != layout.n_blocks:
+                raise self._fail(self._rebuild_problem(payload_passes.NOT_FULL, 0, header))
+            if deltas != (not header.full and self.config.detector == "exact" and bool(changed_blocks.size)):
+                raise self._fail(self._rebuild_problem(payload_passes.DELTAS_FLAG, 0, header))
+            offsets, changed_values = kernels.changed_block_offsets(
+                changed_blocks, self.config.block_size, self.numel
             )
+            packed_exp = np.empty(changed_values, dtype=np.uint8)
+            if header.flags & FLAG_RAW_EXPONENTS:
+                if exp_section.size != changed_values:
+                    raise self._fail(
+                        self._rebuild_problem(
+                            payload_passes.RAW_SECTION_SIZE, changed_values, header, bitmap, exp_section
+                        )
+                    )
+                packed_exp[:] = exp_section
+            elif changed_values:
+                try:
+                    self.backend.ans_decode(exp_section, packed_exp)
+                except RansFormatError as error:
+                    raise self._fail(f"exponent stream invalid: {error}") from None
+            elif exp_section.size:
+                raise self._fail(
+                    self._rebuild_problem(
+                        payload_passes.STRAY_EXPONENTS, exp_section.size, header, bitmap, exp_section
+                    )
+                )
+            if deltas:  # exponent = cached exponent + delta, mod 256
+                base = np.empty(changed_values, dtype=np.uint8)
+                self.backend.gather_blocks(
+                    self.exp_cache, changed_blocks, offsets, self.config.block_size, base
+                )
+                np.add(packed_exp, base, out=packed_exp)
+            # Only now, with header, bitmap and exponents verified, touch the cache.
+            if changed_values:
+                self.backend.scatter_blocks(
+                    packed_exp, changed_blocks, offsets, self.config.block_size, self.exp_cache
+                )
         self._advance_to(header.epoch, header.generation)
         # The sign+mantissa plane is checksummed in the same pass that merges it; on a mismatch the
         # rebuilt values are discarded (raise), while the cache, built from verified exponents, stays
         # correct at this generation.
-        shift, _ = _EXP_LAYOUT[self.dtype]
-        checksum = self.backend.merge_planes_checked(
-            self.exp_cache, sign_mantissa, shift, self.dtype == DType.FP16, out
-        )
-        if checksum != header.sign_mantissa_checksum64:
+        if checksum is None:
+            checksum = self.backend.merge_planes_checked(self.exp_cache, sign_mantissa, shift, is_fp16, out)
+        if int(checksum) != header.sign_mantissa_checksum64:
             raise self._fail("sign+mantissa checksum mismatch: payload corrupted in transit")
         if header.flags & FLAG_CHECKSUM and zlib.crc32(out) != header.shard_crc32:
             self.generation = -1  # cache no longer trusted: the next delta fails as out of step
             raise self._fail("rebuilt shard does not match the sender's checksum", ChecksumMismatchError)
         return out
+
+    def _rebuild_problem(
+        self, status: int, detail: int, header: PayloadHeader, bitmap=None, exp_section=None
+    ) -> str:
+        """What is wrong with a payload's bitmap or exponent section (a ``payload_passes`` status)."""
+        if status == payload_passes.BITMAP_COUNT:
+            return f"bitmap has {detail} blocks set, header says {header.changed_blocks}"
+        if status == payload_passes.NOT_FULL:
+            return "full-exponent payload does not flag every block"
+        if status == payload_passes.DELTAS_FLAG:
+            deltas = bool(header.flags & FLAG_EXPONENT_DELTAS)
+            return (
+                f"exponent deltas flag is {'set' if deltas else 'clear'} on a "
+                f"{'full' if header.full else 'delta'} payload of the {self.config.detector} detector"
+            )
+        if status == payload_passes.RAW_SECTION_SIZE:
+            return f"raw exponent section is {exp_section.size} bytes, expected {detail}"
+        if status == payload_passes.STRAY_EXPONENTS:
+            return f"no changed blocks but {exp_section.size} exponent bytes"
+        # The exponent stream: the error rans.decode raises, for the values the bitmap flags.
+        changed_blocks = np.flatnonzero(np.unpackbits(bitmap, count=self.layout.n_blocks, bitorder="little"))
+        _, values = kernels.changed_block_offsets(changed_blocks, self.config.block_size, self.numel)
+        error = rans.stream_error(status - payload_passes.RANS_STATUS, detail, exp_section, values)
+        return f"exponent stream invalid: {error}"

@@ -626,6 +626,7 @@ def _finish_checksum(sm, sm_words, numel, block_partials, tail_partials, paralle
     return _mix64(total ^ np.uint64(sm.size))
 
 
+@njit(cache=True, nogil=True)
 def _tail_tasks(numel: int, plane_bytes: int) -> int:
     words = (plane_bytes + 7) // 8 - numel // 8
     return (words + _TAIL_WORDS_PER_TASK - 1) // _TAIL_WORDS_PER_TASK

@@ -330,6 +330,12 @@ def choose_chunk_symbols(n: int, threads: int = CHUNK_SHARES) -> int:
     of ``threads`` so every thread gets an equal share, but none shorter than MIN_CHUNK_SYMBOLS (each chunk
     costs ~30 bytes: 8 lane states, its word count, padding). A multiple of LANES, so every chunk but the
     last has full lane groups."""
+    return int(_chunk_symbols(n, threads))
+
+
+@njit(cache=True, nogil=True)
+def _chunk_symbols(n, threads):
+    """``choose_chunk_symbols``, compiled (the one-call encoders choose inside numba)."""
     if n <= 0:
         return DEFAULT_CHUNK_SYMBOLS
     n_chunks = -(-n // DEFAULT_CHUNK_SYMBOLS)
@@ -428,7 +434,7 @@ def encode(data: np.ndarray, chunk_symbols: int | None = None) -> bytes:
     return out[:length].tobytes()
 
 
-# Why a stream is invalid (`_parse_stream`'s status; 0: valid), the message `decode` raises with.
+# Why a stream is invalid (the decoders' status; 0: valid), the message `decode` raises with.
 _STREAM_ERRORS = {
     1: "rANS stream truncated inside its frequency table",
     2: "rANS frequency table does not sum to the probability scale",
@@ -437,7 +443,25 @@ _STREAM_ERRORS = {
     5: "rANS stream is {size} bytes, its tables describe {detail}",
     6: "rANS single-symbol stream carries words or moved states: corrupted data",
     7: "rANS stream inconsistent in {detail} chunk(s): corrupted data",
+    8: "rANS stream of {size} bytes is too short or not 4-byte aligned",
+    9: "rANS stream holds {detail} symbols, caller expects {expected}",
+    10: "rANS header invalid: chunk_symbols={chunk_symbols}, present={present}",
 }
+
+
+def stream_error(status: int, detail: int, buf: np.ndarray, expected: int) -> RansFormatError:
+    """The error for a decoder's non-zero ``status`` on stream ``buf`` (``expected``: the symbols the
+    caller asked for)."""
+    head = buf[:12].view(np.uint32) if buf.size >= 12 and buf.size % 4 == 0 else np.zeros(3, np.uint32)
+    return RansFormatError(
+        _STREAM_ERRORS[int(status)].format(
+            size=buf.size,
+            detail=int(detail),
+            expected=expected,
+            chunk_symbols=int(head[1]),
+            present=int(head[2]),
+        )  # fmt: skip
+    )
 
 
 @njit(inline="always")
@@ -523,21 +547,38 @@ def _decode_serial(buf, n, chunk_symbols, present_count, out):
     return (7, bad) if bad else (0, 0)
 
 
+@njit(cache=True, nogil=True)
+def decode_checked(buf, out):
+    """``decode`` on the calling thread, every check included, in one compiled call (for callers inside
+    numba): (status, detail), status 0 when ``out`` holds the stream's symbols (``stream_error`` turns
+    any other into the error ``decode`` raises)."""
+    if buf.size < 12 or buf.size % 4:
+        return 8, 0
+    n, chunk_symbols, present_count = _get_u32(buf, 0), _get_u32(buf, 4), _get_u32(buf, 8)
+    if out.size != n:
+        return 9, n
+    if n == 0:
+        return 0, 0
+    if chunk_symbols <= 0 or not 0 < present_count <= 256:
+        return 10, 0
+    return _decode_serial(buf, n, chunk_symbols, present_count, out)
+
+
 def decode(stream: bytes | memoryview | np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Decode a stream made by :func:`encode`; raises RansFormatError on truncated or corrupted input."""
     buf = np.frombuffer(stream, dtype=np.uint8) if not isinstance(stream, np.ndarray) else stream
     if buf.size < 12 or buf.size % 4:
-        raise RansFormatError(f"rANS stream of {buf.size} bytes is too short or not 4-byte aligned")
+        raise stream_error(8, 0, buf, -1 if out is None else out.size)
     buf = np.ascontiguousarray(buf)
     n, chunk_symbols, present_count = (int(v) for v in buf[:12].view(np.uint32))
     if out is None:
         out = np.empty(n, dtype=np.uint8)
     elif out.size != n:
-        raise RansFormatError(f"rANS stream holds {n} symbols, caller expects {out.size}")
+        raise stream_error(9, n, buf, out.size)
     if n == 0:
         return out
     if chunk_symbols <= 0 or not 0 < present_count <= 256:
-        raise RansFormatError(f"rANS header invalid: chunk_symbols={chunk_symbols}, present={present_count}")
+        raise stream_error(10, 0, buf, n)
     n_chunks = (n + chunk_symbols - 1) // chunk_symbols
     parallel = n_chunks > 1 and kernels._choice.choose("ans_decode", n)
     start_s = time.perf_counter()
@@ -557,5 +598,5 @@ def decode(stream: bytes | memoryview | np.ndarray, out: np.ndarray | None = Non
     if n_chunks > 1:
         kernels._choice.record("ans_decode", parallel, n, time.perf_counter() - start_s)
     if status:
-        raise RansFormatError(_STREAM_ERRORS[int(status)].format(size=buf.size, detail=int(detail)))
+        raise stream_error(status, detail, buf, n)
     return out

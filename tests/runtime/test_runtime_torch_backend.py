@@ -326,3 +326,93 @@ def test_end_to_end_payloads_are_identical_and_cross_decode(dtype: torch.dtype, 
     # A resync carries the current shard stamped with an earlier generation: a fresh receiver rebuilds it.
     fresh = ShardDecoder(3, 1, numel, dtype, configs["cpu"])
     assert fresh.decode(resync["torch"]).tobytes() == versions[-1].tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numel=sizes,
+    block_size=st.sampled_from(BLOCK_SIZES),
+    is_fp16=st.booleans(),
+    entropy=st.sampled_from(["rans", "none"]),
+    seed=st.integers(0, 2**32 - 1),
+    shares=st.lists(st.sampled_from([0.0, 0.001, 0.05, 0.5, 1.0]), min_size=1, max_size=5),
+)
+def test_small_shard_one_call_passes_give_the_composed_bytes(
+    numel, block_size, is_fp16, entropy, seed, shares
+) -> None:
+    """Below PARALLEL_MIN_VALUES the CPU backend encodes and rebuilds a payload in one compiled call each
+    way (payload_passes.py); the torch backend composes the same steps from its methods. Every payload is
+    byte-identical, decodes on the other side, and leaves both receivers with the same cache."""
+    configs = {
+        name: CodecConfig(block_size=block_size, detector="exact", entropy=entropy, backend=name)
+        for name in ("cpu", "torch")
+    }
+    dtype = "fp16" if is_fp16 else "bf16"
+    encoders = {name: ShardEncoder(5, numel, dtype, 2, config) for name, config in configs.items()}
+    encoders["torch"].epoch = encoders["cpu"].epoch
+    decoders = {name: ShardDecoder(5, 2, numel, dtype, config) for name, config in configs.items()}
+    rng = np.random.default_rng(seed)
+    bits = _bits(rng, numel, is_fp16)
+    for step, share in enumerate(shares):
+        if step:
+            bits = _perturbed(rng, bits, is_fp16, share)
+        if step == 2:
+            for encoder in encoders.values():
+                encoder.force_full()
+        payloads = {name: encoder.encode(bits).copy() for name, encoder in encoders.items()}
+        assert payloads["cpu"].tobytes() == payloads["torch"].tobytes(), step
+        assert encoders["cpu"].last_changed_blocks == encoders["torch"].last_changed_blocks
+        for reader, writer in (("cpu", "torch"), ("torch", "cpu")):
+            assert decoders[reader].decode(payloads[writer]).tobytes() == bits.tobytes()
+        assert decoders["cpu"].exp_cache.tobytes() == decoders["torch"].exp_cache.tobytes()
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    numel=st.integers(1, 3000),
+    block_size=st.sampled_from([1, 8, 64, 512]),
+    seed=st.integers(0, 2**32 - 1),
+    damage=st.tuples(st.integers(0, 10**6), st.integers(1, 255)),
+    fix_crc=st.booleans(),
+)
+def test_small_shard_one_call_rebuild_rejects_what_the_composed_one_rejects(
+    numel, block_size, seed, damage, fix_crc
+) -> None:
+    """A damaged payload — with its bitmap/exponent CRC recomputed, so the damage reaches the bitmap and
+    exponent checks — gives the same error (or the same values) through the one-call rebuild (cpu) and
+    the composed one (torch), and the receivers' caches stay identical."""
+    from ciera_runtime.codec import HEADER_BYTES, _meta_crc, parse_header
+    from ciera_runtime.errors import PayloadError
+
+    configs = {name: CodecConfig(block_size=block_size, backend=name) for name in ("cpu", "torch")}
+    encoder = ShardEncoder(5, numel, "bf16", 2, configs["cpu"])
+    decoders = {name: ShardDecoder(5, 2, numel, "bf16", config) for name, config in configs.items()}
+    rng = np.random.default_rng(seed)
+    bits = _bits(rng, numel, False)
+    first = encoder.encode(bits).copy()
+    for decoder in decoders.values():
+        decoder.decode(first)
+    payload = encoder.encode(_perturbed(rng, bits, False, 0.3)).copy()
+    where, value = damage
+    payload[HEADER_BYTES + where % (payload.size - HEADER_BYTES)] ^= value
+    if fix_crc:  # let the damage through the CRC to the checks behind it (header CRC recomputed too)
+        header = parse_header(payload, 5, 2)
+        crc = _meta_crc(payload, encoder.layout, payload[encoder.layout.fixed_bytes :])
+        fields = bytearray(payload[:HEADER_BYTES].tobytes())
+        import struct
+        import zlib
+
+        offset = struct.calcsize("<4sHBBIIQQQIIQI")  # meta_crc32: after shard_crc32 (HEADER_FORMAT)
+        assert struct.unpack_from("<I", fields, offset)[0] == header.meta_crc32
+        struct.pack_into("<I", fields, offset, crc)
+        struct.pack_into("<I", fields, HEADER_BYTES - 4, zlib.crc32(bytes(fields[: HEADER_BYTES - 4])))
+        payload[:HEADER_BYTES] = np.frombuffer(bytes(fields), dtype=np.uint8)
+    outcomes = {}
+    for name, decoder in decoders.items():
+        try:
+            outcomes[name] = ("values", decoder.decode(payload.copy()).tobytes())
+        except PayloadError as error:
+            outcomes[name] = ("error", str(error))
+    assert outcomes["cpu"] == outcomes["torch"]
+    assert decoders["cpu"].exp_cache.tobytes() == decoders["torch"].exp_cache.tobytes()
+    assert decoders["cpu"].generation == decoders["torch"].generation

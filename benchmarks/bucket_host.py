@@ -1,0 +1,192 @@
+"""The training thread's time per engine all-gather on the bucket path, against the plain gather's.
+
+    python benchmarks/bucket_host.py --json out/bucket_host.json [--values 65536] [--shards 1,4,16,32]
+        [--iterations 20] [--q 0.4]
+
+Two spawned gloo ranks on loopback, one torch and one numba thread each (what `ciera measure` gives a
+rank). Each rank holds a bucket of ``--values`` BF16 values per rank, cut into S equal shards for every S
+of ``--shards`` (the same bytes, more parameters): what DeepSpeed's coalesced fetch or an FSDP2 group
+hands CIERA. Every iteration a share q of each shard's 64-value blocks get one exponent moved by one, then
+the bucket is gathered three times (forward, recompute, backward), as the engines do.
+
+Per S, per engine call (the mean over both ranks and the timed iterations, after 5 warm-up ones):
+
+- ``ciera_host_us``: CIERA's whole time on the calling thread (``CompressedAllGather.stats.host_s``:
+  packing, encode, issue, unpack, decode; network waits left out), split into ``encode_us``,
+  ``decode_us`` and ``glue_us`` (the rest: headers, area sizing, issue, bookkeeping);
+- ``ciera_wall_us``: issue to results, waits included;
+- the plain gather of the same bucket measured in this run: ``plain_issue_us`` (flatten the shards and
+  issue one asynchronous ``all_gather_into_tensor``: the thread time DeepSpeed's coalesced call spends)
+  and ``plain_wall_us`` (issue to result, on loopback);
+- ``wire_over_raw``: CIERA's bytes sent over the raw bucket's; ``mismatches``: gathered values that
+  differ from the raw gather's (the run fails unless 0).
+
+On loopback both ranks share the two cores, so the wall times mostly show CPU cost; the host time is
+what the codec and protocol take from the training thread on any link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on sys.path as a script)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WARMUP_ITERATIONS = 5
+GATHERS_PER_ITERATION = 3  # forward, recompute, backward
+
+
+def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, queue) -> None:
+    import numba
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from ciera_runtime import CodecConfig, CompressedAllGather
+    from ciera_runtime.selection import perturb_blocks
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rng = np.random.default_rng(100 + rank)
+    rows = []
+    for shards in args.shards:
+        numel = args.values // shards
+        bits = [
+            ((rng.standard_normal(numel) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            for _ in range(shards)
+        ]
+        engine = CompressedAllGather(config=CodecConfig())
+        ids = tuple(range(shards))
+        for shard_id in ids:
+            engine.register(shard_id, numel, torch.bfloat16)
+        outputs = [torch.empty(world_size * numel, dtype=torch.bfloat16) for _ in ids]
+        flat_out = torch.empty(world_size * numel * shards, dtype=torch.bfloat16)
+        mismatches = 0
+        host_s = encode_s = decode_s = ciera_wall_s = plain_issue_s = plain_wall_s = 0.0
+        bytes_sent = raw_bytes = 0
+        calls = 0
+        for iteration in range(WARMUP_ITERATIONS + args.iterations):
+            timed = iteration >= WARMUP_ITERATIONS
+            bits = [perturb_blocks(b, args.q, 64, "bf16", rng) for b in bits]
+            weights = [torch.from_numpy(b.view(np.int16)).view(torch.bfloat16) for b in bits]
+            for _ in range(GATHERS_PER_ITERATION):
+                dist.barrier()
+                before = (engine.stats.host_s, engine.stats.encode_s, engine.stats.decode_s)
+                sent_before = engine.stats.bytes_sent
+                start_s = time.perf_counter()
+                got = engine.all_gather_bucket(weights, ids, outputs).wait()
+                ciera_s = time.perf_counter() - start_s
+                dist.barrier()
+                start_s = time.perf_counter()
+                flat = torch.cat(weights)
+                work = gather(flat_out, flat, async_op=True)
+                issued_s = time.perf_counter() - start_s
+                work.wait()
+                plain_s = time.perf_counter() - start_s
+                # The raw gather's layout: rank r's flat bucket, so shard k of rank r sits at r·S·n + k·n.
+                expected = flat_out.view(world_size, shards, numel)
+                for k, result in enumerate(got):
+                    mismatches += int(
+                        (result.view(world_size, numel).view(torch.int16) != expected[:, k].view(torch.int16))
+                        .sum()
+                        .item()
+                    )
+                if timed:
+                    calls += 1
+                    host_s += engine.stats.host_s - before[0]
+                    encode_s += engine.stats.encode_s - before[1]
+                    decode_s += engine.stats.decode_s - before[2]
+                    ciera_wall_s += ciera_s
+                    plain_issue_s += issued_s
+                    plain_wall_s += plain_s
+                    bytes_sent += engine.stats.bytes_sent - sent_before
+                    raw_bytes += 2 * numel * shards
+        rows.append(
+            {
+                "shards": shards,
+                "values_per_shard": numel,
+                "ciera_host_us": 1e6 * host_s / calls,
+                "encode_us": 1e6 * encode_s / calls,
+                "decode_us": 1e6 * decode_s / calls,
+                "glue_us": 1e6 * (host_s - encode_s - decode_s) / calls,
+                "ciera_wall_us": 1e6 * ciera_wall_s / calls,
+                "plain_issue_us": 1e6 * plain_issue_s / calls,
+                "plain_wall_us": 1e6 * plain_wall_s / calls,
+                "wire_over_raw": bytes_sent / raw_bytes,
+                "mismatches": mismatches,
+            }
+        )
+    queue.put({"rank": rank, "rows": rows})
+    dist.destroy_process_group()
+
+
+def _shard_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
+    return counts
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--values", type=int, default=1 << 16, help="values per rank's bucket (default 64 Ki)"
+    )
+    parser.add_argument("--shards", type=_shard_counts, default=[1, 4, 16, 32], help="shards per bucket")
+    parser.add_argument("--iterations", type=int, default=20, help="timed iterations (3 gathers each)")
+    parser.add_argument("--q", type=float, default=0.4, help="block change rate per iteration (default 0.4)")
+    args = parser.parse_args()
+    if args.iterations < 1 or not 0.0 <= args.q <= 1.0:
+        parser.error(f"--iterations {args.iterations} / --q {args.q}: expected >= 1 and within [0, 1]")
+    if args.values < max(args.shards):
+        parser.error(f"--values {args.values}: expected at least one value per shard ({max(args.shards)})")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    world_size = 2
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(world_size, port, args, queue), nprocs=world_size, start_method="spawn")
+    ranks = [queue.get() for _ in range(world_size)]
+    rows = []
+    for position, first in enumerate(ranks[0]["rows"]):
+        row = {"shards": first["shards"], "values_per_shard": first["values_per_shard"]}
+        for key in first:
+            if key in row:
+                continue
+            values = [rank["rows"][position][key] for rank in ranks]
+            row[key] = sum(values) if key == "mismatches" else sum(values) / len(values)
+        rows.append(row)
+    result = {
+        "benchmark": "bucket_host",
+        "world_size": world_size,
+        "values_per_rank": args.values,
+        "q": args.q,
+        "iterations": args.iterations,
+        "gathers_per_iteration": GATHERS_PER_ITERATION,
+        "rows": rows,
+    }
+    emit_json(result, args.json)
+    bad = sum(row["mismatches"] for row in rows)
+    if bad:
+        print(f"bucket_host: {bad} gathered values differ from the raw gather's", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

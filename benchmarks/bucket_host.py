@@ -9,7 +9,8 @@ of ``--shards`` (the same bytes, more parameters): what DeepSpeed's coalesced fe
 hands CIERA. Every iteration a share q of each shard's 64-value blocks get one exponent moved by one, then
 the bucket is gathered three times (forward, recompute, backward), as the engines do.
 
-Per S, per engine call (the mean over both ranks and the timed iterations, after 5 warm-up ones):
+Per S, per engine call (each rank's median over the timed calls, after 5 warm-up iterations; the mean of
+the two ranks):
 
 - ``ciera_host_us``: CIERA's whole time on the calling thread (``CompressedAllGather.stats.host_s``:
   packing, encode, issue, unpack, decode; network waits left out), split into ``encode_us``,
@@ -39,6 +40,10 @@ from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on s
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WARMUP_ITERATIONS = 5
+# Per call, in µs: CIERA's thread time and its parts, its wall time, the plain gather's issue and wall.
+SAMPLED = (
+    "ciera_host_us", "encode_us", "decode_us", "glue_us", "ciera_wall_us", "plain_issue_us", "plain_wall_us",
+)  # fmt: skip
 GATHERS_PER_ITERATION = 3  # forward, recompute, backward
 
 
@@ -72,9 +77,8 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
         outputs = [torch.empty(world_size * numel, dtype=torch.bfloat16) for _ in ids]
         flat_out = torch.empty(world_size * numel * shards, dtype=torch.bfloat16)
         mismatches = 0
-        host_s = encode_s = decode_s = ciera_wall_s = plain_issue_s = plain_wall_s = 0.0
+        samples: dict[str, list[float]] = {key: [] for key in SAMPLED}
         bytes_sent = raw_bytes = 0
-        calls = 0
         for iteration in range(WARMUP_ITERATIONS + args.iterations):
             timed = iteration >= WARMUP_ITERATIONS
             bits = [perturb_blocks(b, args.q, 64, "bf16", rng) for b in bits]
@@ -102,26 +106,22 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
                         .item()
                     )
                 if timed:
-                    calls += 1
-                    host_s += engine.stats.host_s - before[0]
-                    encode_s += engine.stats.encode_s - before[1]
-                    decode_s += engine.stats.decode_s - before[2]
-                    ciera_wall_s += ciera_s
-                    plain_issue_s += issued_s
-                    plain_wall_s += plain_s
+                    host = engine.stats.host_s - before[0]
+                    encode = engine.stats.encode_s - before[1]
+                    decode = engine.stats.decode_s - before[2]
+                    for key, value in zip(
+                        SAMPLED,
+                        (host, encode, decode, host - encode - decode, ciera_s, issued_s, plain_s),
+                        strict=True,
+                    ):
+                        samples[key].append(1e6 * value)
                     bytes_sent += engine.stats.bytes_sent - sent_before
                     raw_bytes += 2 * numel * shards
         rows.append(
             {
                 "shards": shards,
                 "values_per_shard": numel,
-                "ciera_host_us": 1e6 * host_s / calls,
-                "encode_us": 1e6 * encode_s / calls,
-                "decode_us": 1e6 * decode_s / calls,
-                "glue_us": 1e6 * (host_s - encode_s - decode_s) / calls,
-                "ciera_wall_us": 1e6 * ciera_wall_s / calls,
-                "plain_issue_us": 1e6 * plain_issue_s / calls,
-                "plain_wall_us": 1e6 * plain_wall_s / calls,
+                **{key: float(np.median(values)) for key, values in samples.items()},
                 "wire_over_raw": bytes_sent / raw_bytes,
                 "mismatches": mismatches,
             }

@@ -1,0 +1,40 @@
+"""benchmarks/bucket_host.py: a tiny run gathers every bucket bit for bit and reports the thread time per
+call, split into encode, decode and the rest, next to the plain gather's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
+from _bench_script import run_benchmark  # noqa: E402
+
+
+def test_a_tiny_run_times_every_bucket_size_and_gathers_exactly(tmp_path: Path) -> None:
+    out = tmp_path / "bucket_host.json"
+    done = run_benchmark(
+        "bucket_host.py", "--json", str(out), "--values", "4096", "--shards", "1,8", "--iterations", "2",
+        timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [row["shards"] for row in result["rows"]] == [1, 8]
+    for row in result["rows"]:
+        assert row["mismatches"] == 0
+        assert row["values_per_shard"] * row["shards"] == 4096
+        assert row["ciera_host_us"] > 0 and row["plain_wall_us"] > 0
+        assert row["encode_us"] > 0 and row["decode_us"] > 0 and "glue_us" in row
+        assert 0 < row["wire_over_raw"] <= 1.0
+
+
+def test_bad_arguments_are_one_line_errors() -> None:
+    for args, expected in (
+        (("--shards", "0,2"), "expected comma-separated positive integers"),
+        (("--values", "3", "--shards", "4"), "expected at least one value per shard"),
+        (("--q", "2"), "expected >= 1 and within [0, 1]"),
+    ):
+        done = run_benchmark("bucket_host.py", *args, timeout=60)
+        assert done.returncode == 2
+        assert expected in done.stdout + done.stderr
+        assert "Traceback" not in done.stderr

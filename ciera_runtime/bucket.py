@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
 import logging
 import struct
@@ -260,6 +261,9 @@ class Bucket:
     started: int = 0  # gathers of this bucket started (the next one's index)
     _period: int | None = None  # the cycle length capacity_for predicts with
     _period_chosen_at: int = -1
+    _recorded: int = 0  # gathers recorded so far (the history's version)
+    _history_key: tuple = ()  # (version, unfinished entries) the kept history was built for
+    _history: tuple = ()  # (known totals by gather, gathers sorted, their positions)
 
     def capacity_for(self, call: int, index: int) -> int:
         """The message area of this bucket's gather number ``index``, at engine call ``call``: predicted
@@ -271,41 +275,41 @@ class Bucket:
         prediction for gather ``index`` is the largest of the same-phase gathers one and two cycles back,
         for the cycle length P that would have fitted the recent gathers best, counting each overflow
         as OVERFLOW_PENALTY_BYTES of padding (P = 0: the largest of the last 8, whatever the phase)."""
-        finished = [entry for entry in self.totals if entry[0] <= call - CALL_LAG]
-        # A gather that carried full exponents (a bucket's first, the one after an error) is an outlier no
-        # later gather repeats: sized from the others once they cover a cycle (STEADY_HISTORY).
-        steady = [entry for entry in finished if not entry[3]]
-        known = {
-            gather: total for _, gather, total, _ in (steady if len(steady) >= STEADY_HISTORY else finished)
-        }
+        known, gathers, position = self._finished_history(call)
         if not known:
             return self.initial_capacity_bytes
-        gathers = sorted(known)
-        position = {gather: at for at, gather in enumerate(gathers)}
 
-        def planned(seen: list[int]) -> int:
-            above_floor = max(0, max(seen) - self.floor_bytes)
-            size = self.floor_bytes + int(above_floor * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES
-            return min(self.max_capacity_bytes, _align8(size))
+        floor_bytes, max_bytes = self.floor_bytes, self.max_capacity_bytes
+
+        def planned(largest: int) -> int:
+            above_floor = max(0, largest - floor_bytes)
+            return min(
+                max_bytes,
+                _align8(floor_bytes + int(above_floor * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES),
+            )
 
         def predict(target: int, period: int) -> int | None:
             if period == 0:  # the last CAPACITY_WINDOW known gathers before target
                 end = position.get(target, len(gathers))
-                seen = [known[g] for g in gathers[max(0, end - CAPACITY_WINDOW) : end]]
-            else:
-                seen = [known[g] for g in (target - period, target - 2 * period) if g in known]
-            return planned(seen) if seen else None
+                window = gathers[max(0, end - CAPACITY_WINDOW) : end]
+                return planned(max(known[g] for g in window)) if window else None
+            # The same-phase gathers one and two cycles back (totals are >= 0: -1 marks one not known).
+            largest = max(known.get(target - period, -1), known.get(target - 2 * period, -1))
+            return planned(largest) if largest >= 0 else None
 
         # The cycle length is re-chosen when the newest known gather index passes a multiple of 4 (the same
         # count on every rank), not at every call: choosing it scores 7 candidates over 12 gathers.
         if self._period is None or gathers[-1] // 4 != self._period_chosen_at:
             best, best_score = 0, float("inf")
+            scored = gathers[-12:]
+            # Where a period has no history yet, the fallback it would use (period 0's prediction, the same
+            # for every candidate: made once): every candidate is scored on the same gathers (a longer
+            # period must not win by predicting fewer).
+            fallback = [predict(gather, 0) for gather in scored]
             for period in range(7):
                 overflows, used = 0, 0
-                for gather in gathers[-12:]:
-                    # Where this period has no history yet, the fallback it would use: every candidate
-                    # is scored on the same gathers (a longer period must not win by predicting fewer).
-                    size = predict(gather, period) or predict(gather, 0)
+                for gather, other in zip(scored, fallback, strict=True):
+                    size = (predict(gather, period) if period else other) or other
                     if size is not None:
                         overflows += known[gather] > size
                         used += size
@@ -315,8 +319,31 @@ class Bucket:
             self._period, self._period_chosen_at = best, gathers[-1] // 4
         return predict(index, self._period) or predict(index, 0) or self.initial_capacity_bytes
 
+    def _finished_history(self, call: int) -> tuple[dict[int, int], list[int], dict[int, int]]:
+        """The totals of the gathers among calls 1..call-CALL_LAG, by gather index; the indices sorted;
+        each one's position. Gathers are recorded as they finish, in start order (calls finish oldest
+        first), so those are the history less its last few entries; rebuilt only when that changes."""
+        threshold, unfinished = call - CALL_LAG, 0
+        for entry in reversed(self.totals):
+            if entry[0] <= threshold:
+                break
+            unfinished += 1
+        key = (self._recorded, unfinished)
+        if key != self._history_key:
+            finished = list(itertools.islice(self.totals, 0, len(self.totals) - unfinished))
+            # A gather that carried full exponents (a bucket's first, the one after an error) is an outlier
+            # no later gather repeats: sized from the others once they cover a cycle (STEADY_HISTORY).
+            steady = [entry for entry in finished if not entry[3]]
+            chosen = steady if len(steady) >= STEADY_HISTORY else finished
+            known = {gather: total for _, gather, total, _ in chosen}
+            gathers = sorted(known)
+            self._history_key = key
+            self._history = (known, gathers, {gather: at for at, gather in enumerate(gathers)})
+        return self._history
+
     def record(self, call: int, index: int, largest_total_bytes: int, full: bool = False) -> None:
         self.totals.append((call, index, largest_total_bytes, full))
+        self._recorded += 1
 
 
 @dataclass
@@ -980,7 +1007,7 @@ class BucketGather:
         # Where each source's message of each shard starts in its area (8-aligned, in entry order): one
         # running sum per source, not one per shard and source (that grew with the square of the shards).
         starts = [
-            np.concatenate(([0], np.cumsum([_align8(_entry_length(e)) for e in header.entries])))
+            list(itertools.accumulate((_align8(_entry_length(e)) for e in header.entries), initial=0))
             for header in headers
         ]
         for index, shard_id in enumerate(bucket.shard_ids):
@@ -1059,7 +1086,7 @@ class BucketGather:
             if source == engine.rank:
                 continue
             entries = headers[source].entries
-            offset = int(starts[source][index])
+            offset = starts[source][index]
             entry = entries[index]
             kind, length = _entry_kind(entry), _entry_length(entry)
             area = received[source, head:]

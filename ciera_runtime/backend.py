@@ -15,7 +15,11 @@ from ciera_runtime.errors import BackendUnavailableError
 
 
 class CodecBackend(Protocol):
-    """Kernels one codec step needs. Arrays are 1-D; ``bits`` is the shard as uint16 patterns."""
+    """Kernels one codec step needs. Arrays are 1-D; ``bits`` is the shard as uint16 patterns.
+
+    Optional: ``serial_payload_passes = True`` with ``encode_exact_payload`` and ``rebuild_payload`` (a
+    small shard's whole payload in one call each way, as CpuBackend does; ciera_runtime/payload_passes.py
+    says what they do). Without them the encoder and decoder compose the methods below."""
 
     name: str
 

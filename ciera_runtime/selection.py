@@ -36,26 +36,38 @@ class CommProfile:
 
 
 def profile_comm(
-    group=None, sizes_bytes: Sequence[int] = tuple(4**k for k in range(5, 13)), repeats: int = 5
+    group=None,
+    sizes_bytes: Sequence[int] = tuple(4**k for k in range(5, 13)),
+    repeats: int = 5,
+    summary: Callable[[Sequence[float]], float] = min,
 ) -> CommProfile:
-    """Time all_gather_single of uint8 tensors of each per-rank size on ``group`` (median of repeats)."""
+    """Time all_gather_single of uint8 tensors of each per-rank size on ``group``.
+
+    The sizes are timed in turn, ``repeats`` rounds over all of them (so a burst of contention — the
+    other rank descheduled for a few ms — falls on every size alike rather than on one), and each size's
+    samples are reduced by ``summary``: the fastest by default, what the bytes themselves cost. The
+    profile is then made non-decreasing in size (a running maximum): a larger gather never costs less
+    than a smaller one. Before both, one slow median at a small size made a tiny shard's bytes look
+    worth milliseconds on loopback, and selection compressed it (an extra collective per step for 2 KB)."""
     import torch
     import torch.distributed as dist
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     world_size = dist.get_world_size(group)
-    times_s = []
+    buffers = []
     for size in sizes_bytes:
         send = torch.zeros(size, dtype=torch.uint8)
         recv = torch.empty(world_size * size, dtype=torch.uint8)
         gather(recv, send, group=group)  # warm-up (connection set-up, allocator)
-        samples = []
-        for _ in range(repeats):
+        buffers.append((send, recv))
+    samples: list[list[float]] = [[] for _ in sizes_bytes]
+    for _ in range(repeats):
+        for k, (send, recv) in enumerate(buffers):
             dist.barrier(group)
             start_s = time.perf_counter()
             gather(recv, send, group=group)
-            samples.append(time.perf_counter() - start_s)
-        times_s.append(float(np.median(samples)))
+            samples[k].append(time.perf_counter() - start_s)
+    times_s = np.maximum.accumulate([float(summary(values)) for values in samples]).tolist()
     # Ranks measured slightly different times; agree on the slowest so every rank selects the same set.
     agreed = torch.tensor(times_s, dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)

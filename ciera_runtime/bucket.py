@@ -261,9 +261,6 @@ class Bucket:
     started: int = 0  # gathers of this bucket started (the next one's index)
     _period: int | None = None  # the cycle length capacity_for predicts with
     _period_chosen_at: int = -1
-    _recorded: int = 0  # gathers recorded so far (the history's version)
-    _history_key: tuple = ()  # (version, unfinished entries) the kept history was built for
-    _history: tuple = ()  # (known totals by gather, gathers sorted, their positions)
 
     def capacity_for(self, call: int, index: int) -> int:
         """The message area of this bucket's gather number ``index``, at engine call ``call``: predicted
@@ -321,29 +318,19 @@ class Bucket:
 
     def _finished_history(self, call: int) -> tuple[dict[int, int], list[int], dict[int, int]]:
         """The totals of the gathers among calls 1..call-CALL_LAG, by gather index; the indices sorted;
-        each one's position. Gathers are recorded as they finish, in start order (calls finish oldest
-        first), so those are the history less its last few entries; rebuilt only when that changes."""
-        threshold, unfinished = call - CALL_LAG, 0
-        for entry in reversed(self.totals):
-            if entry[0] <= threshold:
-                break
-            unfinished += 1
-        key = (self._recorded, unfinished)
-        if key != self._history_key:
-            finished = list(itertools.islice(self.totals, 0, len(self.totals) - unfinished))
-            # A gather that carried full exponents (a bucket's first, the one after an error) is an outlier
-            # no later gather repeats: sized from the others once they cover a cycle (STEADY_HISTORY).
-            steady = [entry for entry in finished if not entry[3]]
-            chosen = steady if len(steady) >= STEADY_HISTORY else finished
-            known = {gather: total for _, gather, total, _ in chosen}
-            gathers = sorted(known)
-            self._history_key = key
-            self._history = (known, gathers, {gather: at for at, gather in enumerate(gathers)})
-        return self._history
+        each one's position."""
+        finished = [entry for entry in self.totals if entry[0] <= call - CALL_LAG]
+        # A gather that carried full exponents (a bucket's first, the one after an error) is an outlier no
+        # later gather repeats: sized from the others once they cover a cycle (STEADY_HISTORY).
+        steady = [entry for entry in finished if not entry[3]]
+        known = {
+            gather: total for _, gather, total, _ in (steady if len(steady) >= STEADY_HISTORY else finished)
+        }
+        gathers = sorted(known)
+        return known, gathers, {gather: at for at, gather in enumerate(gathers)}
 
     def record(self, call: int, index: int, largest_total_bytes: int, full: bool = False) -> None:
         self.totals.append((call, index, largest_total_bytes, full))
-        self._recorded += 1
 
 
 @dataclass

@@ -253,7 +253,7 @@ def _meta_crc(payload: np.ndarray, layout: PayloadLayout, exp_section: np.ndarra
     return zlib.crc32(exp_section, crc)
 
 
-_TORCH_DTYPES: dict = {}  # torch dtype → DType (None: not 16-bit float), filled on first sight
+_TORCH_DTYPES: dict = {}  # torch dtype → DType, filled at the first tensor (torch is imported lazily)
 
 
 def shard_bits(shard, expected_dtype: DType | None = None, what: str = "shard") -> np.ndarray:
@@ -267,10 +267,9 @@ def shard_bits(shard, expected_dtype: DType | None = None, what: str = "shard") 
             raise ValueError(
                 f"{what} is on {shard.device}: the codec backends in this build work on CPU tensors"
             )
-        found = _TORCH_DTYPES.get(shard.dtype) or _TORCH_DTYPES.setdefault(
-            shard.dtype,
-            dtype_from_name(shard.dtype) if shard.dtype in (torch.bfloat16, torch.float16) else None,
-        )
+        if not _TORCH_DTYPES:
+            _TORCH_DTYPES.update({torch.bfloat16: DType.BF16, torch.float16: DType.FP16})
+        found = _TORCH_DTYPES.get(shard.dtype)
         if found is None:
             raise ValueError(f"{what} has dtype {shard.dtype}: expected torch.bfloat16 or torch.float16")
         if expected_dtype is not None and found != expected_dtype:

@@ -208,21 +208,22 @@ class CpuBackend:
 
     def encode_exact_payload(
         self, bits, exp_shift, exp_mask, is_fp16, block_size, exp_out, last_exp, base, changed_out, full,
-        sm_out, bitmap_out, exp_region, use_rans,
+        payload, template, bitmap_bytes, sm_offset, sm_bytes, fixed_bytes, use_rans, generation, shard_crc,
+        checksum_flag,
     ):  # fmt: skip
         return self._passes.encode_exact(
-            bits, exp_shift, exp_mask, bool(is_fp16), block_size, exp_out, last_exp, base, changed_out,
-            bool(full), sm_out, bitmap_out, exp_region, bool(use_rans),
+            bits, exp_shift, exp_mask, is_fp16, block_size, exp_out, last_exp, base, changed_out, full,
+            payload, template, bitmap_bytes, sm_offset, sm_bytes, fixed_bytes, use_rans, generation,
+            shard_crc, checksum_flag,
         )  # fmt: skip
 
     def rebuild_payload(
-        self, bitmap, n_blocks, header_changed, full, deltas, exact_detector, raw_exponents, exp_section,
-        block_size, exp_cache, sign_mantissa, exp_shift, is_fp16, out,
+        self, payload, exp_section, meta_crc, bitmap_bytes, sm_offset, sm_bytes, n_blocks, header_changed,
+        full, deltas, exact_detector, raw_exponents, block_size, exp_cache, exp_shift, is_fp16, out,
     ):  # fmt: skip
         return self._passes.rebuild(
-            bitmap, n_blocks, header_changed, bool(full), bool(deltas), bool(exact_detector),
-            bool(raw_exponents), exp_section, block_size, exp_cache, sign_mantissa, exp_shift, bool(is_fp16),
-            out,
+            payload, exp_section, meta_crc, bitmap_bytes, sm_offset, sm_bytes, n_blocks, header_changed,
+            full, deltas, exact_detector, raw_exponents, block_size, exp_cache, exp_shift, is_fp16, out,
         )  # fmt: skip
 
     # Serial kernels: no thread count to cap (checking it costs ~2 us a call, several calls a payload).

@@ -253,41 +253,52 @@ def _meta_crc(payload: np.ndarray, layout: PayloadLayout, exp_section: np.ndarra
     return zlib.crc32(exp_section, crc)
 
 
-_TORCH_DTYPES: dict = {}  # torch dtype → DType, filled at the first tensor (torch is imported lazily)
+# torch dtype → (DType, the int16 dtype to view it as); filled at the first tensor (torch is imported lazily)
+_TORCH_DTYPES: dict = {}
 
 
 def shard_bits(shard, expected_dtype: DType | None = None, what: str = "shard") -> np.ndarray:
     """The shard as a flat uint16 numpy view (torch bf16/fp16 CPU tensor or any 16-bit numpy array).
 
-    Raises ValueError (one line) for a tensor of another dtype, on another device, or not 16-bit."""
+    Raises ValueError (one line) for a tensor of another dtype, on another device, or not 16-bit. Called
+    for every shard of every gather, so the common case — a contiguous CPU tensor that does not require
+    grad — takes three torch calls (each costs ~1 us; a bucket has dozens of shards)."""
+    if isinstance(shard, np.ndarray):
+        if shard.dtype.itemsize != 2 or shard.dtype.kind not in "uif":
+            raise ValueError(f"{what} dtype {shard.dtype}: expected 16-bit values")
+        return np.ascontiguousarray(shard).reshape(-1).view(np.uint16)
     if hasattr(shard, "numpy") and hasattr(shard, "view"):  # torch.Tensor without importing torch here
-        import torch
+        if not _TORCH_DTYPES:
+            import torch
 
-        if shard.device.type != "cpu":
+            _TORCH_DTYPES.update(
+                {torch.bfloat16: (DType.BF16, torch.int16), torch.float16: (DType.FP16, torch.int16)}
+            )
+        if not shard.is_cpu:
             raise ValueError(
                 f"{what} is on {shard.device}: the codec backends in this build work on CPU tensors"
             )
-        if not _TORCH_DTYPES:
-            _TORCH_DTYPES.update({torch.bfloat16: DType.BF16, torch.float16: DType.FP16})
         found = _TORCH_DTYPES.get(shard.dtype)
         if found is None:
             raise ValueError(f"{what} has dtype {shard.dtype}: expected torch.bfloat16 or torch.float16")
-        if expected_dtype is not None and found != expected_dtype:
+        if expected_dtype is not None and found[0] != expected_dtype:
             raise ValueError(f"{what} has dtype {shard.dtype}, expected {expected_dtype.name.lower()}")
-        return shard.detach().reshape(-1).contiguous().view(torch.int16).numpy().view(np.uint16)
-    if not isinstance(shard, np.ndarray):
-        raise ValueError(f"{what} is {type(shard).__name__}: expected a torch tensor or a numpy array")
-    if shard.dtype.itemsize != 2 or shard.dtype.kind not in "uif":
-        raise ValueError(f"{what} dtype {shard.dtype}: expected 16-bit values")
-    return np.ascontiguousarray(shard).reshape(-1).view(np.uint16)
+        if shard.requires_grad:
+            shard = shard.detach()
+        if not shard.is_contiguous():
+            shard = shard.contiguous()
+        return shard.view(found[1]).numpy().reshape(-1).view(np.uint16)
+    raise ValueError(f"{what} is {type(shard).__name__}: expected a torch tensor or a numpy array")
 
 
-def _serial_passes(backend: CodecBackend, numel: int) -> bool:
+def _serial_passes(backend: CodecBackend, numel: int, forced: bool | None = None) -> bool:
     """Whether a payload of ``numel`` values takes the backend's one-call serial passes (the CPU backend,
-    a shard that runs serially anyway: under PARALLEL_MIN_VALUES, parallel kernels not forced)."""
+    a shard that runs serially anyway: under PARALLEL_MIN_VALUES, parallel kernels not forced).
+    ``forced``: whether parallel kernels are forced (default: as kernels.use_parallel_detect set it)."""
+    forced = kernels._parallel_detect is True if forced is None else forced
     return (
         numel < kernels.PARALLEL_MIN_VALUES
-        and kernels._parallel_detect is not True
+        and not forced
         and getattr(backend, "serial_payload_passes", False)
     )
 
@@ -328,6 +339,26 @@ class ShardEncoder:
         self._changed = np.zeros(n_blocks, dtype=np.uint8)
         self.last_changed_blocks = 0
         self._full_next = False  # the next payload carries every exponent (after a failed or raw gather)
+        # A small shard's payload in one compiled call (exact detector, the CPU backend; not while
+        # parallel kernels are forced: kernels.use_parallel_detect).
+        self._serial = self.config.detector == "exact" and _serial_passes(self.backend, numel, forced=False)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        """The one-call encode writes its header onto this template of the fields fixed per encoder (the
+        others are zero here), so it follows the epoch."""
+        self._epoch = epoch
+        self._header_template = np.frombuffer(
+            _HEADER_STRUCT.pack(
+                MAGIC, FORMAT_VERSION, int(self.dtype), 0, self.shard_id, self.source_rank, 0, epoch,
+                self.numel, self.config.block_size, 0, 0, 0, 0, 0, self.config.fingerprint, 0,
+            ),
+            dtype=np.uint8,
+        )  # fmt: skip
 
     @staticmethod
     def state_bytes_for(numel: int, block_size: int, detector: str) -> int:
@@ -366,24 +397,22 @@ class ShardEncoder:
         ]
         exp_plane = self._exp_scratch  # the pass writes this gather's exponent plane here
         base_plane = None  # what the receivers hold (exact detector): the deltas' base
-        if self.config.detector == "exact" and _serial_passes(self.backend, self.numel):
-            # The same steps as below in one compiled call (ciera_runtime/payload_passes.py).
+        if self._serial and kernels._parallel_detect is not True:
+            # The steps below, header included, in one compiled call (ciera_runtime/payload_passes.py).
+            generation = self.generation + 1
+            verify_every = self.config.verify_every
+            checksum_flag = bool(verify_every) and generation % verify_every == 0
             base_plane = self._sent_exp
-            sm_checksum, changed_count, exp_bytes, raw = self.backend.encode_exact_payload(
+            changed_count, payload_bytes = self.backend.encode_exact_payload(
                 bits, shift, mask, is_fp16, block_size, exp_plane, self._last_exp, base_plane, self._changed,
-                full, sm_out, buffer[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes],
-                buffer[layout.fixed_bytes : layout.max_payload_bytes], self.config.entropy == "rans",
+                full, buffer, self._header_template, layout.bitmap_bytes, layout.sign_mantissa_offset,
+                layout.sign_mantissa_bytes, layout.fixed_bytes, self.config.entropy == "rans", generation,
+                zlib.crc32(bits) if checksum_flag else 0, checksum_flag,
             )  # fmt: skip
             self._sent_exp, self._exp_scratch = exp_plane, base_plane
-            self.last_changed_blocks = int(changed_count)
-            flags = FLAG_FULL_EXPONENTS if full else 0
-            if exp_bytes:
-                flags |= 0 if full else FLAG_EXPONENT_DELTAS
-                flags |= FLAG_RAW_EXPONENTS if raw else 0
-            self.generation += 1
-            return self._finish_payload(
-                buffer, bits, flags, None, int(changed_count), int(exp_bytes), sm_checksum, self.generation
-            )
+            self.last_changed_blocks = changed_count
+            self.generation = generation
+            return buffer[:payload_bytes]
         if self.config.detector == "hash":
             sm_checksum = self.backend.encode_planes_hash(
                 bits, shift, mask, is_fp16, block_size, self._hash_cache, exp_plane, self._changed,
@@ -569,6 +598,11 @@ class ShardDecoder:
         self.epoch = 0  # epoch of the sender whose payloads the cache reflects; 0 = cache empty
         self.generation = 0  # generation of the last payload applied; 0 = cache empty, -1 = untrusted
         self.retired_epochs: list[int] = []
+        self._exact = self.config.detector == "exact"
+        self._exp_shift = _EXP_LAYOUT[self.dtype][0]
+        # A small shard's payload rebuilt in one compiled call (the CPU backend; not while parallel
+        # kernels are forced: kernels.use_parallel_detect).
+        self._serial = _serial_passes(self.backend, numel, forced=False)
 
     @property
     def cache_bytes(self) -> int:
@@ -666,9 +700,21 @@ class ShardDecoder:
         payload = as_payload_bytes(payload, self.shard_id, self.source_rank)
         layout = self.layout
         header = parse_header(payload, self.shard_id, self.source_rank)
-        expected_ids = (self.shard_id, self.source_rank, self.dtype.name, self.numel, self.config.block_size)
-        found = (header.shard_id, header.source_rank, header.dtype.name, header.numel, header.block_size)
-        if found != expected_ids:
+        if (
+            header.shard_id != self.shard_id
+            or header.source_rank != self.source_rank
+            or header.dtype != self.dtype
+            or header.numel != self.numel
+            or header.block_size != self.config.block_size
+        ):
+            expected_ids = (
+                self.shard_id,
+                self.source_rank,
+                self.dtype.name,
+                self.numel,
+                self.config.block_size,
+            )
+            found = (header.shard_id, header.source_rank, header.dtype.name, header.numel, header.block_size)
             raise self._fail(
                 "header (shard, rank, dtype, numel, block_size) = ({}), expected ({}): foreign payload".format(
                     ", ".join(map(str, found)), ", ".join(map(str, expected_ids))
@@ -703,26 +749,29 @@ class ShardDecoder:
                     f"{layout.fixed_bytes}+{header.exp_bytes}"
                 )
         self.check_sequence(header)
-        if _meta_crc(payload, layout, exp_section) != header.meta_crc32:
-            raise self._fail("bitmap/exponent CRC mismatch: payload corrupted in transit")
-        sign_mantissa = payload[
-            layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
-        ]
-        bitmap = payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes]
         deltas = bool(header.flags & FLAG_EXPONENT_DELTAS)
-        shift, _ = _EXP_LAYOUT[self.dtype]
+        shift = self._exp_shift
         is_fp16 = self.dtype == DType.FP16
         checksum = None
-        if _serial_passes(self.backend, self.numel):
-            # The same checks and steps as below in one compiled call (ciera_runtime/payload_passes.py).
+        if self._serial and kernels._parallel_detect is not True:
+            # The steps below, CRC included, in one compiled call (ciera_runtime/payload_passes.py).
             status, detail, checksum = self.backend.rebuild_payload(
-                bitmap, layout.n_blocks, header.changed_blocks, header.full, deltas,
-                self.config.detector == "exact", bool(header.flags & FLAG_RAW_EXPONENTS), exp_section,
-                self.config.block_size, self.exp_cache, sign_mantissa, shift, is_fp16, out,
+                payload, exp_section, header.meta_crc32, layout.bitmap_bytes, layout.sign_mantissa_offset,
+                layout.sign_mantissa_bytes, layout.n_blocks, header.changed_blocks, header.full, deltas,
+                self._exact, bool(header.flags & FLAG_RAW_EXPONENTS), self.config.block_size,
+                self.exp_cache, shift, is_fp16, out,
             )  # fmt: skip
             if status:
+                bitmap = payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes]
                 raise self._fail(self._rebuild_problem(int(status), int(detail), header, bitmap, exp_section))
+            sign_mantissa = None
         else:
+            if _meta_crc(payload, layout, exp_section) != header.meta_crc32:
+                raise self._fail(self._rebuild_problem(payload_passes.META_CRC, 0, header))
+            sign_mantissa = payload[
+                layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
+            ]
+            bitmap = payload[layout.bitmap_offset : layout.bitmap_offset + layout.bitmap_bytes]
             changed = np.unpackbits(bitmap, count=layout.n_blocks, bitorder="little")
             changed_blocks = np.flatnonzero(changed)
             if changed_blocks.size != header.changed_blocks:
@@ -731,7 +780,7 @@ class ShardDecoder:
                 )
             if header.full and changed_blocks.size != layout.n_blocks:
                 raise self._fail(self._rebuild_problem(payload_passes.NOT_FULL, 0, header))
-            if deltas != (not header.full and self.config.detector == "exact" and bool(changed_blocks.size)):
+            if deltas != (not header.full and self._exact and bool(changed_blocks.size)):
                 raise self._fail(self._rebuild_problem(payload_passes.DELTAS_FLAG, 0, header))
             offsets, changed_values = kernels.changed_block_offsets(
                 changed_blocks, self.config.block_size, self.numel
@@ -784,6 +833,8 @@ class ShardDecoder:
         self, status: int, detail: int, header: PayloadHeader, bitmap=None, exp_section=None
     ) -> str:
         """What is wrong with a payload's bitmap or exponent section (a ``payload_passes`` status)."""
+        if status == payload_passes.META_CRC:
+            return "bitmap/exponent CRC mismatch: payload corrupted in transit"
         if status == payload_passes.BITMAP_COUNT:
             return f"bitmap has {detail} blocks set, header says {header.changed_blocks}"
         if status == payload_passes.NOT_FULL:

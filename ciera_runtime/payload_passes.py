@@ -7,8 +7,10 @@ always run serially) the CPU backend does the same steps, in the same order, ins
 
 - ``encode_exact``: the exact detector's fused pass (exponent plane, changed blocks, sign+mantissa plane
   and its checksum), the changed blocks' exponents (or their deltas against the receivers' cache)
-  gathered and rANS-coded into the payload — raw when coding would not be smaller — and the bitmap;
-- ``rebuild``: the bitmap read and checked against the header, the exponent section decoded (and
+  gathered and rANS-coded into the payload — raw when coding would not be smaller — the bitmap, and the
+  header (flags, sizes, checksums and the CRC-32s, on a template of the fields fixed per encoder);
+- ``rebuild``: the bitmap and exponent section checked against their CRC-32, the bitmap read and checked
+  against the header, the exponent section decoded (and
   checked) into a scratch array, deltas added to the cache's exponents, and only then the cache written
   and the two planes merged (with the sign+mantissa checksum, which the caller compares).
 
@@ -24,8 +26,46 @@ from numba import njit
 
 from ciera_runtime import kernels, rans
 
+HEADER_BYTES = 80  # codec.HEADER_BYTES
+# Header fields encode_exact writes (codec.HEADER_FORMAT, little-endian); the rest come from the template.
+FLAGS_AT, GENERATION_AT, CHANGED_AT, EXP_BYTES_AT, SHARD_CRC_AT, META_CRC_AT, SM_CHECKSUM_AT = (
+    7, 16, 44, 48, 56, 60, 64,
+)  # fmt: skip
+HEADER_CRC_AT = 76
+FLAG_FULL, FLAG_RAW, FLAG_CHECKSUM, FLAG_DELTAS = 1, 2, 4, 8  # codec.FLAG_* (codec imports this module)
+
+
+def _crc_table() -> np.ndarray:
+    table = np.empty(256, dtype=np.uint32)
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0xEDB88320 if crc & 1 else 0)
+        table[byte] = crc
+    return table
+
+
+_CRC_TABLE = _crc_table()
+
+
+@njit(cache=True, nogil=True)
+def crc32(data, crc):
+    """zlib.crc32(data, crc) (CRC-32/ISO-HDLC) for the few hundred bytes of a header, bitmap and coded
+    exponent section: a table per byte, slower than zlib's per byte but with no call out of numba."""
+    c = np.uint32(crc) ^ np.uint32(0xFFFFFFFF)
+    for i in range(data.size):
+        c = _CRC_TABLE[(c ^ np.uint32(data[i])) & np.uint32(0xFF)] ^ (c >> np.uint32(8))
+    return c ^ np.uint32(0xFFFFFFFF)
+
+
+@njit(inline="always")
+def _put(payload, at, value, size):
+    for k in range(size):  # little-endian
+        payload[at + k] = np.uint8((value >> np.uint64(8 * k)) & np.uint64(0xFF))
+
+
 # rebuild's status: 0 valid; RANS_STATUS + s: the exponent stream failed with rANS status s.
-BITMAP_COUNT, NOT_FULL, DELTAS_FLAG, RAW_SECTION_SIZE, STRAY_EXPONENTS = 1, 2, 3, 4, 5
+BITMAP_COUNT, NOT_FULL, DELTAS_FLAG, RAW_SECTION_SIZE, STRAY_EXPONENTS, META_CRC = 1, 2, 3, 4, 5, 6
 RANS_STATUS = 100
 
 
@@ -45,14 +85,18 @@ def _changed_blocks(changed):
 
 @njit(cache=True, nogil=True)
 def encode_exact(
-    bits, exp_shift, exp_mask, is_fp16, block_size, exp, last_exp, base, changed, full, sm, bitmap,
-    exp_region, use_rans,
+    bits, exp_shift, exp_mask, is_fp16, block_size, exp, last_exp, base, changed, full, payload, template,
+    bitmap_bytes, sm_offset, sm_bytes, fixed_bytes, use_rans, generation, shard_crc, checksum_flag,
 ):  # fmt: skip
-    """One payload's planes, bitmap and exponent section (exact detector); ``base``: the plane the
-    receivers hold (the deltas' base, used unless ``full``); ``exp_region``: the payload from its fixed
-    part on, at least one byte per value. Returns (sm checksum64, changed blocks,
-    exponent section bytes, whether the exponents went raw)."""
+    """One whole payload (exact detector) written into ``payload`` (at least fixed part + one byte per
+    value): planes, bitmap, exponent section and header. ``base``: the plane the receivers hold (the
+    deltas' base, used unless ``full``); ``template``: the header with the fields fixed per encoder;
+    ``shard_crc`` (with ``checksum_flag``): the shard's CRC-32 in verify mode, else 0. Returns (changed
+    blocks, payload bytes)."""
     n = bits.size
+    bitmap = payload[HEADER_BYTES : HEADER_BYTES + bitmap_bytes]
+    sm = payload[sm_offset : sm_offset + sm_bytes]
+    exp_region = payload[fixed_bytes:]
     partials = np.empty(changed.size, dtype=np.uint64)
     tail_partials = np.empty(kernels._tail_tasks(n, sm.size), dtype=np.uint64)
     checksum = kernels.encode_planes_exact_blocks_serial(
@@ -85,18 +129,42 @@ def encode_exact(
         if exp_bytes < 0 or exp_bytes >= values:
             exp_region[:values] = packed
             exp_bytes, raw = values, True
-    return checksum, blocks.size, exp_bytes, raw
+    # Alignment padding zeroed (deterministic bytes on the wire), then the header.
+    payload[HEADER_BYTES + bitmap_bytes : sm_offset] = 0
+    payload[sm_offset + sm.size : fixed_bytes] = 0
+    flags = FLAG_FULL if full else 0
+    if exp_bytes:
+        flags |= 0 if full else FLAG_DELTAS
+        flags |= FLAG_RAW if raw else 0
+    flags |= FLAG_CHECKSUM if checksum_flag else 0
+    payload[:HEADER_BYTES] = template
+    payload[FLAGS_AT] = np.uint8(flags)
+    _put(payload, GENERATION_AT, np.uint64(generation), 8)
+    _put(payload, CHANGED_AT, np.uint64(blocks.size), 4)
+    _put(payload, EXP_BYTES_AT, np.uint64(exp_bytes), 8)
+    _put(payload, SHARD_CRC_AT, np.uint64(shard_crc), 4)
+    meta_crc = crc32(exp_region[:exp_bytes], crc32(bitmap, 0))
+    _put(payload, META_CRC_AT, np.uint64(meta_crc), 4)
+    _put(payload, SM_CHECKSUM_AT, checksum, 8)
+    _put(payload, HEADER_CRC_AT, np.uint64(crc32(payload[:HEADER_CRC_AT], 0)), 4)
+    return blocks.size, fixed_bytes + exp_bytes
 
 
 @njit(cache=True, nogil=True)
 def rebuild(
-    bitmap, n_blocks, header_changed, full, deltas, exact_detector, raw_exponents, exp_section, block_size,
-    exp_cache, sm, exp_shift, is_fp16, out,
+    payload, exp_section, meta_crc, bitmap_bytes, sm_offset, sm_bytes, n_blocks, header_changed, full, deltas,
+    exact_detector, raw_exponents, block_size, exp_cache, exp_shift, is_fp16, out,
 ):  # fmt: skip
-    """Check the bitmap and exponent section against the header, apply them to ``exp_cache`` and merge
-    the planes into ``out``: (status, detail, sm checksum64). The cache is written only once everything
-    but the sign+mantissa plane (whose checksum the caller compares) has been verified."""
+    """Check the bitmap and exponent section of ``payload`` against the header's CRC-32 (``meta_crc``) and
+    fields, apply them to ``exp_cache`` and merge the planes into ``out``: (status, detail, sm
+    checksum64). The cache is written only once everything but the sign+mantissa plane (whose checksum
+    the caller compares) has been verified."""
     n = out.size
+    zero = np.uint64(0)
+    bitmap = payload[HEADER_BYTES : HEADER_BYTES + bitmap_bytes]
+    sm = payload[sm_offset : sm_offset + sm_bytes]
+    if crc32(exp_section, crc32(bitmap, 0)) != np.uint32(meta_crc):
+        return META_CRC, 0, zero
     blocks = np.empty(n_blocks, dtype=np.int64)
     count = 0
     for k in range(n_blocks):  # np.unpackbits(bitmap, count=n_blocks, bitorder="little")
@@ -104,7 +172,6 @@ def rebuild(
             blocks[count] = k
             count += 1
     blocks = blocks[:count]
-    zero = np.uint64(0)
     if count != header_changed:
         return BITMAP_COUNT, count, zero
     if full and count != n_blocks:

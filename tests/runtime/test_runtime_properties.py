@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ciera_runtime import CodecConfig, ShardDecoder, ShardEncoder
+from ciera_runtime import CodecConfig, ShardDecoder, ShardEncoder, payload_passes
 
 
 @settings(max_examples=40, deadline=None)
@@ -32,6 +34,13 @@ def test_random_change_sequences_round_trip(numel, block_size, dtype, detector, 
         bits = np.where(changed, bits ^ noise, bits).astype(np.uint16)
         np.testing.assert_array_equal(decoder.decode(encoder.encode(bits)), bits)
         assert decoder.generation == encoder.generation
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(max_size=600), start=st.integers(0, 2**32 - 1))
+def test_compiled_crc32_is_zlibs(data, start) -> None:
+    """The one-call encoder writes its header's CRC-32s in numba; receivers check them with zlib."""
+    assert int(payload_passes.crc32(np.frombuffer(data, dtype=np.uint8), start)) == zlib.crc32(data, start)
 
 
 def _reference_frequencies(counts: np.ndarray) -> np.ndarray:

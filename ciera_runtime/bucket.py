@@ -857,9 +857,11 @@ class BucketGather:
         bits_of: list[np.ndarray | None] = [None] * n
         position = 0
         if error is None:
+            payload_messages = seed_messages = payload_bytes = raw_bytes = 0
+            shard_states = engine._shards
             try:
                 for index, (shard_id, shard) in enumerate(zip(bucket.shard_ids, shards, strict=True)):
-                    state = engine._shards[shard_id]
+                    state = shard_states[shard_id]
                     bits = shard_bits(shard, state.dtype, f"shard {shard_id}")
                     bits_of[index] = bits
                     message = bits.view(np.uint8)
@@ -877,24 +879,29 @@ class BucketGather:
                             kind = KIND_SEED
                         else:  # no payload of this shard is ever smaller than raw: plain raw
                             encoder.force_full()
-                    stats.payload_messages += kind == KIND_PAYLOAD
-                    stats.raw_messages += kind != KIND_PAYLOAD
-                    stats.seed_messages += kind == KIND_SEED
+                    size = message.size
                     if kind == KIND_PAYLOAD:
-                        stats.payload_bytes += message.size
+                        payload_messages += 1
+                        payload_bytes += size
                     else:
-                        stats.raw_message_bytes += message.size
-                    entries[index] = _entry(kind, message.size)
-                    if kind != KIND_PAYLOAD:
+                        seed_messages += kind == KIND_SEED
+                        raw_bytes += size
                         crcs[index] = zlib.crc32(message)
-                    fits = max(0, min(message.size, area.size - position))
+                    entries[index] = _entry(kind, size)
+                    fits = max(0, min(size, area.size - position))
                     area[position : position + fits] = message[:fits]
-                    if fits < message.size:
+                    if fits < size:
                         overflow += message[fits:].tobytes()
-                        overflow += bytes(_align8(message.size) - message.size)
-                    position = min(area.size, _align8(position + message.size))
+                        overflow += bytes(_align8(size) - size)
+                    position = min(area.size, _align8(position + size))
             except (ValueError, CieraError) as failure:
                 error = str(failure)
+            if error is None:  # a failed call sends no message
+                stats.payload_messages += payload_messages
+                stats.raw_messages += n - payload_messages
+                stats.seed_messages += seed_messages
+                stats.payload_bytes += payload_bytes
+                stats.raw_message_bytes += raw_bytes
         message_bytes = sum(_align8(_entry_length(e)) for e in entries)
         reason = error or ""
         if error is not None:
@@ -1003,7 +1010,7 @@ class BucketGather:
             output = outputs[index] if outputs is not None else None
             contiguous = output is not None and output.is_contiguous()
             result = output if contiguous else torch.empty(world_size * numel, dtype=state.torch_dtype)
-            out_bits = result.view(-1).view(torch.int16).numpy().view(np.uint16)
+            out_bits = result.view(torch.int16).numpy().reshape(-1).view(np.uint16)
             out_bits[rank * numel : (rank + 1) * numel] = bits_of[index]
             if failure is None:
                 failure = self._decode_sources(

@@ -868,7 +868,8 @@ class BucketGather:
                     kind = KIND_RAW
                     if state.compressed:
                         encoder = state.encoder
-                        payload = encoder.encode(bits, out=engine._scratch_for(state))
+                        # bits: checked by shard_bits and _validate; the scratch fits any payload of it.
+                        payload = encoder._encode_bits(bits, engine._scratch_for(state))
                         if payload.size < message.size:
                             message, kind = payload, KIND_PAYLOAD
                         elif encoder.layout.fixed_bytes < message.size:
@@ -1114,7 +1115,8 @@ class BucketGather:
                 else:
                     if not state.compressed:
                         raise CieraError("payload for a shard registered raw")
-                    state.decoders[source].decode(message, out=target)
+                    # message: a uint8 slice of the received row; target: this source's part of the output.
+                    state.decoders[source]._decode_into(message, target)
             except (CieraError, ValueError) as error:
                 return shard_id, f"rebuilding rank {source}'s shard: {error}"
         return None

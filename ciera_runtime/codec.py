@@ -386,6 +386,12 @@ class ShardEncoder:
         pass extracts the exponent plane, detects changed blocks, writes the sign+mantissa plane straight
         into the payload and checksums it; rANS writes straight after it."""
         bits, buffer = self._bits_and_buffer(shard, out)
+        return self._encode_bits(bits, buffer)
+
+    def _encode_bits(self, bits: np.ndarray, buffer: np.ndarray) -> np.ndarray:
+        """``encode`` for a caller that has checked its inputs (the bucket path, which holds the shard's
+        bits and a scratch buffer already): ``bits`` contiguous uint16 of ``numel`` values, ``buffer``
+        contiguous uint8 of at least ``layout.max_payload_bytes``."""
         layout = self.layout
         full = self.generation == 0 or self._full_next
         self._full_next = False
@@ -698,6 +704,13 @@ class ShardDecoder:
         """
         out = self._check_out(out)
         payload = as_payload_bytes(payload, self.shard_id, self.source_rank)
+        return self._decode_into(payload, out, exp_section, expected)
+
+    def _decode_into(
+        self, payload: np.ndarray, out: np.ndarray, exp_section=None, expected: tuple[int, int] | None = None
+    ) -> np.ndarray:
+        """``decode`` for a caller that has checked its buffers (the bucket path): ``payload`` contiguous
+        1-D uint8, ``out`` contiguous writeable uint16 of ``numel`` values."""
         layout = self.layout
         header = parse_header(payload, self.shard_id, self.source_rank)
         if (

@@ -261,6 +261,7 @@ class Bucket:
     started: int = 0  # gathers of this bucket started (the next one's index)
     _period: int | None = None  # the cycle length capacity_for predicts with
     _period_chosen_at: int = -1
+    _in_call_order: bool = True  # every record() so far came with a call number >= the one before
 
     def capacity_for(self, call: int, index: int) -> int:
         """The message area of this bucket's gather number ``index``, at engine call ``call``: predicted
@@ -289,7 +290,7 @@ class Bucket:
             if period == 0:  # the last CAPACITY_WINDOW known gathers before target
                 end = position.get(target, len(gathers))
                 window = gathers[max(0, end - CAPACITY_WINDOW) : end]
-                return planned(max(known[g] for g in window)) if window else None
+                return planned(max(map(known.__getitem__, window))) if window else None
             # The same-phase gathers one and two cycles back (totals are >= 0: -1 marks one not known).
             largest = max(known.get(target - period, -1), known.get(target - 2 * period, -1))
             return planned(largest) if largest >= 0 else None
@@ -297,18 +298,32 @@ class Bucket:
         # The cycle length is re-chosen when the newest known gather index passes a multiple of 4 (the same
         # count on every rank), not at every call: choosing it scores 7 candidates over 12 gathers.
         if self._period is None or gathers[-1] // 4 != self._period_chosen_at:
-            best, best_score = 0, float("inf")
             scored = gathers[-12:]
             # Where a period has no history yet, the fallback it would use (period 0's prediction, the same
             # for every candidate: made once): every candidate is scored on the same gathers (a longer
-            # period must not win by predicting fewer).
+            # period must not win by predicting fewer). The loop is predict() written out: it runs for
+            # 84 (gather, period) pairs, every fourth call of every bucket.
             fallback = [predict(gather, 0) for gather in scored]
-            for period in range(7):
+            totals = [known[gather] for gather in scored]
+            used = sum(size for size in fallback if size is not None)
+            overflows = sum(
+                total > size for total, size in zip(totals, fallback, strict=True) if size is not None
+            )
+            best, best_score = 0, used + overflows * OVERFLOW_PENALTY_BYTES if used else float("inf")
+            get = known.get
+            planned_of: dict[int, int] = {}  # planned(total), for the totals the candidates hit
+            for period in range(1, 7):
                 overflows, used = 0, 0
-                for gather, other in zip(scored, fallback, strict=True):
-                    size = (predict(gather, period) if period else other) or other
+                for gather, total, other in zip(scored, totals, fallback, strict=True):
+                    largest = max(get(gather - period, -1), get(gather - 2 * period, -1))
+                    if largest >= 0:
+                        size = planned_of.get(largest)
+                        if size is None:
+                            size = planned_of[largest] = planned(largest)
+                    else:
+                        size = other
                     if size is not None:
-                        overflows += known[gather] > size
+                        overflows += total > size
                         used += size
                 score = used + overflows * OVERFLOW_PENALTY_BYTES if used else float("inf")
                 if score < best_score:
@@ -319,7 +334,14 @@ class Bucket:
     def _finished_history(self, call: int) -> tuple[dict[int, int], list[int], dict[int, int]]:
         """The totals of the gathers among calls 1..call-CALL_LAG, by gather index; the indices sorted;
         each one's position."""
-        finished = [entry for entry in self.totals if entry[0] <= call - CALL_LAG]
+        totals, limit = self.totals, call - CALL_LAG
+        if self._in_call_order:  # the usual case: the finished ones are a prefix (at most CALL_LAG left out)
+            end = len(totals)
+            while end and totals[end - 1][0] > limit:
+                end -= 1
+            finished = list(itertools.islice(totals, end))
+        else:
+            finished = [entry for entry in totals if entry[0] <= limit]
         # A gather that carried full exponents (a bucket's first, the one after an error) is an outlier no
         # later gather repeats: sized from the others once they cover a cycle (STEADY_HISTORY).
         steady = [entry for entry in finished if not entry[3]]
@@ -330,6 +352,9 @@ class Bucket:
         return known, gathers, {gather: at for at, gather in enumerate(gathers)}
 
     def record(self, call: int, index: int, largest_total_bytes: int, full: bool = False) -> None:
+        # Gathers finish in start order, so calls arrive increasing; _finished_history relies on it when so.
+        if self.totals and call < self.totals[-1][0]:
+            self._in_call_order = False
         self.totals.append((call, index, largest_total_bytes, full))
 
 

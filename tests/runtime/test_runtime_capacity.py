@@ -3,7 +3,7 @@ margin above the payloads' fixed floor, full-exponent gathers as outliers, candi
 
 from __future__ import annotations
 
-from ciera_runtime.bucket import CALL_LAG, CAPACITY_MARGIN, CAPACITY_SLACK_BYTES, Bucket
+from ciera_runtime.bucket import CALL_LAG, CAPACITY_MARGIN, CAPACITY_SLACK_BYTES, STEADY_HISTORY, Bucket
 
 FLOOR, FIRST, REPEAT, FULL = 100_000, 104_000, 100_200, 140_000
 
@@ -59,3 +59,26 @@ def test_a_longer_period_does_not_win_by_predicting_fewer_gathers() -> None:
         bucket.record(index + 1, index, total, full=index == 0)
     bucket.capacity_for(18, 17)
     assert bucket._period == 2
+
+
+def test_history_is_the_finished_gathers_in_any_record_order() -> None:
+    """The history takes the finished gathers as a prefix while records come in call order, and filters
+    every entry once one came out of order: both give what a plain filter gives."""
+    import random
+
+    rng = random.Random(5)
+    for in_order in (True, False):
+        bucket = _bucket()
+        entries = [(call, call - 1, rng.randint(FLOOR, FULL), rng.random() < 0.1) for call in range(1, 60)]
+        if not in_order:
+            rng.shuffle(entries)
+        for entry in entries:
+            bucket.record(*entry)
+            call = entry[0] + rng.randint(0, 2 * CALL_LAG)
+            finished = [e for e in bucket.totals if e[0] <= call - CALL_LAG]
+            steady = [e for e in finished if not e[3]]
+            chosen = steady if len(steady) >= STEADY_HISTORY else finished
+            known, gathers, position = bucket._finished_history(call)
+            assert known == {gather: total for _, gather, total, _ in chosen}
+            assert gathers == sorted(known) and all(gathers[at] == g for g, at in position.items())
+        assert bucket._in_call_order is in_order

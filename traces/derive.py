@@ -241,3 +241,30 @@ def run_summaries(bundle) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
+
+
+def stream_summaries(bundle) -> pd.DataFrame:
+    """One row per (run, stream) of a bundle's events: where a rank's iteration goes. Per rank and timed
+    iteration (sums over ranks and iterations divided by both): ``seconds`` (the stream's summed event
+    durations: work on the main thread for compute, optim and the codec streams; time in flight for the
+    collectives, overlapping whatever ran meanwhile), ``events``, ``raw_bytes`` and ``wire_bytes``; and
+    ``mean_event_s``, one event's mean duration."""
+    events = bundle.events
+    if events.empty:
+        return pd.DataFrame(
+            columns=["run_id", "stream", "seconds", "events", "mean_event_s", "raw_bytes", "wire_bytes"]
+        )
+    events = events.assign(duration_s=events["end_s"] - events["start_s"])
+    per_run = events.groupby("run_id").agg(ranks=("rank", "nunique"), iterations=("iteration", "nunique"))
+    sums = events.groupby(["run_id", "stream"]).agg(
+        seconds=("duration_s", "sum"),
+        events=("duration_s", "size"),
+        mean_event_s=("duration_s", "mean"),
+        raw_bytes=("raw_bytes", "sum"),
+        wire_bytes=("wire_bytes", "sum"),
+    )
+    sums = sums.reset_index().merge(per_run, left_on="run_id", right_index=True)
+    per_iteration = sums["ranks"] * sums["iterations"]
+    for column in ("seconds", "events", "raw_bytes", "wire_bytes"):
+        sums[column] = sums[column] / per_iteration
+    return sums.drop(columns=["ranks", "iterations"])

@@ -602,6 +602,24 @@ def test_derive_layer_tables_by_hand():
     ]
 
 
+def test_stream_summaries_by_hand():
+    """Per (run, stream): sums over the two ranks and the one iteration, divided by both."""
+    bundle = dataclasses.replace(make_tiny_bundle(layers=1, world_size=2), events=_hand_events())
+    table = traces.stream_summaries(bundle).set_index("stream")
+    assert set(table["run_id"]) == {"r0"}
+    assert table.loc["compute", "seconds"] == pytest.approx((0.010 + 0.005 + 0.010 + 0.005) / 2)
+    assert table.loc["compute", "events"] == pytest.approx(4 / 2)
+    assert table.loc["allgather", "seconds"] == pytest.approx((0.004 + 0.006) / 2)
+    assert table.loc["allgather", "mean_event_s"] == pytest.approx(0.005)
+    assert (
+        table.loc["allgather", "raw_bytes"] == pytest.approx(1000)
+        and table.loc["allgather", "wire_bytes"] == 600
+    )
+    assert table.loc["reduce_scatter", "raw_bytes"] == pytest.approx((2000 + 2003) / 2)
+    assert table.loc["codec_send", "seconds"] == pytest.approx(0.002 / 2)
+    assert traces.stream_summaries(dataclasses.replace(bundle, events=bundle.events.iloc[:0])).empty
+
+
 def test_derive_layer_tables_with_checkpointing_and_measured_iteration_time():
     measured = pd.DataFrame({"run_id": ["r0"], "iteration": [0], "iteration_s": [0.5]})
     layers, iterations = traces.derive_layer_tables(

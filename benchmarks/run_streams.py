@@ -5,7 +5,9 @@ iteration, each stream's summed event time, its events and bytes.
 
 Compute, optim and the codec streams (codec_send: encode, codec_recv: decode) are the rank's main
 thread at work; the collective streams (allgather, reduce_scatter, all_reduce) are time in flight, which
-overlaps whatever ran meanwhile. Two runs of one model at one depth side by side show where a system's
+overlaps whatever ran meanwhile. Compute is the main thread's time outside blocking waits and the codec
+(measure/events.py), so a system's own thread work besides the codec — CIERA's headers, area plan and
+collective issue — counts there. Two runs of one model at one depth side by side show where a system's
 iteration differs from another's: e.g. whether a gather carrying half the bytes is in flight for less time
 (the link was what it waited for) or not (something else was). Reads the bundle only (`traces.run_summaries`,
 `traces.stream_summaries`); no rank is started.

@@ -416,3 +416,28 @@ def test_small_shard_one_call_rebuild_rejects_what_the_composed_one_rejects(
     assert outcomes["cpu"] == outcomes["torch"]
     assert decoders["cpu"].exp_cache.tobytes() == decoders["torch"].exp_cache.tobytes()
     assert decoders["cpu"].generation == decoders["torch"].generation
+
+
+@pytest.mark.parametrize("section", ["bitmap", "exponents"])
+def test_a_damaged_bitmap_or_exponent_section_fails_its_crc_on_both_paths(section: str) -> None:
+    """The one-call rebuild checks the bitmap/exponent CRC itself, first, as the composed path does: the
+    same error, and the cache untouched (still at the first payload's generation)."""
+    from ciera_runtime.errors import PayloadError
+
+    configs = {name: CodecConfig(backend=name) for name in ("cpu", "torch")}
+    encoder = ShardEncoder(5, 4096, "bf16", 2, configs["cpu"])
+    decoders = {name: ShardDecoder(5, 2, 4096, "bf16", config) for name, config in configs.items()}
+    rng = np.random.default_rng(3)
+    bits = _bits(rng, 4096, False)
+    first = encoder.encode(bits).copy()
+    payload = encoder.encode(_perturbed(rng, bits, False, 0.3)).copy()
+    layout = encoder.layout
+    assert payload.size > layout.fixed_bytes  # a delta payload with coded exponents
+    at = layout.bitmap_offset if section == "bitmap" else layout.fixed_bytes
+    payload[at] ^= 0x10
+    for decoder in decoders.values():
+        decoder.decode(first)
+        cache = decoder.exp_cache.copy()
+        with pytest.raises(PayloadError, match="bitmap/exponent CRC mismatch: payload corrupted in transit"):
+            decoder.decode(payload)
+        assert decoder.exp_cache.tobytes() == cache.tobytes() and decoder.generation == 1

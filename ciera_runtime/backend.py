@@ -203,7 +203,7 @@ class CpuBackend:
         return self._kernels.merge_planes_checked(exp, sign_mantissa, exp_shift, is_fp16, out)
 
     # A small shard's whole payload in one compiled call each way (ciera_runtime/payload_passes.py); the
-    # encoder and decoder use them for shards that run serially anyway (codec._serial_passes).
+    # encoder and decoder use them for shards that run serially anyway (codec._one_call_capable).
     serial_payload_passes = True
 
     def encode_exact_payload(

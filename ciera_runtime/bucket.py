@@ -279,12 +279,17 @@ class Bucket:
 
         floor_bytes, max_bytes = self.floor_bytes, self.max_capacity_bytes
 
+        planned_of: dict[int, int] = {}  # scoring the periods asks for the same totals many times
+
         def planned(largest: int) -> int:
-            above_floor = max(0, largest - floor_bytes)
-            return min(
-                max_bytes,
-                _align8(floor_bytes + int(above_floor * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES),
-            )
+            size = planned_of.get(largest)
+            if size is None:
+                above_floor = max(0, largest - floor_bytes)
+                size = planned_of[largest] = min(
+                    max_bytes,
+                    _align8(floor_bytes + int(above_floor * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES),
+                )
+            return size
 
         def predict(target: int, period: int) -> int | None:
             if period == 0:  # the last CAPACITY_WINDOW known gathers before target
@@ -298,32 +303,18 @@ class Bucket:
         # The cycle length is re-chosen when the newest known gather index passes a multiple of 4 (the same
         # count on every rank), not at every call: choosing it scores 7 candidates over 12 gathers.
         if self._period is None or gathers[-1] // 4 != self._period_chosen_at:
+            best, best_score = 0, float("inf")
             scored = gathers[-12:]
             # Where a period has no history yet, the fallback it would use (period 0's prediction, the same
             # for every candidate: made once): every candidate is scored on the same gathers (a longer
-            # period must not win by predicting fewer). The loop is predict() written out: it runs for
-            # 84 (gather, period) pairs, every fourth call of every bucket.
+            # period must not win by predicting fewer).
             fallback = [predict(gather, 0) for gather in scored]
-            totals = [known[gather] for gather in scored]
-            used = sum(size for size in fallback if size is not None)
-            overflows = sum(
-                total > size for total, size in zip(totals, fallback, strict=True) if size is not None
-            )
-            best, best_score = 0, used + overflows * OVERFLOW_PENALTY_BYTES if used else float("inf")
-            get = known.get
-            planned_of: dict[int, int] = {}  # planned(total), for the totals the candidates hit
-            for period in range(1, 7):
+            for period in range(7):
                 overflows, used = 0, 0
-                for gather, total, other in zip(scored, totals, fallback, strict=True):
-                    largest = max(get(gather - period, -1), get(gather - 2 * period, -1))
-                    if largest >= 0:
-                        size = planned_of.get(largest)
-                        if size is None:
-                            size = planned_of[largest] = planned(largest)
-                    else:
-                        size = other
+                for gather, other in zip(scored, fallback, strict=True):
+                    size = (predict(gather, period) if period else other) or other
                     if size is not None:
-                        overflows += total > size
+                        overflows += known[gather] > size
                         used += size
                 score = used + overflows * OVERFLOW_PENALTY_BYTES if used else float("inf")
                 if score < best_score:

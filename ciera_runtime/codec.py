@@ -16,6 +16,7 @@ all-gather sends it in its first round and the variable part in a second one.
 from __future__ import annotations
 
 import functools
+import re
 import secrets
 import struct
 import zlib
@@ -45,7 +46,6 @@ HEADER_FORMAT = "<4sHBBIIQQQIIQIIQII"
 HEADER_BYTES = 80
 _HEADER_CRC_OFFSET = HEADER_BYTES - 4
 HEADER_FLAGS_OFFSET = struct.calcsize("<4sHB")  # the flags byte: magic, version, dtype come first
-_META_CRC_OFFSET = struct.calcsize("<4sHBBIIQQQIIQI")
 assert struct.calcsize(HEADER_FORMAT) == HEADER_BYTES
 _HEADER_STRUCT = struct.Struct(HEADER_FORMAT)
 
@@ -58,6 +58,34 @@ FLAG_CHECKSUM = 4  # shard_crc32 holds the CRC-32 of the shard's 16-bit patterns
 # value in ~100 crosses a power of two per step), so its deltas are nearly all 0 and code to well under a
 # bit per value, where the exponents themselves take ~2.6 bits.
 FLAG_EXPONENT_DELTAS = 8
+
+# The one-call encode (payload_passes.py, which this module imports, so it keeps its own copies as numba
+# globals) writes the header fields that change per payload at fixed offsets: they must be this format's
+# (fields 3, 6, 10-14, 16: flags, generation, changed_blocks, exp_bytes, the three CRCs and checksum64).
+_FIELDS = re.findall(r"\d*[a-zA-Z]", HEADER_FORMAT[1:])  # "4s", "H", "B", ...: one per field
+
+
+def _field_at(k: int) -> int:
+    return struct.calcsize("<" + "".join(_FIELDS[:k]))
+
+
+assert (
+    payload_passes.HEADER_BYTES,
+    payload_passes.FLAGS_AT,
+    payload_passes.GENERATION_AT,
+    payload_passes.CHANGED_AT,
+    payload_passes.EXP_BYTES_AT,
+    payload_passes.SHARD_CRC_AT,
+    payload_passes.META_CRC_AT,
+    payload_passes.SM_CHECKSUM_AT,
+    payload_passes.HEADER_CRC_AT,
+) == (HEADER_BYTES, *(_field_at(k) for k in (3, 6, 10, 11, 12, 13, 14, 16)))
+assert (
+    payload_passes.FLAG_FULL,
+    payload_passes.FLAG_RAW,
+    payload_passes.FLAG_CHECKSUM,
+    payload_passes.FLAG_DELTAS,
+) == (FLAG_FULL_EXPONENTS, FLAG_RAW_EXPONENTS, FLAG_CHECKSUM, FLAG_EXPONENT_DELTAS)
 
 
 class DType(IntEnum):
@@ -253,8 +281,7 @@ def _meta_crc(payload: np.ndarray, layout: PayloadLayout, exp_section: np.ndarra
     return zlib.crc32(exp_section, crc)
 
 
-# torch dtype → (DType, the int16 dtype to view it as); filled at the first tensor (torch is imported lazily)
-_TORCH_DTYPES: dict = {}
+_TORCH_DTYPES: dict = {}  # torch dtype → DType, filled at the first tensor (torch is imported lazily)
 
 
 def shard_bits(shard, expected_dtype: DType | None = None, what: str = "shard") -> np.ndarray:
@@ -268,12 +295,10 @@ def shard_bits(shard, expected_dtype: DType | None = None, what: str = "shard") 
             raise ValueError(f"{what} dtype {shard.dtype}: expected 16-bit values")
         return np.ascontiguousarray(shard).reshape(-1).view(np.uint16)
     if hasattr(shard, "numpy") and hasattr(shard, "view"):  # torch.Tensor without importing torch here
-        if not _TORCH_DTYPES:
-            import torch
+        import torch
 
-            _TORCH_DTYPES.update(
-                {torch.bfloat16: (DType.BF16, torch.int16), torch.float16: (DType.FP16, torch.int16)}
-            )
+        if not _TORCH_DTYPES:
+            _TORCH_DTYPES.update({torch.bfloat16: DType.BF16, torch.float16: DType.FP16})
         if not shard.is_cpu:
             raise ValueError(
                 f"{what} is on {shard.device}: the codec backends in this build work on CPU tensors"
@@ -281,26 +306,21 @@ def shard_bits(shard, expected_dtype: DType | None = None, what: str = "shard") 
         found = _TORCH_DTYPES.get(shard.dtype)
         if found is None:
             raise ValueError(f"{what} has dtype {shard.dtype}: expected torch.bfloat16 or torch.float16")
-        if expected_dtype is not None and found[0] != expected_dtype:
+        if expected_dtype is not None and found != expected_dtype:
             raise ValueError(f"{what} has dtype {shard.dtype}, expected {expected_dtype.name.lower()}")
         if shard.requires_grad:
             shard = shard.detach()
         if not shard.is_contiguous():
             shard = shard.contiguous()
-        return shard.view(found[1]).numpy().reshape(-1).view(np.uint16)
+        return shard.view(torch.int16).numpy().reshape(-1).view(np.uint16)
     raise ValueError(f"{what} is {type(shard).__name__}: expected a torch tensor or a numpy array")
 
 
-def _serial_passes(backend: CodecBackend, numel: int, forced: bool | None = None) -> bool:
-    """Whether a payload of ``numel`` values takes the backend's one-call serial passes (the CPU backend,
-    a shard that runs serially anyway: under PARALLEL_MIN_VALUES, parallel kernels not forced).
-    ``forced``: whether parallel kernels are forced (default: as kernels.use_parallel_detect set it)."""
-    forced = kernels._parallel_detect is True if forced is None else forced
-    return (
-        numel < kernels.PARALLEL_MIN_VALUES
-        and not forced
-        and getattr(backend, "serial_payload_passes", False)
-    )
+def _one_call_capable(backend: CodecBackend, numel: int) -> bool:
+    """Whether a payload of ``numel`` values can take the backend's one-call serial passes (the CPU
+    backend, a shard that runs serially anyway: under PARALLEL_MIN_VALUES). The caller also checks, per
+    payload, that parallel kernels are not forced (kernels.use_parallel_detect)."""
+    return numel < kernels.PARALLEL_MIN_VALUES and getattr(backend, "serial_payload_passes", False)
 
 
 def new_epoch() -> int:
@@ -339,9 +359,8 @@ class ShardEncoder:
         self._changed = np.zeros(n_blocks, dtype=np.uint8)
         self.last_changed_blocks = 0
         self._full_next = False  # the next payload carries every exponent (after a failed or raw gather)
-        # A small shard's payload in one compiled call (exact detector, the CPU backend; not while
-        # parallel kernels are forced: kernels.use_parallel_detect).
-        self._serial = self.config.detector == "exact" and _serial_passes(self.backend, numel, forced=False)
+        # A small shard's payload in one compiled call (exact detector, the CPU backend).
+        self._serial = self.config.detector == "exact" and _one_call_capable(self.backend, numel)
 
     @property
     def epoch(self) -> int:
@@ -398,9 +417,6 @@ class ShardEncoder:
         shift, mask = _EXP_LAYOUT[self.dtype]
         block_size = self.config.block_size
         is_fp16 = self.dtype == DType.FP16
-        sm_out = buffer[
-            layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
-        ]
         exp_plane = self._exp_scratch  # the pass writes this gather's exponent plane here
         base_plane = None  # what the receivers hold (exact detector): the deltas' base
         if self._serial and kernels._parallel_detect is not True:
@@ -419,6 +435,9 @@ class ShardEncoder:
             self.last_changed_blocks = changed_count
             self.generation = generation
             return buffer[:payload_bytes]
+        sm_out = buffer[
+            layout.sign_mantissa_offset : layout.sign_mantissa_offset + layout.sign_mantissa_bytes
+        ]
         if self.config.detector == "hash":
             sm_checksum = self.backend.encode_planes_hash(
                 bits, shift, mask, is_fp16, block_size, self._hash_cache, exp_plane, self._changed,
@@ -518,7 +537,7 @@ class ShardEncoder:
         bitmap_end = layout.bitmap_offset + layout.bitmap_bytes
         payload[bitmap_end : layout.sign_mantissa_offset] = 0
         payload[layout.sign_mantissa_offset + layout.sign_mantissa_bytes : layout.fixed_bytes] = 0
-        if changed is not None and changed.size:  # None: the bitmap is already written
+        if changed.size:
             payload[layout.bitmap_offset : bitmap_end] = np.packbits(changed, bitorder="little")
         shard_crc = 0
         verify_every = self.config.verify_every
@@ -606,9 +625,8 @@ class ShardDecoder:
         self.retired_epochs: list[int] = []
         self._exact = self.config.detector == "exact"
         self._exp_shift = _EXP_LAYOUT[self.dtype][0]
-        # A small shard's payload rebuilt in one compiled call (the CPU backend; not while parallel
-        # kernels are forced: kernels.use_parallel_detect).
-        self._serial = _serial_passes(self.backend, numel, forced=False)
+        # A small shard's payload rebuilt in one compiled call (the CPU backend).
+        self._serial = _one_call_capable(self.backend, numel)
 
     @property
     def cache_bytes(self) -> int:

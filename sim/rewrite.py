@@ -235,13 +235,28 @@ def _core_share(graph: OpGraph, cluster: ClusterSpec, transport_s: np.ndarray | 
     return share
 
 
+def main_work_s(graph: OpGraph, cluster: ClusterSpec, transport_s: np.ndarray | None) -> np.ndarray:
+    """Per op, what a main-thread op would take at a full core: its measured duration times the core
+    share its rank had on `cluster` (`transport_s`: each collective's transport CPU, or None to count
+    only the ranks); 0 for every other op. The one reading of a measured main-thread time as work — the
+    anchor's compute and the codec runs' encode, decode and glue alike, so that the evaluator's shared
+    cores slow each of them once, not on top of the sharing their measurement already holds."""
+    return np.where(graph.is_main, graph.duration_s * _core_share(graph, cluster, transport_s), 0.0)
+
+
+def run_transport_s(graph: OpGraph, cluster: ClusterSpec, transport_scale: float = 1.0) -> np.ndarray | None:
+    """Each collective's transport CPU on `cluster`, scaled by the run's in-run calibration (None when
+    the cluster's sweep did not measure it or its cores are not simulated)."""
+    values = transport_cpu(graph, cluster)
+    return None if values is None else values * transport_scale
+
+
 def rewrite_costs(
     graph: OpGraph, anchor: ClusterSpec, target: ClusterSpec, transport_scale: float = 1.0
 ) -> tuple[Costs, list[str]]:
     """The costs of `graph` (traced on `anchor`) on `target`; notes say what was assumed. The sweeps'
     transport CPU is multiplied by `transport_scale` (the anchor run's in-run calibration)."""
     notes: list[str] = []
-    is_main = graph.is_main
     world_scale = anchor.world_size / target.world_size
     anchor_transport, target_transport = transport_cpu(graph, anchor), transport_cpu(graph, target)
     if target.host_cores and (target_transport is None or anchor_transport is None):
@@ -256,7 +271,7 @@ def rewrite_costs(
         anchor_transport = anchor_transport * transport_scale
     if target_transport is not None:
         target_transport = target_transport * transport_scale
-    work = np.where(is_main, graph.duration_s * _core_share(graph, anchor, anchor_transport), 0.0)
+    work = main_work_s(graph, anchor, anchor_transport)
     optimizer = graph.stream == "optim"
     work[optimizer] *= world_scale
     own_link = np.zeros(graph.size)

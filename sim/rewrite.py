@@ -258,7 +258,8 @@ def rewrite_costs(
     transport CPU is multiplied by `transport_scale` (the anchor run's in-run calibration)."""
     notes: list[str] = []
     world_scale = anchor.world_size / target.world_size
-    anchor_transport, target_transport = transport_cpu(graph, anchor), transport_cpu(graph, target)
+    anchor_transport = run_transport_s(graph, anchor, transport_scale)
+    target_transport = run_transport_s(graph, target, transport_scale)
     if target.host_cores and (target_transport is None or anchor_transport is None):
         # Both or neither: the anchor's compute is read net of its transport only if the target adds it back.
         unmeasured = target.name if target_transport is None else anchor.name
@@ -267,10 +268,6 @@ def rewrite_costs(
             "from compute (re-sweep with `ciera measure collectives`)"
         )
         anchor_transport = target_transport = None
-    if anchor_transport is not None:
-        anchor_transport = anchor_transport * transport_scale
-    if target_transport is not None:
-        target_transport = target_transport * transport_scale
     work = main_work_s(graph, anchor, anchor_transport)
     optimizer = graph.stream == "optim"
     work[optimizer] *= world_scale

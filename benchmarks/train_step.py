@@ -922,8 +922,10 @@ def main() -> None:
     parser.add_argument("--checkpoint-root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
+        from measure.rank import leave_rank
+
         (_warm_rank_main if args.phase == "warm" else _rank_main)(args)
-        return
+        leave_rank(0)  # result written, group destroyed (measure/rank.py says why)
     sys.exit(_main(args))
 
 

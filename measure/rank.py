@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 
 def _progress_writer(out_dir: Path):
@@ -71,11 +72,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main(sys.argv[1:])
+def leave_rank(code: int) -> NoReturn:
+    """End a rank's process once its results are written and its process group destroyed, without the
+    interpreter's finalization. A gloo worker thread can still hold the last reference to a finished
+    collective's tensors; freeing them during finalization needs the GIL, the thread is made to exit, and
+    its forced unwind calls std::terminate ("terminate called without an active exception", SIGABRT).
+    Finished ranks aborted that way in CI after all their work, and their launcher counted the run as
+    failed."""
     sys.stdout.flush()
     sys.stderr.flush()
-    # The rank's results are written and its process group destroyed: leave without running the C++ static
-    # destructors. In CI a finished rank once aborted there ("terminate called without an active
-    # exception", signal 6) after all its iterations, and the launcher counted the run as failed.
     os._exit(code)
+
+
+if __name__ == "__main__":
+    leave_rank(main(sys.argv[1:]))

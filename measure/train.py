@@ -730,6 +730,11 @@ def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig, queue
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    queue.close()
+    queue.join_thread()  # every message in the pipe before the process ends
+    from .rank import leave_rank
+
+    leave_rank(0)
 
 
 def check_environment(cfg: TrainConfig) -> None:

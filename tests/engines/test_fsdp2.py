@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -22,6 +21,8 @@ from _fsdp2_workers import (  # noqa: E402
     training_worker,
 )
 
+from tests.ranks import free_port, start_ranks  # noqa: E402
+
 pytestmark = pytest.mark.heavy  # minutes of multi-process work: CI runs it with -m heavy
 
 
@@ -40,18 +41,10 @@ def _compile_numba_kernels_once():
         np.testing.assert_array_equal(decoder.decode(encoder.encode(bits)), bits)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _run(worker, nprocs: int, *args, results_expected: int | None = None) -> list:
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(
-        worker, args=(nprocs, _free_port(), *args, results), nprocs=nprocs, join=True, start_method="spawn"
-    )
+    start_ranks(worker, nprocs, (nprocs, free_port(), *args, results), join=True)
     return [results.get() for _ in range(results_expected or nprocs)]
 
 

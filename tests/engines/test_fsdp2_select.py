@@ -4,7 +4,6 @@ to plain FSDP2 whatever is selected."""
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -18,21 +17,15 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from _fsdp2_workers import SELECT_STEPS, fast_profile, select_worker  # noqa: E402
 
+from tests.ranks import free_port, start_ranks  # noqa: E402
+
 MODULES = {"<root>", "blocks.0", "blocks.1", "blocks.2"}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _run(worker, nprocs: int) -> list:
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(
-        worker, args=(nprocs, _free_port(), results), nprocs=nprocs, join=True, start_method="spawn"
-    )
+    start_ranks(worker, nprocs, (nprocs, free_port(), results), join=True)
     return [results.get() for _ in range(nprocs)]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,15 +27,11 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 import _zero3_workers as workers  # noqa: E402
 
+from tests.ranks import free_port, start_ranks  # noqa: E402
+
 pytestmark = pytest.mark.heavy  # minutes of multi-process work: CI runs it with -m heavy
 
 STEPS = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _run(worker, *args, world_size: int = 2, limit_s: float = 600.0) -> list:
@@ -44,13 +39,7 @@ def _run(worker, *args, world_size: int = 2, limit_s: float = 600.0) -> list:
     read while the ranks run (a result larger than a pipe's buffer would otherwise block its rank)."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = mp.start_processes(
-        worker,
-        args=(world_size, _free_port(), *args, results),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
+    processes = start_ranks(worker, world_size, (world_size, free_port(), *args, results), join=False)
     collected = []
     deadline = time.monotonic() + limit_s
     while len(collected) < world_size:

@@ -5,7 +5,6 @@ the process group's timeout error."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -17,6 +16,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from measure import collectives  # noqa: E402
 from measure.collectives import OPS, bus_factor, sweep_collectives, sweep_sizes  # noqa: E402
+from tests.ranks import free_port, start_ranks  # noqa: E402
 
 MAX_BYTES = 64 << 10
 SIZES = [1024 << k for k in range(7)]  # 1 KiB … 64 KiB
@@ -24,12 +24,6 @@ REPETITIONS = 3
 MIN_TIME_S = 0.01  # each size timed ~10 ms: more repetitions of the small ones, at most MAX_REPETITIONS
 MAX_REPETITIONS = 12
 TIMEOUT_S = 3.0  # the group's timeout for the missing-rank check
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _rank(
@@ -87,12 +81,8 @@ def _spawn(
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     checked = context.Event() if missing_rank_check else None
-    processes = mp.start_processes(
-        _rank,
-        args=(world_size, _free_port(), ranks_per_node, queue, checked, late_s),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
+    processes = start_ranks(
+        _rank, world_size, (world_size, free_port(), ranks_per_node, queue, checked, late_s), join=False
     )
     # Read while the ranks run (a put can block on a full pipe until someone reads); a hang fails.
     messages, finished, deadline = [], False, time.monotonic() + deadline_s

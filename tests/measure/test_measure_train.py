@@ -5,7 +5,6 @@ bad input and a dying rank end in one line."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 import sys
 from pathlib import Path
 
@@ -27,13 +26,9 @@ pytestmark = pytest.mark.heavy  # minutes of multi-process work: CI runs it with
 TINY = TrainConfig(
     model="small-moe", layers=1, width_scale=4, seq_len=32, global_batch=2, steps=8, lr=1e-3, timeout_s=120
 )
+from tests.ranks import free_port, start_ranks  # noqa: E402
+
 HALF = TINY.steps // 2
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +52,7 @@ def runs(tmp_path_factory) -> dict:
     ]
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    mp.start_processes(
-        runs_worker, args=(2, _free_port(), runs, queue), nprocs=2, join=True, start_method="spawn"
-    )
+    start_ranks(runs_worker, 2, (2, free_port(), runs, queue), join=True)
     results = dict(queue.get() for _ in range(2))
     for name in results[0]:
         assert results[0][name]["parameter_digest"] == results[1][name]["parameter_digest"], name

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from measure.campaign import CapturePlan, _same_job, layer_jobs, plan_steps
 from measure.launch import CaptureError
 from measure.train import BLOCK_SIZE_MAX, TrainConfig, TrainError, block_size_problem
+from tests.ranks import free_port, start_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -184,12 +184,6 @@ def test_a_run_finished_before_the_new_fields_is_kept(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------- warm steps run
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_warm_steps_train_on_the_first_batches_and_are_not_recorded() -> None:
     """One rank, FSDP2 without CIERA, 5 steps: with 3 warm steps the records are steps 3 and 4, with the
     losses the same run records there without warm steps, and the warm run's last loss is step 2's."""
@@ -203,7 +197,7 @@ def test_warm_steps_train_on_the_first_batches_and_are_not_recorded() -> None:
     )  # fmt: skip
     runs = [("straight", base), ("warm", dataclasses.replace(base, warm_steps=3))]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(runs_worker, args=(1, _free_port(), runs, queue), nprocs=1, start_method="spawn")
+    start_ranks(runs_worker, 1, (1, free_port(), runs, queue), join=True)
     _, results = queue.get()
     straight, warm = results["straight"], results["warm"]
     assert [step["step"] for step in warm["steps"]] == [3, 4]

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dist_workers import (  # noqa: E402
@@ -19,29 +17,12 @@ from _dist_workers import (  # noqa: E402
     pipeline_and_selection_worker,
 )
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _run(worker, world_size: int, *args) -> list:
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    mp.start_processes(
-        worker,
-        args=(world_size, _free_port(), *args, results),
-        nprocs=world_size,
-        join=True,
-        start_method="spawn",
-    )
-    return sorted(results.get() for _ in range(world_size))
+from tests.ranks import spawn_ranks  # noqa: E402
 
 
 @pytest.mark.parametrize("world_size, iterations", [(2, 24), (3, 8)])
 def test_changing_weights_match_raw_all_gather_bit_for_bit(world_size: int, iterations: int) -> None:
-    results = _run(changing_weights_worker, world_size, iterations)
+    results = spawn_ranks(changing_weights_worker, world_size, iterations)
     assert [mismatches for _, mismatches, _ in results] == [0] * world_size
     # The last rank restarted halfway: every other rank resynced from its full-exponent payloads... and
     # the restarted rank itself needed resyncs from the others (its empty caches).
@@ -49,7 +30,7 @@ def test_changing_weights_match_raw_all_gather_bit_for_bit(world_size: int, iter
 
 
 def test_pipelined_gathers_and_selection_table() -> None:
-    results = _run(pipeline_and_selection_worker, 2)
+    results = spawn_ranks(pipeline_and_selection_worker, 2)
     for _, mismatches, report, table in results:
         assert mismatches == 0
         assert report["gathers"] == 8 and report["encode_s"] > 0
@@ -76,7 +57,7 @@ def test_world_size_one_without_process_group() -> None:
 
 def test_budget_is_honest_and_pipelined_resync_happens_once() -> None:
     numel = 20_000
-    for rank, mismatches, budget, pipeline in _run(budget_and_pipelined_resync_worker, 2):
+    for rank, mismatches, budget, pipeline in spawn_ranks(budget_and_pipelined_resync_worker, 2):
         assert mismatches == 0
         # Budget: two shards fit, the third is gathered raw — a visible, logged decision.
         assert budget["decisions"] == [True, True, False]
@@ -99,7 +80,7 @@ def test_budget_is_honest_and_pipelined_resync_happens_once() -> None:
 
 
 def test_a_failed_first_gather_leaves_no_registration_behind() -> None:
-    for rank, outcomes, accounted in _run(bad_first_call_worker, 2):
+    for rank, outcomes, accounted in spawn_ranks(bad_first_call_worker, 2):
         assert outcomes[0].startswith("error: shard 5: ranks disagree on the numel"), outcomes
         assert outcomes[1] == "exact", (rank, outcomes)
         assert accounted

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import socket
 import sys
 import time
 from pathlib import Path
@@ -16,20 +15,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 import _bucket_workers as workers  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _run(worker, world_size: int, *args) -> list:
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    mp.start_processes(
-        worker, args=(world_size, _free_port(), *args, results), nprocs=world_size, start_method="spawn"
-    )
-    return sorted(results.get() for _ in range(world_size))
+from tests.ranks import free_port, spawn_ranks  # noqa: E402
 
 
 @pytest.mark.parametrize("world_size, entropy", [(2, "rans"), (3, "rans"), (2, "none")])
@@ -37,7 +23,7 @@ def test_buckets_are_exact_in_one_round_with_rare_overflow(world_size: int, entr
     iterations = 12
     for (
         rank, mismatches, gathers, calls, overflows, registrations, rounds, sent, raw, raw_messages, seeds, payloads
-    ) in _run(workers.bucket_steady_worker, world_size, iterations, entropy):  # fmt: skip
+    ) in spawn_ranks(workers.bucket_steady_worker, world_size, iterations, entropy):  # fmt: skip
         assert mismatches == 0 and gathers == iterations * 3 * 8, rank
         assert calls == iterations * 9 and registrations == 3
         # One round per call, plus the registrations and the overflow rounds (the first gathers and the
@@ -55,7 +41,9 @@ def test_buckets_are_exact_in_one_round_with_rare_overflow(world_size: int, entr
 
 
 def test_a_decode_failure_surfaces_here_on_that_rank_and_at_the_next_call_on_the_others() -> None:
-    results = {rank: (log, recoveries) for rank, log, recoveries in _run(workers.bucket_failure_worker, 3)}
+    results = {
+        rank: (log, recoveries) for rank, log, recoveries in spawn_ranks(workers.bucket_failure_worker, 3)
+    }
     outcomes = {rank: [outcome for _, outcome, _ in log] for rank, (log, _) in results.items()}
     # Rank 1 raises at call 2 and once more at call 3, where the others raise: call 4 meets again.
     assert outcomes[1] == ["exact", "exact", "error", "error", "exact", "exact", "exact"]
@@ -70,7 +58,7 @@ def test_a_decode_failure_surfaces_here_on_that_rank_and_at_the_next_call_on_the
 
 def test_a_rank_that_gives_up_tells_the_others_so_both_meet_at_the_recovery() -> None:
     timeout_s = 3.0
-    results = {rank: rest for rank, *rest in _run(workers.bucket_stall_worker, 2, timeout_s)}
+    results = {rank: rest for rank, *rest in spawn_ranks(workers.bucket_stall_worker, 2, timeout_s)}
     for rank, (log, recoveries, unfinished) in results.items():
         outcomes = [outcome for _, outcome, _, _ in log]
         assert "wrong" not in outcomes, (rank, log)
@@ -93,7 +81,7 @@ def _check_faults(world_size: int, injections: int, seed: int) -> collections.Co
     results = context.SimpleQueue()
     processes = mp.start_processes(
         workers.bucket_fault_worker,
-        args=(world_size, _free_port(), injections, seed, results),
+        args=(world_size, free_port(), injections, seed, results),
         nprocs=world_size,
         join=False,
         start_method="spawn",

@@ -6,53 +6,22 @@ rank at the check, then exact again."""
 from __future__ import annotations
 
 import collections
-import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _device_gather_workers as workers  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _spawn(worker, world_size: int, *args, timeout_s: float = 240) -> list:
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    processes = mp.start_processes(
-        worker,
-        args=(world_size, _free_port(), *args, results),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout_s
-    collected, finished = [], False
-    while len(collected) < world_size or not finished:
-        if not results.empty():
-            collected.append(results.get())
-            continue
-        if time.monotonic() > deadline:
-            for process in processes.processes:
-                process.kill()
-            pytest.fail(f"ranks still running after {timeout_s} s ({len(collected)} results in)")
-        finished = finished or processes.join(timeout=0.2)
-    return sorted(collected)
+from tests.ranks import free_port, spawn_ranks  # noqa: E402
 
 
 @pytest.mark.parametrize("world_size,entropy", [(2, "rans"), (3, "rans"), (2, "none")])
 def test_steady_gathers_are_exact_and_read_nothing_on_the_host(world_size: int, entropy: str) -> None:
-    results = _spawn(workers.steady_worker, world_size, entropy)
+    results = spawn_ranks(workers.steady_worker, world_size, entropy)
     sent = {}
     for (
         rank,
@@ -84,7 +53,7 @@ def test_steady_gathers_are_exact_and_read_nothing_on_the_host(world_size: int, 
 
 
 def test_a_corrupted_slot_is_refused_by_every_rank_at_the_check_then_exact_again() -> None:
-    results = _spawn(workers.fault_worker, 2)
+    results = spawn_ranks(workers.fault_worker, 2)
     outcomes = [outcome for _, outcome in results]
     assert outcomes[0] == outcomes[1]  # the same error, word for word, on every rank
     for _, steps in results:
@@ -100,7 +69,7 @@ def test_a_corrupted_slot_is_refused_by_every_rank_at_the_check_then_exact_again
 
 
 def test_ranks_with_different_shard_sets_fail_alike() -> None:
-    assert [outcome for _, outcome in _spawn(workers.mismatch_worker, 2)] == ["ConfigMismatchError"] * 2
+    assert [outcome for _, outcome in spawn_ranks(workers.mismatch_worker, 2)] == ["ConfigMismatchError"] * 2
 
 
 def test_the_host_read_counter_sees_what_would_sync_a_gpu() -> None:
@@ -128,7 +97,7 @@ def test_misuse_is_refused_in_one_line_before_anything_is_sent() -> None:
 
     from ciera_runtime.device_gather import DeviceGather
 
-    workers.init_gloo(0, 1, _free_port())
+    workers.init_gloo(0, 1, free_port())
     try:
         gather = DeviceGather("cpu")
         with pytest.raises(ValueError, match="power of two"):
@@ -155,7 +124,7 @@ def test_misuse_is_refused_in_one_line_before_anything_is_sent() -> None:
 
 
 def _random_faults(world_size: int, steps: int, seed: int) -> collections.Counter:
-    results = _spawn(workers.random_fault_worker, world_size, steps, seed, timeout_s=120 + steps)
+    results = spawn_ranks(workers.random_fault_worker, world_size, steps, seed, timeout_s=120 + steps)
     per_rank = [outcomes for _, outcomes in results]
     counts: collections.Counter = collections.Counter()
     for step, outcomes in enumerate(zip(*per_rank, strict=True)):

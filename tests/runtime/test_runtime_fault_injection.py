@@ -8,18 +8,17 @@ counts (``pytest -s`` shows them).
 from __future__ import annotations
 
 import collections
-import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fault_workers as workers  # noqa: E402
+
+from tests.ranks import spawn_ranks  # noqa: E402
 
 MUST_ERROR = {
     "control_flip",
@@ -33,46 +32,13 @@ MUST_ERROR = {
 MUST_BE_EXACT = {"output_noncontiguous", "output_2d", "shard_noncontiguous", "restart", "none"}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _spawn(worker, world_size: int, *args, timeout_s: float = 600) -> list:
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    processes = mp.start_processes(
-        worker,
-        args=(world_size, _free_port(), *args, results),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    # Read results while the ranks run: a rank's result can be larger than a pipe's buffer, and its put()
-    # blocks until someone reads. A hang is a failure, not a stuck CI job: everything has a deadline.
-    deadline = time.monotonic() + timeout_s
-    collected = []
-    finished = False
-    while len(collected) < world_size or not finished:
-        if not results.empty():
-            collected.append(results.get())
-            continue
-        if time.monotonic() > deadline:
-            for process in processes.processes:
-                process.kill()
-            pytest.fail(f"ranks still running after {timeout_s} s: a hang ({len(collected)} results in)")
-        finished = finished or processes.join(timeout=0.2)
-    return sorted(collected)
-
-
 def _run_and_check(
     world_size: int, injections: int, seed: int, faults=workers.ALL_FAULTS
 ) -> collections.Counter:
     # The deadline is for a hang (a gather waits at most the engine's 30 s timeout); a loaded 2-core machine
     # runs a few injections per second.
     deadline_s = 300 + 1.0 * injections
-    results = _spawn(
+    results = spawn_ranks(
         workers.fault_injection_worker, world_size, injections, seed, tuple(faults), timeout_s=deadline_s
     )
     counts: collections.Counter = collections.Counter()
@@ -125,7 +91,7 @@ def test_many_faults_slow(world_size: int, injections: int) -> None:
 
 
 def test_a_rank_that_never_arrives_makes_the_others_raise_within_the_timeout() -> None:
-    results = _spawn(workers.missing_rank_worker, 3, 3.0, timeout_s=120)
+    results = spawn_ranks(workers.missing_rank_worker, 3, 3.0, timeout_s=120)
     for rank, outcome, elapsed_s in results[:-1]:
         assert outcome.startswith("timeout: shard 0"), (rank, outcome)
         assert 2.5 < elapsed_s < 30

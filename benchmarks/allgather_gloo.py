@@ -113,6 +113,9 @@ def _worker(
         }
     )
     dist.destroy_process_group()
+    from measure.rank import leave_rank
+
+    leave_rank(0)  # result sent, group destroyed (measure/rank.py says why)
 
 
 def main() -> None:

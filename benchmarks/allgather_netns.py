@@ -366,8 +366,10 @@ def main() -> None:
     args = parser.parse_args()
     args.warmup = max(1, args.warmup)
     if args.rank is not None:
+        from measure.rank import leave_rank
+
         _rank_main(args)
-        return
+        leave_rank(0)  # result written, group destroyed (measure/rank.py says why)
     sys.exit(_main(args))
 
 

@@ -128,6 +128,9 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
         )
     queue.put({"rank": rank, "rows": rows})
     dist.destroy_process_group()
+    from measure.rank import leave_rank
+
+    leave_rank(0)  # result sent, group destroyed (measure/rank.py says why)
 
 
 def _shard_counts(text: str) -> list[int]:

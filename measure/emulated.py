@@ -672,7 +672,7 @@ def _probe(
         "CIERA_PROBE_TIMEOUT_S": str(timeout_s),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), os.environ.get("PYTHONPATH")])),
     }
-    code = "from measure.emulated import _probe_worker; _probe_worker()"
+    code = "from measure.emulated import _probe_worker; from measure.rank import leave_rank; _probe_worker(); leave_rank(0)"
     with tempfile.TemporaryDirectory(prefix="ciera-probe-") as scratch:
         log = Path(scratch) / "workers.err"
         processes = []

@@ -48,23 +48,29 @@ def start_ranks(worker: Callable, nprocs: int, args: tuple, join: bool) -> mp.Pr
     )
 
 
-def spawn_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 600.0) -> list:
-    """``world_size`` ranks of ``worker(rank, world_size, port, *args, results)``; one result per rank,
-    sorted. Results are read while the ranks run (a result larger than a pipe's buffer blocks its put()
-    until someone reads), and a hang fails the test at the deadline instead of stalling CI."""
-    results = mp.get_context("spawn").SimpleQueue()
-    processes = start_ranks(worker, world_size, (world_size, free_port(), *args, results), join=False)
+def read_until_done(processes: mp.ProcessContext, results, timeout_s: float) -> list:
+    """Every message the ranks put on ``results``, read while they run (a message larger than a pipe's
+    buffer blocks its put() until someone reads) until all have exited; a hang fails the test at the
+    deadline instead of stalling CI."""
     deadline = time.monotonic() + timeout_s
     collected, finished = [], False
-    while len(collected) < world_size or not finished:
+    while not finished or not results.empty():
         if not results.empty():
             collected.append(results.get())
             continue
         if time.monotonic() > deadline:
             for process in processes.processes:
                 process.kill()
-            pytest.fail(f"ranks still running after {timeout_s:g} s: a hang ({len(collected)} results in)")
-        finished = finished or processes.join(timeout=0.2)
-        if finished and results.empty() and len(collected) < world_size:
-            pytest.fail(f"the ranks exited with {len(collected)} of {world_size} results")
+            pytest.fail(f"ranks still running after {timeout_s:g} s: a hang ({len(collected)} messages in)")
+        finished = processes.join(timeout=0.1)
+    return collected
+
+
+def spawn_ranks(worker: Callable, world_size: int, *args, timeout_s: float = 600.0) -> list:
+    """``world_size`` ranks of ``worker(rank, world_size, port, *args, results)``; one result per rank,
+    sorted."""
+    results = mp.get_context("spawn").SimpleQueue()
+    processes = start_ranks(worker, world_size, (world_size, free_port(), *args, results), join=False)
+    collected = read_until_done(processes, results, timeout_s)
+    assert len(collected) == world_size, f"{len(collected)} results from {world_size} ranks"
     return sorted(collected)

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from measure import collectives  # noqa: E402
 from measure.collectives import OPS, bus_factor, sweep_collectives, sweep_sizes  # noqa: E402
-from tests.ranks import free_port, start_ranks  # noqa: E402
+from tests.ranks import free_port, read_until_done, start_ranks  # noqa: E402
 
 MAX_BYTES = 64 << 10
 SIZES = [1024 << k for k in range(7)]  # 1 KiB … 64 KiB
@@ -84,17 +84,7 @@ def _spawn(
     processes = start_ranks(
         _rank, world_size, (world_size, free_port(), ranks_per_node, queue, checked, late_s), join=False
     )
-    # Read while the ranks run (a put can block on a full pipe until someone reads); a hang fails.
-    messages, finished, deadline = [], False, time.monotonic() + deadline_s
-    while not finished or not queue.empty():
-        if not queue.empty():
-            messages.append(queue.get())
-            continue
-        if time.monotonic() > deadline:
-            for process in processes.processes:
-                process.kill()
-            pytest.fail(f"ranks still running after {deadline_s} s: {messages}")
-        finished = processes.join(timeout=0.1)
+    messages = read_until_done(processes, queue, deadline_s)
     errors = [message for message in messages if message[0] == "error"]
     assert not errors, errors
     return {(kind, rank): (payload, extra) for kind, rank, payload, extra in messages}

@@ -17,7 +17,7 @@ Records of `ciera simulate` on a cluster preset, on the same path:
 - `select_shards`: benefit-driven shard selection (BSC) as a pure function.
 - `MemoryEstimate`, `fit_text`: one GPU's memory of a configuration (sim/memory.py), in every record.
 - Verdicts from record dicts, shared by the console and the report (sim/verdict.py): `summary_rows`,
-  `pays_text`, `pays_bases`, `lossy_faster`, `lossy_speedups`, `speedup_span`, `grouped_notes`, `w_ranges`, `verdict_line`, the console's
+  `pays_text`, `pays_bases`, `lossy_faster`, `lossy_speedups`, `speedup_span`, `grouped_notes`, `merged_notes`, `w_ranges`, `verdict_line`, the console's
   `summary_table`, the threshold `PAYS_ABOVE`.
 """
 
@@ -53,6 +53,7 @@ from .verdict import (
     grouped_notes,
     lossy_faster,
     lossy_speedups,
+    merged_notes,
     node_boundary_text,
     pays,
     pays_bases,
@@ -73,6 +74,7 @@ __all__ = [
     "grouped_notes",
     "lossy_faster",
     "lossy_speedups",
+    "merged_notes",
     "node_boundary_text",
     "pays",
     "pays_bases",

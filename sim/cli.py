@@ -435,10 +435,12 @@ def _measured_cluster_command(
         "evaluated — not measured; `ciera validate sim` shows how far these rewrites miss."
     )
     out = Console()
-    (out if out.is_terminal else Console(width=160)).print(table)
-    for text in sorted({f"{r.cluster}: compute {r.compute}" for r in records if r.kind == "projected"}):
-        out.print(text, markup=False, highlight=False)
-    for note in sorted({note for r in records for note in r.notes}):
+    # What was assumed first, the table (the answer) last.
+    projected = sorted(
+        {f"{r.cluster}: compute {r.compute}" for r in records if r.kind == "projected"},
+        key=lambda text: (len(text.split(":")[0]), text),  # ...-kind-4x1 before ...-kind-16x1
+    )
+    for note in verdict.merged_notes([*projected, *(note for r in records for note in r.notes)]):
         out.print(note, markup=False, highlight=False)
     events = sum(r.simulated_events for r in records)
     out.print(
@@ -447,6 +449,7 @@ def _measured_cluster_command(
         markup=False,
         highlight=False,
     )
+    (out if out.is_terminal else Console(width=160)).print(table)
     if json_path is not None:
         write_json_atomic(measured_records_to_json(records), json_path, "--json")
         print(f"wrote {json_path}", file=sys.stderr)

@@ -15,7 +15,8 @@ Rules (docs/simulator.md, *Verdicts*):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,4 +321,46 @@ def grouped_notes(records: Sequence[dict[str, Any]], field: str = "notes") -> li
             for (model, dtype), gpus in places.items()
         )
         lines.append(f"{note} — {scope}")
+    return lines
+
+
+_SUBJECT_NOTE = re.compile(r"(run )?(\S+): (.+)", re.S)
+_COUNT_NOTE = re.compile(r"(\d+) (.+)", re.S)
+
+
+def merged_notes(notes: Iterable[str]) -> list[str]:
+    """Notes said once each, in first-seen order: notes that differ only in their subject (a leading
+    "run ID: " or "NAME: ") as one line naming every subject ("runs a, b: ..."), and notes that differ
+    only in a leading count as one line with its range ("1–7 gathered buckets ... (by prediction)")."""
+    subjects: dict[tuple[str, str], list[str]] = {}
+    counts: dict[str, list[int]] = {}
+    order: list[tuple[str, object]] = []
+    for note in notes:
+        if subject := _SUBJECT_NOTE.fullmatch(note):
+            key = (subject.group(1) or "", subject.group(3))
+            if key not in subjects:
+                subjects[key] = []
+                order.append(("subject", key))
+            if subject.group(2) not in subjects[key]:
+                subjects[key].append(subject.group(2))
+        elif count := _COUNT_NOTE.fullmatch(note):
+            if count.group(2) not in counts:
+                counts[count.group(2)] = []
+                order.append(("count", count.group(2)))
+            counts[count.group(2)].append(int(count.group(1)))
+        elif ("plain", note) not in order:
+            order.append(("plain", note))
+    lines = []
+    for kind, key in order:
+        if kind == "subject":
+            prefix, text = key
+            names = subjects[key]
+            if prefix and len(names) > 1:
+                prefix = "runs "
+            lines.append(f"{prefix}{', '.join(names)}: {text}")
+        elif kind == "count":
+            low, high = min(counts[key]), max(counts[key])
+            lines.append(f"{low} {key}" if low == high else f"{low}–{high} {key} (by prediction)")
+        else:
+            lines.append(key)
     return lines

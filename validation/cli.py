@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated
 
@@ -14,42 +12,13 @@ from rich.console import Console
 from rich.table import Table
 
 import traces
+from sim import merged_notes
 
 from .sim_check import ValidationInputError, default_held_out_path, load_held_out, validate_sim
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValidationInputError,)
 
 app = typer.Typer(help="Check the simulator against measurements it was not given.", no_args_is_help=True)
-
-
-_RUN_NOTE = re.compile(r"run (\S+): (.+)", re.S)
-_COUNT_NOTE = re.compile(r"(\d+) (.+)", re.S)
-
-
-def grouped_notes(notes: Iterable[str]) -> list[str]:
-    """The predictions' notes, each said once: the same note about several runs as one line naming them
-    ("runs a, b: ..."), and a count that differs between predictions as its range ("1–7 gathered buckets
-    ..."). Every note stays in the JSON, per prediction."""
-    runs_by_text: dict[str, list[str]] = {}
-    counts_by_text: dict[str, list[int]] = {}
-    others: set[str] = set()
-    for note in notes:
-        if run := _RUN_NOTE.fullmatch(note):
-            runs_by_text.setdefault(run.group(2), []).append(run.group(1))
-        elif count := _COUNT_NOTE.fullmatch(note):
-            counts_by_text.setdefault(count.group(2), []).append(int(count.group(1)))
-        else:
-            others.add(note)
-    lines = sorted(others)
-    for text, runs in sorted(runs_by_text.items()):
-        named = sorted(set(runs))
-        lines.append(f"{'runs' if len(named) > 1 else 'run'} {', '.join(named)}: {text}")
-    for text, counts in sorted(counts_by_text.items()):
-        low, high = min(counts), max(counts)
-        lines.append(
-            f"{low if low == high else f'{low}–{high}'} {text}" + ("" if low == high else " (by prediction)")
-        )
-    return lines
 
 
 def _out() -> Console:
@@ -134,7 +103,7 @@ def sim_command(
             f"{row['predicted_s'] * 1e3:.0f} ms against {row['measured_s'] * 1e3:.0f} ms measured "
             f"({row['error'] * 100:+.1f} %)"
         )
-    for note in grouped_notes(note for row in document["held_out"] for note in row["notes"]):
+    for note in merged_notes(note for row in document["held_out"] for note in row["notes"]):
         console.print(f"note: {note}")
     calibration = Table(
         title="collective cost curves: each cluster's measured sweep (whole group, mean per size), interpolated",

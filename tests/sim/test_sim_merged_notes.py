@@ -1,9 +1,9 @@
-"""`ciera validate sim`'s console, apart from the check itself (which tests/validation/test_validate_sim.py
-runs in the heavy tier)."""
+"""sim.merged_notes: the consoles of `ciera simulate` (a measured cluster's projection) and `ciera validate
+sim` say each note once."""
 
 from __future__ import annotations
 
-from validation.cli import grouped_notes
+from sim import merged_notes
 
 
 def test_the_console_says_each_note_once_with_its_runs_or_its_range() -> None:
@@ -18,10 +18,17 @@ def test_the_console_says_each_note_once_with_its_runs_or_its_range() -> None:
         "2 CIERA calls per iteration have no op after them",
         "emulated-2x2-200mbit: transport CPU not measured by its collectives sweep",
     ]
-    assert grouped_notes(notes) == [
-        "emulated-2x2-200mbit: transport CPU not measured by its collectives sweep",
-        "runs a, b: transport CPU not recorded in the run",
-        "2 CIERA calls per iteration have no op after them",
+    assert merged_notes(notes) == [
+        "runs b, a: transport CPU not recorded in the run",
         "1–7 gathered buckets per iteration matched no run of parameters (by prediction)",
+        "2 CIERA calls per iteration have no op after them",
+        "emulated-2x2-200mbit: transport CPU not measured by its collectives sweep",
     ]
-    assert grouped_notes([]) == []
+    # Subjects other than runs: a projection's target clusters.
+    assert merged_notes(
+        ["x-4x1: compute traced", "x-8x1: compute traced", "memory per rank: no activations"]
+    ) == [
+        "x-4x1, x-8x1: compute traced",
+        "memory per rank: no activations",
+    ]
+    assert merged_notes([]) == []

@@ -31,12 +31,16 @@ def test_a_busy_process_outside_the_job_is_counted_as_other() -> None:
 
 
 def test_the_jobs_own_children_are_not_other() -> None:
+    # What the rest of the host takes anyway (another test run, CI's neighbours), over as long a window.
+    start = _cpu_sample()
+    time.sleep(BUSY_S)
+    baseline = host_cpu_record(start, _cpu_sample())
     start = _cpu_sample()
     busy = f"import time\nend = time.perf_counter() + {BUSY_S}\nwhile time.perf_counter() < end: pass"
     subprocess.run([sys.executable, "-c", busy], check=True)  # reaped: its CPU is the job's
     record = host_cpu_record(start, _cpu_sample())
     assert record["job_cpu_s"] >= 0.8 * BUSY_S, record
-    assert record["other_cpu_s"] < 0.4 * BUSY_S, record
+    assert record["other_cpu_s"] < baseline["other_cpu_s"] + 0.4 * BUSY_S, (record, baseline)
 
 
 def test_without_proc_stat_the_share_is_unknown_not_zero() -> None:

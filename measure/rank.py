@@ -10,6 +10,7 @@ stops the other ranks).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -72,13 +73,35 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def release_deepspeed_shm(environ: os._Environ | dict = os.environ, shm_dir: Path = Path("/dev/shm")) -> int:
+    """Remove the shared-memory buffers DeepSpeed's CPU accelerator made for this job; returns how many.
+    When every rank is local it maps one buffer per rank (``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_
+    <MASTER_PORT>_<rank>``, 66 MiB each, in RAM) and never unlinks them, so every run would leave them
+    behind. Every rank maps every buffer while DeepSpeed initialises, so once a rank is done the names
+    are no longer needed: whichever rank leaves first removes them all (the job's port keeps other jobs'
+    buffers out of the pattern)."""
+    addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    if not addr or not port:
+        return 0
+    removed = 0
+    for path in shm_dir.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*"):
+        with contextlib.suppress(FileNotFoundError):  # another rank of the job removed it first
+            path.unlink()
+            removed += 1
+    return removed
+
+
 def leave_rank(code: int) -> NoReturn:
     """End a rank's process once its results are written and its process group destroyed, without the
     interpreter's finalization. A gloo worker thread can still hold the last reference to a finished
     collective's tensors; freeing them during finalization needs the GIL, the thread is made to exit, and
     its forced unwind calls std::terminate ("terminate called without an active exception", SIGABRT).
     Finished ranks aborted that way in CI after all their work, and their launcher counted the run as
-    failed."""
+    failed. After a successful run DeepSpeed's CPU shared-memory buffers go first (`release_deepspeed_shm`:
+    every rank has run collectives with every other, so all of them have mapped every buffer; a failed
+    rank leaves them, since a peer still initialising would wait for a removed name forever)."""
+    if code == 0:
+        release_deepspeed_shm()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

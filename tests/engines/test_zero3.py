@@ -27,6 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 import _zero3_workers as workers  # noqa: E402
 
+from measure.rank import release_deepspeed_shm  # noqa: E402
 from tests.ranks import free_port, start_ranks  # noqa: E402
 
 pytestmark = pytest.mark.heavy  # minutes of multi-process work: CI runs it with -m heavy
@@ -39,7 +40,15 @@ def _run(worker, *args, world_size: int = 2, limit_s: float = 600.0) -> list:
     read while the ranks run (a result larger than a pipe's buffer would otherwise block its rank)."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = start_ranks(worker, world_size, (world_size, free_port(), *args, results), join=False)
+    port = free_port()
+    processes = start_ranks(worker, world_size, (world_size, port, *args, results), join=False)
+    try:
+        return _collect(worker, processes, results, world_size, limit_s)
+    finally:  # ranks that leave by os._exit themselves (a dying rank) leave DeepSpeed's buffers behind
+        release_deepspeed_shm({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+
+
+def _collect(worker, processes, results, world_size: int, limit_s: float) -> list:
     collected = []
     deadline = time.monotonic() + limit_s
     while len(collected) < world_size:

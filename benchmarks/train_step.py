@@ -64,7 +64,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -631,12 +630,6 @@ def _report(
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _rank_command(
     args, rank: int, result: Path, master_addr: str, port: int, phase: str = "timed"
 ) -> list[str]:
@@ -710,9 +703,11 @@ def _warm_start(args, env: dict, scratch: Path) -> dict | None:
     engine resumes from it. Returns what the warm runs ended with (None: a rank failed, said on stderr)."""
     from allgather_netns import wait_for_ranks
 
+    from measure.train import free_port
+
     link = _Loopback()
     results = [scratch / f"warm-rank{rank}.json" for rank in (0, 1)]
-    port = _free_port()
+    port = free_port()
     start_s = time.perf_counter()
     try:
         for rank in (0, 1):
@@ -769,8 +764,10 @@ def _main(args) -> int:
         master_addr, port = netns.ADDRESSES[0], netns.PORT
         link_info |= {"rate": args.rate, "addresses": list(netns.ADDRESSES)}
     else:
+        from measure.train import free_port
+
         link = _Loopback()
-        master_addr, port = "127.0.0.1", _free_port()
+        master_addr, port = "127.0.0.1", free_port()
     from allgather_netns import close_on_exit, wait_for_ranks
 
     close_on_exit(link)

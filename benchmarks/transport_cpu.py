@@ -62,7 +62,8 @@ for mode in ("after_barrier", "back_to_back", "between_compute"):
     result[mode] = {"transport_cpu_s": transport_s / calls, "wall_s": wall_s / calls}
 dist.destroy_process_group()
 print(json.dumps(result), flush=True)
-os._exit(0)  # no interpreter finalization after gloo (measure/rank.py's leave_rank says why)
+from measure.rank import leave_rank  # run from the checkout's root
+leave_rank(0)  # no interpreter finalization after gloo (leave_rank says why)
 """
 
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def release_deepspeed_shm(environ: os._Environ | dict = os.environ, shm_dir: Path = Path("/dev/shm")) -> int:
+def release_deepspeed_shm(environ: Mapping[str, str] = os.environ, shm_dir: Path = Path("/dev/shm")) -> int:
     """Remove the shared-memory buffers DeepSpeed's CPU accelerator made for this job; returns how many.
     When every rank is local it maps one buffer per rank (``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_
     <MASTER_PORT>_<rank>``, 66 MiB each, in RAM) and never unlinks them, so every run would leave them

@@ -436,10 +436,11 @@ def _measured_cluster_command(
     )
     out = Console()
     # What was assumed first, the table (the answer) last.
-    projected = sorted(
-        {f"{r.cluster}: compute {r.compute}" for r in records if r.kind == "projected"},
-        key=lambda text: (len(text.split(":")[0]), text),  # ...-kind-4x1 before ...-kind-16x1
-    )
+    projected = [
+        f"{r.cluster}: compute {r.compute}"
+        for r in sorted(records, key=lambda record: record.gpus)
+        if r.kind == "projected"
+    ]
     for note in verdict.merged_notes([*projected, *(note for r in records for note in r.notes)]):
         out.print(note, markup=False, highlight=False)
     events = sum(r.simulated_events for r in records)

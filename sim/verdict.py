@@ -332,35 +332,25 @@ def merged_notes(notes: Iterable[str]) -> list[str]:
     """Notes said once each, in first-seen order: notes that differ only in their subject (a leading
     "run ID: " or "NAME: ") as one line naming every subject ("runs a, b: ..."), and notes that differ
     only in a leading count as one line with its range ("1–7 gathered buckets ... (by prediction)")."""
-    subjects: dict[tuple[str, str], list[str]] = {}
-    counts: dict[str, list[int]] = {}
-    order: list[tuple[str, object]] = []
+    groups: dict[tuple[str, ...], list] = {}  # (kind, ...) -> its subjects or counts; dicts keep order
     for note in notes:
         if subject := _SUBJECT_NOTE.fullmatch(note):
-            key = (subject.group(1) or "", subject.group(3))
-            if key not in subjects:
-                subjects[key] = []
-                order.append(("subject", key))
-            if subject.group(2) not in subjects[key]:
-                subjects[key].append(subject.group(2))
+            groups.setdefault(("subject", subject.group(1) or "", subject.group(3)), []).append(
+                subject.group(2)
+            )
         elif count := _COUNT_NOTE.fullmatch(note):
-            if count.group(2) not in counts:
-                counts[count.group(2)] = []
-                order.append(("count", count.group(2)))
-            counts[count.group(2)].append(int(count.group(1)))
-        elif ("plain", note) not in order:
-            order.append(("plain", note))
-    lines = []
-    for kind, key in order:
-        if kind == "subject":
-            prefix, text = key
-            names = subjects[key]
-            if prefix and len(names) > 1:
-                prefix = "runs "
-            lines.append(f"{prefix}{', '.join(names)}: {text}")
-        elif kind == "count":
-            low, high = min(counts[key]), max(counts[key])
-            lines.append(f"{low} {key}" if low == high else f"{low}–{high} {key} (by prediction)")
+            groups.setdefault(("count", count.group(2)), []).append(int(count.group(1)))
         else:
-            lines.append(key)
+            groups.setdefault(("plain", note), [])
+    lines = []
+    for key, values in groups.items():
+        if key[0] == "subject":
+            names = list(dict.fromkeys(values))
+            prefix = "runs " if key[1] and len(names) > 1 else key[1]
+            lines.append(f"{prefix}{', '.join(names)}: {key[2]}")
+        elif key[0] == "count":
+            low, high = min(values), max(values)
+            lines.append(f"{low} {key[1]}" if low == high else f"{low}–{high} {key[1]} (by prediction)")
+        else:
+            lines.append(key[1])
     return lines

@@ -9,7 +9,6 @@ finished gloo rank (SIGABRT, "terminate called without an active exception"; lea
 from __future__ import annotations
 
 import multiprocessing.queues
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -18,12 +17,9 @@ import pytest
 import torch.multiprocessing as mp
 
 from measure.rank import leave_rank
+from measure.train import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+__all__ = ["free_port", "read_until_done", "spawn_ranks", "start_ranks"]
 
 
 def _rank_main(rank: int, worker: Callable, *args) -> None:

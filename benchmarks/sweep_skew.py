@@ -49,8 +49,6 @@ def _interpolate_log(sizes, values, at: float) -> float:
 def in_run_gathers(bundle, cluster: str) -> dict | None:
     """The ZeRO-3 runs' all-gathers at their usual size on `cluster`: their own time from the last
     rank's start, and the sweep's mean and fastest at that size (None without such runs)."""
-    import numpy as np
-
     runs = bundle.runs_with_events()
     run_ids = set(runs[(runs["cluster"] == cluster) & (runs["system"] == "zero3")]["run_id"])
     if not run_ids:
@@ -72,19 +70,22 @@ def in_run_gathers(bundle, cluster: str) -> dict | None:
     ]
     by_size = sweep.groupby("bytes")
     mean_s = by_size["time_s"].median().sort_index()
-    fastest_s = by_size["time_min_s"].median().sort_index()
     sizes = mean_s.index.to_numpy(dtype=float)
+    mean_at_s = _interpolate_log(sizes, mean_s.to_numpy(dtype=float), usual)
+    fastest_at_s = _interpolate_log(
+        sizes, by_size["time_min_s"].median().sort_index().to_numpy(dtype=float), usual
+    )
+    own_median_s = float(near["own_s"].median())
     return {
         "cluster": cluster,
         "runs": len(run_ids),
         "usual_gather_bytes": usual,
         "gathers_counted": len(near),
-        "in_run_own_median_s": float(near["own_s"].median()),
+        "in_run_own_median_s": own_median_s,
         "in_run_own_p90_s": float(near["own_s"].quantile(0.9)),
-        "sweep_mean_s": _interpolate_log(sizes, mean_s.to_numpy(dtype=float), usual),
-        "sweep_fastest_s": _interpolate_log(sizes, fastest_s.to_numpy(dtype=float), usual),
-        "sweep_mean_over_in_run_median": _interpolate_log(sizes, mean_s.to_numpy(dtype=float), usual)
-        / max(float(np.median(near["own_s"])), 1e-9),
+        "sweep_mean_s": mean_at_s,
+        "sweep_fastest_s": fastest_at_s,
+        "sweep_mean_over_in_run_median": mean_at_s / max(own_median_s, 1e-9),
     }
 
 

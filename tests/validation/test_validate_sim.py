@@ -173,15 +173,21 @@ def test_measurement_noise_is_computed_from_the_measurements_alone(bundle: trace
             for i, factor in enumerate((1.0, 1.2))
         ]
     )
-    noise = measurement_noise(dataclasses.replace(bundle, iterations=iterations), runs)
+    # Runs captured before the host-CPU record (the shipped ones have it: taken out here).
+    unrecorded = bundle.runs.copy()
+    unrecorded["versions"] = [
+        json.dumps({k: v for k, v in json.loads(text).items() if k != "other_cpu_share"})
+        for text in unrecorded["versions"]
+    ]
+    noise = measurement_noise(dataclasses.replace(bundle, runs=unrecorded, iterations=iterations), runs)
     assert noise["timed_iterations_per_run"] == 2
     assert noise["iteration_spread_mean"] == pytest.approx(0.2 / 1.1)
     assert noise["depth_line_residual_max"] == pytest.approx(0.0, abs=1e-9)
-    # The shipped runs predate the host-CPU record: none counted, none guessed.
+    # Runs without the record: none counted, none guessed.
     assert noise["runs_with_host_cpu_recorded"] == 0 and noise["other_cpu_share_max"] is None
     # Two runs that recorded it, one on a busy host; a garbled record counts as not recorded.
     first, second, third = runs["run_id"].iloc[:3]
-    recorded = bundle.runs.copy()
+    recorded = unrecorded.copy()
     for run_id, versions in ((first, {"other_cpu_share": 0.41}), (second, {"other_cpu_share": 0.01})):
         recorded.loc[recorded["run_id"] == run_id, "versions"] = json.dumps(versions)
     recorded.loc[recorded["run_id"] == third, "versions"] = "{not json"

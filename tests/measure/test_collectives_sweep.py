@@ -92,11 +92,14 @@ def _spawn(
 
 def _check_group_rows(rows: list[dict], world_size: int, nodes: int) -> None:
     assert [(row["op"], row["bytes"]) for row in rows] == [(op, size) for op in OPS for size in SIZES]
+    # Sub-millisecond collectives are timed beyond the fixed count (MIN_TIME_S is several of them).
+    assert any(row["repetitions"] > REPETITIONS for row in rows)
     for row in rows:
         assert row["world_size"] == world_size and row["nodes"] == nodes
-        # At least the fixed count, more until ~MIN_TIME_S was spent, never more than the cap.
+        # At least the fixed count, never more than the cap. How many more is decided from the ranks' own
+        # wall times of the first repetitions (barrier-exit skew included), which the row does not keep: its
+        # time counts from the last rank's start, so repetitions × time_s may fall well short of MIN_TIME_S.
         assert REPETITIONS <= row["repetitions"] <= MAX_REPETITIONS
-        assert row["repetitions"] == MAX_REPETITIONS or row["repetitions"] * row["time_s"] >= MIN_TIME_S * 0.3
         assert 0 < row["time_min_s"] <= row["time_s"] <= row["time_max_s"]
         assert row["algbw_Bps"] == row["bytes"] / row["time_s"]
         factor = (

@@ -12,8 +12,9 @@ rank's start (docs/measurement.md). Two views of the same question:
 1. **Data only.** Per cluster, the all-gathers of its ZeRO-3 runs at the engine's usual size (the
    median gathered size, ±15 %): the time from the last rank's start to each rank's end (median and
    p90 over every rank, gather and iteration) — the collective's own cost, cross-rank waiting left out —
-   beside the cluster's sweep at that size (log–log between its sizes): the per-size median of the
-   rows' means (what the simulator's curve takes) and of their fastest repetitions.
+   beside the simulator's own curve of the cluster's sweep at that size (`sim.sweep_curves`: the
+   per-size median of the rows' means, made non-decreasing, log–log between sizes) and its fastest
+   repetition.
 2. **Through the simulator.** `validate_sim` (what `ciera validate sim` runs) on the bundle as it is, and
    on a copy in memory whose `--cluster` sweep has each size's fastest repetition in place of its mean:
    the held-out errors of that cluster's runs both ways. The fastest repetition is a lower bound of
@@ -40,17 +41,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SIZE_TOLERANCE = 0.15  # gathers within ±15 % of the median size count as "the usual size"
 
 
-def _interpolate_log(sizes, values, at: float) -> float:
-    import numpy as np
-
-    return float(np.exp(np.interp(np.log(at), np.log(sizes), np.log(np.maximum(values, 1e-12)))))
-
-
 def in_run_gathers(bundle, cluster: str) -> dict | None:
     """The ZeRO-3 runs' all-gathers at their usual size on `cluster`: their own time from the last
-    rank's start, and the sweep's mean and fastest at that size (None without such runs)."""
+    rank's start, and the simulator's sweep curve (`sim.sweep_curves`) at that size, its time and its
+    fastest repetition (None without such runs)."""
+    import numpy as np
+
+    from sim import sweep_curves
+
     runs = bundle.runs_with_events()
-    run_ids = set(runs[(runs["cluster"] == cluster) & (runs["system"] == "zero3")]["run_id"])
+    chosen = runs[(runs["cluster"] == cluster) & (runs["system"] == "zero3")]
+    run_ids = set(chosen["run_id"])
     if not run_ids:
         return None
     events = bundle.events
@@ -62,19 +63,16 @@ def in_run_gathers(bundle, cluster: str) -> dict | None:
     gathers["own_s"] = gathers["end_s"] - last_start
     usual = float(gathers["wire_bytes"].median())
     near = gathers[(gathers["wire_bytes"] - usual).abs() <= SIZE_TOLERANCE * usual]
-    sweep = bundle.collectives[
-        (bundle.collectives["cluster"] == cluster)
-        & (bundle.collectives["op"] == "all_gather")
-        & (bundle.collectives["source"] == "measured")
-        & (bundle.collectives["nodes"] == int(runs[runs["run_id"].isin(run_ids)]["nodes"].iloc[0]))
-    ]
-    by_size = sweep.groupby("bytes")
-    mean_s = by_size["time_s"].median().sort_index()
-    sizes = mean_s.index.to_numpy(dtype=float)
-    mean_at_s = _interpolate_log(sizes, mean_s.to_numpy(dtype=float), usual)
-    fastest_at_s = _interpolate_log(
-        sizes, by_size["time_min_s"].median().sort_index().to_numpy(dtype=float), usual
-    )
+    first = chosen.iloc[0]
+    # link_Bps only sets the curve's link share, which this view does not read.
+    curve = sweep_curves(
+        bundle.collectives, cluster, int(first["world_size"]), int(first["nodes"]), link_Bps=0.0
+    ).get("all_gather")
+    if curve is None:
+        raise ValueError(f"--cluster {cluster!r}: its all-gather sweep has fewer than 3 sizes")
+    at = np.array([usual])
+    mean_at_s = float(curve.time_s(at)[0])
+    fastest_at_s = float(curve.fastest_time_s(at)[0])
     own_median_s = float(near["own_s"].median())
     return {
         "cluster": cluster,

@@ -4,6 +4,7 @@ The op graph (the one intermediate form) and its evaluator:
 - `build_graph(events)` / `iteration_graphs(events)`: each iteration of every rank as an `OpGraph`.
 - `evaluate(graph, costs=None)`: simpy with the link and the hosts' cores shared; measured costs replay.
 - `replay_run(bundle, run_id)`: a traced run's iterations replayed.
+- `sweep_curves(...)` / `SweepCurve`: a measured cluster's size-resolved cost of each collective.
 - `predict_run(...)`, `simulate_measured_cluster(...)`: projections as rewrites of traced graphs, measured
   or analytic; `preset_cluster(...)`: W GPUs of a cluster preset as a cluster the rewrites target.
 
@@ -23,6 +24,7 @@ Records of `ciera simulate` on a cluster preset, on the same path:
 
 from .cluster import ClusterPreset, list_clusters, load_cluster, parse_overrides
 from .collectives import CollectiveModel, algbw_Bps, busbw_Bps, busbw_factor
+from .curves import SweepCurve, sweep_curves
 from .errors import SimInputError
 from .evaluate import Costs, evaluate
 from .measured_cluster import simulate_measured_cluster
@@ -93,6 +95,8 @@ __all__ = [
     "preset_cluster",
     "replay_run",
     "simulate_measured_cluster",
+    "SweepCurve",
+    "sweep_curves",
     "DEFAULT_GPUS",
     "DTYPES",
     "SCHEMA",

@@ -3,7 +3,8 @@ the hosts' cores and the nodes' network links as resources.
 
 - Each rank's **main thread** is a process that runs its ops in program order; an op waits for the
   collective it was blocked on, then its lag, then its work.
-- Each **collective** of a rank is a process: issued after its issuing op (plus lag), started after the
+- Each **collective** of a rank is a chain of callbacks on simpy events (the waits of a process, without
+  its start event and generator resumes): issued after its issuing op (plus lag), started after the
   previous op on its stream. Once every participant has issued it (coupling across ranks) the group runs
   its fixed part and its **link transfer**; each rank ends its part `residual_s` after that, and not
   before `own_s` after its own start (its stream path).
@@ -177,7 +178,10 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
     env = simpy.Environment()
     timeout, event = env.timeout, env.event
     count = graph.size
-    done = [event() for _ in range(count)]
+    # Each op's end as an event, made when first needed: by a waiter (a plain event the op succeeds when
+    # it ends) or by the op itself, whose last delay then is the event (one event per op instead of a
+    # delay and an event: an evaluation's time is mostly simpy's, per event).
+    done: list[simpy.Event | None] = [None] * count
     start = [0.0] * count
     end = [0.0] * count
     is_main = graph.is_main
@@ -208,14 +212,43 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
     host = costs.host.tolist()
     weight = costs.multiplicity[graph.rank].tolist()
     link = SharedResource(env, 1.0, 1.0)
-    # Per group: members, how many have started, the event when the last has, and its transfer done.
+    # Per group: members, how many have started, the event when the last has, and when its transfer
+    # ended (None: not yet; `transferred` holds the event its early members wait on, made when needed).
     members: dict[int, list[int]] = {}
     for index in np.flatnonzero(graph.group >= 0).tolist():
         members.setdefault(group_of[index], []).append(index)
     issued = dict.fromkeys(members, 0)
     all_issued = {g: event() for g in members} if transport_on else {}
-    transferred = {g: event() for g in members}
-    transfer_end = dict.fromkeys(members, 0.0)
+    transferred: dict[int, simpy.Event] = {}
+    transfer_end: dict[int, float | None] = dict.fromkeys(members)
+
+    def ended(index: int) -> simpy.Event | None:
+        """The event to wait on for op `index` to end; None when it has (no wait)."""
+        waited = done[index]
+        if waited is None:
+            waited = done[index] = event()
+            return waited
+        return None if waited.processed else waited
+
+    def end_after(index: int, delay_s: float) -> simpy.Event | None:
+        """End op `index` `delay_s` from now: the event to yield (None: it has ended now)."""
+        waited = done[index]
+        if delay_s <= 0:
+            if waited is None:
+                waited = done[index] = event()
+            waited.succeed()
+            return None
+        if waited is None:
+            done[index] = waited = timeout(delay_s)
+        else:
+            timeout(delay_s).callbacks.append(lambda _timer: waited.succeed())
+        return waited
+
+    def transfer_done(group: int) -> None:
+        transfer_end[group] = env.now
+        waiting = transferred.pop(group, None)
+        if waiting is not None:
+            waiting.succeed()
 
     def group_transfer(group: int):  # noqa: ANN202 — a simpy process
         first = members[group][0]
@@ -223,14 +256,15 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
             yield timeout(fixed_s[first])
         if link_work_s[first] > 0:
             yield link.use(link_work_s[first])
-        transfer_end[group] = env.now
-        transferred[group].succeed()
+        transfer_done(group)
 
     def main_thread(indices: list[int]):  # noqa: ANN202
         for index in indices:
             waits_for = blocker[index]
             if waits_for >= 0:
-                yield done[waits_for]
+                waited = ended(waits_for)
+                if waited is not None:
+                    yield waited
             if main_prev[index] < 0 and waits_for < 0:
                 # The rank's first op: its barrier exit on the aligned clock (its lag is that offset).
                 if offset_s[index] > env.now:
@@ -239,61 +273,99 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
                 yield timeout(lag_s[index])
             start[index] = env.now
             work = work_s[index]
-            if work > 0:
-                resource = cores.get(host[index])
-                if resource is None:
-                    yield timeout(work)
+            resource = cores.get(host[index]) if work > 0 else None
+            if resource is None:
+                finishing = end_after(index, max(work, 0.0))
+                if finishing is not None:
+                    yield finishing
+            else:
+                used = resource.use(work, weight[index])
+                if done[index] is None:
+                    done[index] = used
+                    yield used
                 else:
-                    yield resource.use(work, weight[index])
+                    yield used
+                    done[index].succeed()
             end[index] = env.now
-            done[index].succeed()
 
     def transport_cpu(index: int, group: int):  # noqa: ANN202
         yield all_issued[group]
         yield cores[host[index]].use(comm_cpu_s[index], weight[index])
 
-    def collective(index: int):  # noqa: ANN202
-        issuer = main_prev[index]
-        if issuer >= 0:
-            yield done[issuer]
+    # A collective is a chain of callbacks rather than a process: the same waits in the same order,
+    # without a process's start event and generator resumes (most of an evaluation's ops are collectives).
+    def after(waited: simpy.Event | None, step, *args) -> None:
+        if waited is None:
+            step(*args)
+        else:
+            waited.callbacks.append(lambda _event: step(*args))
+
+    def collective_issue(index: int) -> None:  # its issuing op has ended
         if lag_s[index] > 0:
-            yield timeout(lag_s[index])
+            after(timeout(lag_s[index]), collective_issued, index)
+        else:
+            collective_issued(index)
+
+    def collective_issued(index: int) -> None:
         group = group_of[index]
         issued[group] += 1
         if issued[group] == len(members[group]):
             if transport_on:
                 all_issued[group].succeed()
-            env.process(group_transfer(group))
+            first = members[group][0]
+            if fixed_s[first] > 0 or link_work_s[first] > 0:
+                env.process(group_transfer(group))
+            else:  # nothing to run after the last issue: it ends now (no process, no events)
+                transfer_done(group)
         previous = stream_prev[index]
-        if previous >= 0 and stream_order:
-            yield done[previous]
+        waited = ended(previous) if previous >= 0 and stream_order else None
+        after(waited, collective_started, index)
+
+    def collective_started(index: int) -> None:
         start[index] = env.now
         # The transport's CPU runs on the rank's host once every rank has issued (the bytes move), beside
         # the transfer; the op ends when both are done.
         transport = None
         if transport_on and comm_cpu_s[index] > 0:
-            transport = env.process(transport_cpu(index, group))
+            transport = env.process(transport_cpu(index, group_of[index]))
         if own_s[index] > 0:
-            yield timeout(own_s[index])
+            after(timeout(own_s[index]), collective_on_link, index, transport)
+        else:
+            collective_on_link(index, transport)
+
+    def collective_on_link(index: int, transport: simpy.Process | None) -> None:
         if own_link_work_s[index] > 0:
-            yield link.use(own_link_work_s[index])
+            after(link.use(own_link_work_s[index]), collective_own_done, index, transport)
+        else:
+            collective_own_done(index, transport)
+
+    def collective_own_done(index: int, transport: simpy.Process | None) -> None:
         own_end = env.now
-        yield transferred[group]
-        if transport is not None:
-            yield transport
-        finish = max(own_end, transfer_end[group] + residual_s[index])
-        if finish > env.now:
-            yield timeout(finish - env.now)
-        end[index] = env.now
-        done[index].succeed()
+        group = group_of[index]
+        waiting = None
+        if transfer_end[group] is None:
+            waiting = transferred.get(group)
+            if waiting is None:
+                waiting = transferred[group] = event()
+        after(waiting, collective_transported, index, transport, own_end)
+
+    def collective_transported(index: int, transport: simpy.Process | None, own_end: float) -> None:
+        waited = transport if transport is not None and not transport.processed else None
+        after(waited, collective_end, index, own_end)
+
+    def collective_end(index: int, own_end: float) -> None:
+        delay_s = max(max(own_end, transfer_end[group_of[index]] + residual_s[index]) - env.now, 0.0)
+        end_after(index, delay_s)
+        end[index] = env.now + delay_s  # when that event fires (simpy schedules at now + delay)
 
     for rank in sorted(set(graph.rank.tolist())):
         indices = np.flatnonzero((graph.rank == rank) & is_main).tolist()
         env.process(main_thread(indices))
     for index in np.flatnonzero(~is_main).tolist():
-        env.process(collective(index))
+        issuer = main_prev[index]
+        after(ended(issuer) if issuer >= 0 else None, collective_issue, index)
     env.run()
-    unfinished = [i for i in range(count) if not done[i].processed]
+    unfinished = [i for i in range(count) if done[i] is None or not done[i].processed]
     if unfinished:
         raise RuntimeError(f"op graph deadlocked at {len(unfinished)} ops (a graph bug, not an input error)")
     end_s = np.array(end, dtype=float)

@@ -23,8 +23,9 @@ it is simulated once and weighs m on the shared cores.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 
 import numpy as np
@@ -86,11 +87,13 @@ class SharedResource:
         total = 0
         smallest = math.inf
         for key, flow in flows.items():
-            if flow[0] <= RESOURCE_EPSILON:
+            work = flow[0]
+            if work <= RESOURCE_EPSILON:
                 finished.append(key)
             else:
                 total += flow[1]
-                smallest = min(smallest, flow[0])
+                if work < smallest:  # min() per flow was a visible share of an evaluation
+                    smallest = work
         for key in finished:
             flows.pop(key)[2].succeed()
         self._version += 1
@@ -105,8 +108,12 @@ class SharedResource:
             return
         self._advance()
         # The flow that was due may be left a rounding error short: finish it now.
-        smallest = min(flow[0] for flow in self._flows.values())
-        for flow in self._flows.values():
+        flows = self._flows.values()
+        smallest = math.inf
+        for flow in flows:
+            if flow[0] < smallest:
+                smallest = flow[0]
+        for flow in flows:
             if flow[0] <= smallest + RESOURCE_EPSILON:
                 flow[0] = 0.0
         self._reschedule()
@@ -170,6 +177,24 @@ def _scheduled_events(env: simpy.Environment) -> int:
     """How many events `env` has scheduled: simpy numbers each one it schedules from 0 (its queue's
     tie-breaker), so the next number is the count — read at no cost per event."""
     return next(env._eid)  # noqa: SLF001
+
+
+def evaluation_key(graph: OpGraph, costs: Costs) -> bytes:
+    """A digest of everything `evaluate(graph, costs)` reads: equal keys, equal evaluations. A sweep
+    evaluates some graphs twice at the same costs (a plain engine's BF16 and FP16 runs move the same
+    bytes); the caller may keep one evaluation per key."""
+    digest = hashlib.blake2b(digest_size=20)
+    for array in (graph.rank, graph.main_prev, graph.stream_prev, graph.blocker, graph.offset_s, graph.group):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    digest.update(np.packbits(graph.is_main).tobytes())
+    for field in fields(costs):
+        value = getattr(costs, field.name)
+        digest.update(field.name.encode())
+        if isinstance(value, np.ndarray):
+            digest.update(str(value.dtype).encode() + np.ascontiguousarray(value).tobytes())
+        else:
+            digest.update(repr(value).encode())
+    return digest.digest()
 
 
 def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:

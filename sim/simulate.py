@@ -37,7 +37,7 @@ from .cluster import ClusterPreset
 from .collectives import CollectiveModel
 from .depth import repeat_blocks
 from .errors import SimInputError
-from .evaluate import BREAKDOWN_KEYS, Costs, Evaluation, critical_path, evaluate
+from .evaluate import BREAKDOWN_KEYS, Costs, Evaluation, critical_path, evaluate, evaluation_key
 from .memory import MemoryEstimate, ModelFootprint, activation_bytes, estimate, model_footprint
 from .opgraph import OpGraph, build_graph
 from .predict import parameter_ratio
@@ -280,6 +280,8 @@ class Simulator:
         self.runs = bundle.runs_with_events()
         self.events_by_run = dict(tuple(bundle.events.groupby("run_id", sort=False, observed=True)))
         self._graphs: dict[tuple[str, int], list[OpGraph]] = {}
+        self._traced_graphs: dict[str, list[OpGraph]] = {}  # per run, at its traced depth
+        self._evaluations: dict[bytes, Evaluation] = {}  # by evaluation_key
         self._anchors: dict[tuple[str, str, int, str], pd.Series] = {}
         self._traced_systems: dict[tuple[str, str], frozenset[str]] = {}
         self._candidates: dict[tuple[str, str, str], tuple[pd.DataFrame, frozenset[int]]] = {}
@@ -376,9 +378,14 @@ class Simulator:
             ratio = 1.0
             if traced_layers != target_layers:
                 ratio = parameter_ratio(self.bundle, str(anchor["run_id"]), traced_layers, target_layers)
+            run_id = str(anchor["run_id"])
+            if run_id not in self._traced_graphs:  # a run serves several depths: built once
+                self._traced_graphs[run_id] = [
+                    build_graph(rows) for _, rows in events.groupby("iteration", sort=True)
+                ]
             self._graphs[key] = [
-                repeat_blocks(build_graph(rows), traced_layers, target_layers, ratio)
-                for _, rows in events.groupby("iteration", sort=True)
+                repeat_blocks(graph, traced_layers, target_layers, ratio)
+                for graph in self._traced_graphs[run_id]
             ]
         return self._graphs[key]
 
@@ -487,13 +494,12 @@ class Simulator:
                 if plan is None:
                     self._system_graphs[graph_key] = rewritten
             costs, _ = rewrite_costs(rewritten.graph, anchor_cluster, target, scale)
-            evaluated.append((rewritten, costs, evaluate(rewritten.graph, costs)))
+            evaluated.append((rewritten, costs, self.evaluated(rewritten.graph, costs)))
         self.simpy_seconds += time.perf_counter() - started
         times = np.array([result.iteration_s for _, _, result in evaluated])
         nearest = int(np.argmin(np.abs(times - np.median(times))))
         rewritten, costs, result = evaluated[nearest]
         events = sum(result.events for _, _, result in evaluated)
-        self.simulated_events += events
         self.simulated_runs += 1
         outcome = _Outcome(
             times_s=times,
@@ -510,6 +516,16 @@ class Simulator:
         )
         self._outcomes[key] = outcome
         return outcome
+
+    def evaluated(self, graph: OpGraph, costs: Costs) -> Evaluation:
+        """`evaluate(graph, costs)`, once per `evaluation_key`; `simulated_events` counts the events
+        simpy processed (a record's own count is its evaluations' whether or not they were reused)."""
+        key = evaluation_key(graph, costs)
+        result = self._evaluations.get(key)
+        if result is None:
+            result = self._evaluations[key] = evaluate(graph, costs)
+            self.simulated_events += result.events
+        return result
 
     def codec_free_s(self, outcome: _Outcome, model: str, dtype: str, world_size: int, system: str) -> float:
         """The representative iteration with every codec kernel at 0 s (same schedule)."""
@@ -533,7 +549,7 @@ class Simulator:
         costs, _ = rewrite_costs(
             free.graph, anchor_cluster, self.target(world_size), self.transport_scale(anchor)[0]
         )
-        return evaluate(free.graph, costs).iteration_s
+        return self.evaluated(free.graph, costs).iteration_s
 
     def best(self, system: str, model: str, dtype: str, world_size: int) -> _Outcome:
         """`system`'s outcome; for BSC systems the fastest of BSC's choice, every shard (when the cache

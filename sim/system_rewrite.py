@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
@@ -330,26 +331,35 @@ class CieraTemplate:
     kernels: tuple[tuple[int, int, bool], ...]  # (op in graph, layer, sender?)
     ranks: int
 
+    @cached_property
+    def gather_ops(self) -> np.ndarray:
+        return np.array([op for op, _, _, _ in self.gathers], dtype=np.int64)
+
+    @cached_property
+    def gather_sources(self) -> np.ndarray:
+        return np.array([source for _, source, _, _ in self.gathers], dtype=np.int64)
+
     def fill(self, plain: OpGraph, plan: CieraPlan, scale: float, anchor_time_s: AnchorTime) -> SystemGraph:
         """The graph with `plan`'s values: each compressed gather at the plan's payload (its duration
         rescaled by the anchor curve), each codec kernel at its seconds (times `scale`)."""
         duration = self.graph.duration_s.copy()
         wire = self.graph.wire_bytes.copy()
         busy = 0.0
-        for op, source, layer, first in self.gathers:
-            layer_plan = plan.layers[layer]
-            ratio = layer_plan.changed_ratio if first else layer_plan.unchanged_ratio
-            new_wire = float(plain.raw_bytes[source]) * ratio
-            duration[op] = rescaled_duration(
-                float(plain.duration_s[source]),
-                float(plain.wire_bytes[source]),
-                "all_gather",
-                "all_gather",
-                new_wire,
-                anchor_time_s,
-            )
-            wire[op] = new_wire
-            busy += layer_plan.sender_s * scale + layer_plan.receiver_s * scale
+        if self.gathers:
+            # Every compressed gather at once: rescaled_duration's rule over arrays (one curve lookup for
+            # the plain sizes and one for the payloads, not two per gather).
+            ops, sources = self.gather_ops, self.gather_sources
+            ratios = np.empty(len(ops))
+            for k, (_, _, layer, first) in enumerate(self.gathers):
+                layer_plan = plan.layers[layer]
+                ratios[k] = layer_plan.changed_ratio if first else layer_plan.unchanged_ratio
+                busy += layer_plan.sender_s * scale + layer_plan.receiver_s * scale
+            new_wire = plain.raw_bytes[sources].astype(float) * ratios
+            before = np.asarray(anchor_time_s("all_gather", plain.wire_bytes[sources].astype(float)), float)
+            after = np.asarray(anchor_time_s("all_gather", new_wire), float)
+            factor = np.divide(after, before, out=np.ones_like(after), where=before > 0)
+            duration[ops] = plain.duration_s[sources] * factor
+            wire[ops] = new_wire
         for op, layer, sender in self.kernels:
             layer_plan = plan.layers[layer]
             duration[op] = (layer_plan.sender_s if sender else layer_plan.receiver_s) * scale

@@ -69,6 +69,7 @@ __all__ = [
     "check_capacity",
     "check_environment",
     "clean_leftovers",
+    "leftovers_created_s",
     "parse_rate_Bps",
     "probe_link",
     "node_address",
@@ -223,17 +224,35 @@ def _owner_pid(name: str) -> int | None:
     return int(owner) if owner.isdigit() else None
 
 
-def clean_leftovers() -> list[str]:
-    """Remove the ``ciera-m-`` namespaces whose creating process no longer runs (their processes are
-    killed first); the names removed, for the caller to print. Namespaces of live owners, and of clusters
-    open in this process, are left alone."""
-    removed = []
+def _leftovers() -> list[str]:
+    """The ``ciera-m-`` namespaces whose creating process no longer runs. Namespaces of live owners, and
+    of clusters open in this process, are not leftovers."""
+    names = []
     for name in _namespaces():
         if not name.startswith(PREFIX) or name in _OPEN_NAMESPACES:
             continue
         owner = _owner_pid(name)
         if owner is not None and owner != os.getpid() and _pid_alive(owner):
             continue  # another live capture
+        names.append(name)
+    return names
+
+
+def leftovers_created_s() -> float | None:
+    """When the oldest leftover namespace was created (epoch seconds; None: no leftovers): what a killed
+    capture's processes left elsewhere (`measure.extensions`) is no older."""
+    created = []
+    for name in _leftovers():
+        with contextlib.suppress(OSError):
+            created.append(os.stat(f"/run/netns/{name}").st_mtime)
+    return min(created, default=None)
+
+
+def clean_leftovers() -> list[str]:
+    """Remove the leftover namespaces (`_leftovers`; their processes are killed first); the names removed,
+    for the caller to print."""
+    removed = []
+    for name in _leftovers():
         _delete_namespace(name)
         removed.append(name)
     return removed

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .extensions import extensions_dir
 from .train import TrainError, free_port
 
 
@@ -40,7 +41,7 @@ def _last_line(path: Path) -> str:
 
 def rank_environment(rank: int, world_size: int, ranks_per_node: int, port: int) -> dict[str, str]:
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.cwd() / ".torch_extensions")
+    cache = str(extensions_dir())
     environment = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),

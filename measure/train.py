@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .extensions import BuildLockError, extensions_dir, wait_for_locks
+
 ENGINES = ("zero3", "fsdp")
 LOSSY_GATHERS = ("none", "once", "every")
 # The largest power of two the codec takes as its block size (CodecConfig: below 2**31, a u32 header field).
@@ -285,6 +287,10 @@ class _Zero3Run(_EngineRun):
         import deepspeed
 
         self.cfg = cfg
+        try:  # torch's loader would wait for a killed process's build lock forever
+            wait_for_locks(extensions_dir(), cfg.timeout_s)
+        except BuildLockError as error:
+            raise TrainError(str(error)) from None
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=_ds_config(cfg)
         )
@@ -844,7 +850,7 @@ def train(
         _say(changed)
     validate(cfg)
     os.environ["DS_ACCELERATOR"] = check_ds_accelerator(last, os.environ)  # the spawned ranks inherit it
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".torch_extensions"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     import queue as queue_module
 
     import torch.multiprocessing as mp

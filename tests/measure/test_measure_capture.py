@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import traces
+from measure.extensions import extensions_dir
 from measure.train import free_port
 
 pytest.importorskip("deepspeed")
@@ -275,9 +276,15 @@ def test_emulated_capture_after_a_killed_one_cleans_up_and_records_its_link(tmp_
     killed.kill()  # SIGKILL: no cleanup runs
     killed.wait()
     assert set(_our_namespaces()) - before  # left behind
+    # A rank killed while torch's loader held DeepSpeed's op build lock leaves it (every later DeepSpeed
+    # process would wait for it forever): as one of its ranks would, after the capture started.
+    lock = extensions_dir() / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
     done = ciera(*args)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "removed leftovers of a killed capture" in done.stderr
+    assert f"removed a DeepSpeed build lock the killed capture held: {lock}" in done.stderr
     assert set(_our_namespaces()) <= before  # nothing of ours is left
     bundle = traces.read_bundle(out / "bundle")
     run = bundle.runs.iloc[0]

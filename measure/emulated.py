@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from .placement import cpu_cores as usable_cpu_cores
@@ -69,7 +70,7 @@ __all__ = [
     "check_capacity",
     "check_environment",
     "clean_leftovers",
-    "leftovers_created_s",
+    "leftover_namespaces",
     "parse_rate_Bps",
     "probe_link",
     "node_address",
@@ -224,35 +225,29 @@ def _owner_pid(name: str) -> int | None:
     return int(owner) if owner.isdigit() else None
 
 
-def _leftovers() -> list[str]:
-    """The ``ciera-m-`` namespaces whose creating process no longer runs. Namespaces of live owners, and
-    of clusters open in this process, are not leftovers."""
-    names = []
+def leftover_namespaces() -> dict[str, float | None]:
+    """The ``ciera-m-`` namespaces whose creating process no longer runs, each with when it was created
+    (epoch seconds; None: unknown) — what a killed capture's processes left elsewhere (`measure.extensions`)
+    is no older. Namespaces of live owners, and of clusters open in this process, are not leftovers."""
+    leftovers: dict[str, float | None] = {}
     for name in _namespaces():
         if not name.startswith(PREFIX) or name in _OPEN_NAMESPACES:
             continue
         owner = _owner_pid(name)
         if owner is not None and owner != os.getpid() and _pid_alive(owner):
             continue  # another live capture
-        names.append(name)
-    return names
+        try:
+            leftovers[name] = os.stat(f"/run/netns/{name}").st_mtime
+        except OSError:
+            leftovers[name] = None
+    return leftovers
 
 
-def leftovers_created_s() -> float | None:
-    """When the oldest leftover namespace was created (epoch seconds; None: no leftovers): what a killed
-    capture's processes left elsewhere (`measure.extensions`) is no older."""
-    created = []
-    for name in _leftovers():
-        with contextlib.suppress(OSError):
-            created.append(os.stat(f"/run/netns/{name}").st_mtime)
-    return min(created, default=None)
-
-
-def clean_leftovers() -> list[str]:
-    """Remove the leftover namespaces (`_leftovers`; their processes are killed first); the names removed,
-    for the caller to print."""
+def clean_leftovers(names: Iterable[str] | None = None) -> list[str]:
+    """Remove leftover namespaces — `names` (from `leftover_namespaces`), by default every one now — their
+    processes killed first; the names removed, for the caller to print."""
     removed = []
-    for name in _leftovers():
+    for name in leftover_namespaces() if names is None else names:
         _delete_namespace(name)
         removed.append(name)
     return removed

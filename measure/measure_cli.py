@@ -9,6 +9,7 @@ emulated two-level cluster (`--link-rate`, root on Linux) — with real DeepSpee
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -177,27 +178,19 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
     for note in _placement_notes(plan):
         console.print(f"ciera measure: {note}")
     if any(topology.emulated for topology in plan.topologies):
-        from .emulated import clean_leftovers, leftovers_created_s
+        from .emulated import clean_leftovers, leftover_namespaces
         from .extensions import extensions_dir, remove_locks_since
 
-        killed_since_s = leftovers_created_s()
-        removed = clean_leftovers()
+        say = functools.partial(console.print, soft_wrap=True, markup=False, highlight=False)  # uncut
+        leftovers = leftover_namespaces()
+        removed = clean_leftovers(leftovers)
         if removed:
-            console.print(
-                f"removed leftovers of a killed capture: {', '.join(removed)}",
-                soft_wrap=True,
-                markup=False,
-                highlight=False,
-            )
-        if killed_since_s is not None:
+            say(f"removed leftovers of a killed capture: {', '.join(removed)}")
+        created = [created_s for created_s in leftovers.values() if created_s is not None]
+        if created:
             # Its ranks were killed with them: a DeepSpeed build lock they held would stall every rank.
-            for lock in remove_locks_since(extensions_dir(), killed_since_s):
-                console.print(
-                    f"removed a DeepSpeed build lock the killed capture held: {lock}",
-                    soft_wrap=True,
-                    markup=False,
-                    highlight=False,
-                )
+            for lock in remove_locks_since(extensions_dir(), min(created)):
+                say(f"removed a DeepSpeed build lock the killed capture held: {lock}")
     steps = plan_steps(plan)
     total = sum(step.iterations for step in steps)
     started_s = time.perf_counter()

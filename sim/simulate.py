@@ -369,20 +369,20 @@ class Simulator:
     def graphs(self, anchor: pd.Series, target_layers: int) -> list[OpGraph]:
         """The anchor's iterations at `target_layers` blocks (one rank of an analytic run: its ranks are
         identical)."""
-        key = (str(anchor["run_id"]), target_layers)
+        run_id = str(anchor["run_id"])
+        key = (run_id, target_layers)
         if key not in self._graphs:
-            events = self.events_by_run[str(anchor["run_id"])]
-            if anchor["source"] == "analytic":
-                events = events[events["rank"] == events["rank"].min()]
-            traced_layers = int(anchor["layers"])
-            ratio = 1.0
-            if traced_layers != target_layers:
-                ratio = parameter_ratio(self.bundle, str(anchor["run_id"]), traced_layers, target_layers)
-            run_id = str(anchor["run_id"])
             if run_id not in self._traced_graphs:  # a run serves several depths: built once
+                events = self.events_by_run[run_id]
+                if anchor["source"] == "analytic":
+                    events = events[events["rank"] == events["rank"].min()]
                 self._traced_graphs[run_id] = [
                     build_graph(rows) for _, rows in events.groupby("iteration", sort=True)
                 ]
+            traced_layers = int(anchor["layers"])
+            ratio = 1.0
+            if traced_layers != target_layers:
+                ratio = parameter_ratio(self.bundle, run_id, traced_layers, target_layers)
             self._graphs[key] = [
                 repeat_blocks(graph, traced_layers, target_layers, ratio)
                 for graph in self._traced_graphs[run_id]

@@ -162,6 +162,23 @@ def ciera_plan(
     return CieraPlan(decisions, layers)
 
 
+def rescaled_durations(
+    duration_s: np.ndarray,
+    wire: np.ndarray,
+    curve_op: str,
+    new_curve_op: str,
+    new_wire: np.ndarray,
+    anchor_time_s: AnchorTime,
+) -> np.ndarray:
+    """Collectives' durations at new sizes (and curve): each scaled by the anchor curve's time at its new
+    size over that at its old one (unscaled where the old time is 0)."""
+    before = np.asarray(anchor_time_s(curve_op, np.asarray(wire, dtype=float)), dtype=float)
+    after = np.asarray(anchor_time_s(new_curve_op, np.asarray(new_wire, dtype=float)), dtype=float)
+    return np.asarray(duration_s, dtype=float) * np.divide(
+        after, before, out=np.ones_like(after), where=before > 0
+    )
+
+
 def rescaled_duration(
     duration_s: float,
     wire: float,
@@ -170,10 +187,17 @@ def rescaled_duration(
     new_wire: float,
     anchor_time_s: AnchorTime,
 ) -> float:
-    """A collective's duration at a new size (and curve): scaled by the anchor curve's times."""
-    before = float(anchor_time_s(curve_op, np.array([wire]))[0])
-    after = float(anchor_time_s(new_curve_op, np.array([new_wire]))[0])
-    return duration_s * (after / before if before > 0 else 1.0)
+    """`rescaled_durations` of one collective."""
+    return float(
+        rescaled_durations(
+            np.array([duration_s]),
+            np.array([wire]),
+            curve_op,
+            new_curve_op,
+            np.array([new_wire]),
+            anchor_time_s,
+        )[0]
+    )
 
 
 def _rescaled(
@@ -346,8 +370,7 @@ class CieraTemplate:
         wire = self.graph.wire_bytes.copy()
         busy = 0.0
         if self.gathers:
-            # Every compressed gather at once: rescaled_duration's rule over arrays (one curve lookup for
-            # the plain sizes and one for the payloads, not two per gather).
+            # Every compressed gather at once (one curve lookup for the plain sizes, one for the payloads).
             ops, sources = self.gather_ops, self.gather_sources
             ratios = np.empty(len(ops))
             for k, (_, _, layer, first) in enumerate(self.gathers):
@@ -355,10 +378,10 @@ class CieraTemplate:
                 ratios[k] = layer_plan.changed_ratio if first else layer_plan.unchanged_ratio
                 busy += layer_plan.sender_s * scale + layer_plan.receiver_s * scale
             new_wire = plain.raw_bytes[sources].astype(float) * ratios
-            before = np.asarray(anchor_time_s("all_gather", plain.wire_bytes[sources].astype(float)), float)
-            after = np.asarray(anchor_time_s("all_gather", new_wire), float)
-            factor = np.divide(after, before, out=np.ones_like(after), where=before > 0)
-            duration[ops] = plain.duration_s[sources] * factor
+            duration[ops] = rescaled_durations(
+                plain.duration_s[sources], plain.wire_bytes[sources], "all_gather", "all_gather", new_wire,
+                anchor_time_s,
+            )  # fmt: skip
             wire[ops] = new_wire
         for op, layer, sender in self.kernels:
             layer_plan = plan.layers[layer]

@@ -4,6 +4,8 @@ measured bundle, and monotonicity."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 
 import traces
 from sim.errors import SimInputError
-from sim.evaluate import Costs, SharedResource, evaluate
+from sim.evaluate import Costs, SharedResource, evaluate, evaluation_key
 from sim.opgraph import build_graph, iteration_graphs
 
 
@@ -204,3 +206,23 @@ def test_longer_work_never_shortens_the_iteration(extra: list[float], seed: int)
         **{**costs.__dict__, "work_s": costs.work_s * (1 + grow), "own_s": costs.own_s * (1 + grow)}
     )
     assert evaluate(graph, longer).iteration_s >= base - 1e-9
+
+
+def test_the_evaluation_key_changes_with_everything_the_evaluator_reads() -> None:
+    """`evaluation_key` lets a caller keep one evaluation per key: equal inputs give equal keys, and a change
+    of any cost or of an edge gives another key (a stale key would hand back another graph's times)."""
+    rows = [("compute", 0, 0, 1), ("allgather", 1, 1, 3), ("compute", 3, 3, 4)]
+    graph = build_graph(_events(rows))
+    costs = _with(graph, [1, 2, 1])
+    key = evaluation_key(graph, costs)
+    assert key == evaluation_key(build_graph(_events(rows)), _with(graph, [1, 2, 1]))
+    assert key != evaluation_key(graph, _with(graph, [1, 2.000001, 1]))
+    for name in ("own_link_work_s", "residual_s", "lag_s", "multiplicity"):
+        changed = getattr(costs, name).copy()
+        changed[0] += 1
+        assert key != evaluation_key(graph, Costs(**{**costs.__dict__, name: changed})), name
+    assert key != evaluation_key(graph, Costs(**{**costs.__dict__, "host_cores": 2.0}))
+    assert key != evaluation_key(graph, Costs(**{**costs.__dict__, "stream_order": False}))
+    unblocked = dataclasses.replace(graph, blocker=np.full(graph.size, -1))
+    assert key != evaluation_key(unblocked, costs)
+    assert evaluate(unblocked, costs).iteration_s != evaluate(graph, costs).iteration_s

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
+import numpy as np  # noqa: E402
 from _bench_script import REPO_ROOT, run_benchmark  # noqa: E402
 
+import sim  # noqa: E402
 import traces  # noqa: E402
 
 CLUSTER = "emulated-2x2-200mbit"
@@ -40,9 +42,13 @@ def test_in_run_gathers_against_the_sweep(measured: traces.TraceBundle) -> None:
     assert row["gathers_counted"] % 4 == 0 and row["gathers_counted"] > 1000
     assert 0 < row["sweep_fastest_s"] < row["sweep_mean_s"]
     assert 0 < row["in_run_own_median_s"] <= row["in_run_own_p90_s"]
-    assert row["sweep_mean_over_in_run_median"] == pytest.approx(
-        row["sweep_mean_s"] / row["in_run_own_median_s"]
-    )
+    # The sweep figures are the simulator's own curve of the cluster (sim.sweep_curves) at the usual size.
+    curve = sim.sweep_curves(measured.collectives, CLUSTER, world_size=4, nodes=2, link_Bps=0.0)["all_gather"]
+    at = np.array([row["usual_gather_bytes"]])
+    assert row["sweep_mean_s"] == curve.time_s(at)[0]
+    assert row["sweep_fastest_s"] == curve.fastest_time_s(at)[0]
+    # What docs/validation.md says of the shipped bundle: its sweep's mean lies above the runs' own median.
+    assert row["sweep_mean_over_in_run_median"] > 1
     assert _script().in_run_gathers(measured, "no-such-cluster") is None
 
 

@@ -43,7 +43,7 @@ import traces
 from .errors import SimInputError
 from .graph_edit import EditableOp, editable_ops, to_graph
 from .opgraph import MAIN_THREAD_STREAMS, OpGraph, build_graph
-from .rewrite import main_work_s, run_transport_s, traced_cluster, transport_scale
+from .rewrite import compute_scale, main_work_s, run_transport_s, traced_cluster, transport_scale
 from .system_rewrite import AnchorTime, insert_codec, rescaled_duration
 
 SIGN_MANTISSA_FRACTION = {"bf16": 0.5, "fp16": 11 / 16}
@@ -262,9 +262,10 @@ def main_thread_work_s(bundle: traces.TraceBundle, run: pd.Series) -> pd.Series:
     cluster = traced_cluster(bundle.collectives, run)
     graphs = {int(i): build_graph(rows) for i, rows in events.groupby("iteration", sort=True)}
     scale = transport_scale(run, list(graphs.values()), cluster)[0]
+    work_scale = compute_scale(list(graphs.values()), cluster, scale)
     work = pd.Series(np.nan, index=events.index)
     for iteration, graph in graphs.items():
-        per_op = main_work_s(graph, cluster, run_transport_s(graph, cluster, scale))
+        per_op = main_work_s(graph, cluster, run_transport_s(graph, cluster, scale)) * work_scale
         rows = events[events["iteration"] == iteration]
         for (rank, stream), chosen in rows.groupby(["rank", "stream"]):
             if stream not in MAIN_THREAD_STREAMS:
@@ -373,12 +374,15 @@ def ciera_graph(
     anchor_time_s: AnchorTime,
     counts: dict[str, int] | None = None,
     world_size: int | None = None,
+    work_scale: float = 1.0,
 ) -> OpGraph:
     """The CIERA graph of `plain` (a ZeRO-3 or FSDP2 iteration). Each engine gather becomes one CIERA call
     at its payload, its traced duration rescaled by the anchor curve; `counts` collects what was done
     (per iteration, as one rank sees it). `world_size`: the W the graph will be re-costed at (default the
     traced W) — a call's rows, its own shard (raw/W) and the sources it rebuilds (W − 1) are those of that
-    W, while the gather's traced duration is still rescaled on the traced cluster's curve."""
+    W, while the gather's traced duration is still rescaled on the traced cluster's curve. `work_scale`:
+    the anchor's compute calibration, which `rewrite_costs` applies to every main op — the codec ops are
+    written at their figures' (already calibrated) work over it, so they come out at their figures."""
     counts = counts if counts is not None else {}
     world = world_size if world_size is not None else plain.world_size
     layout = ParameterLayout(parameters)
@@ -387,7 +391,7 @@ def ciera_graph(
     ops_by_rank = {
         rank: _rewrite_rank(
             editable_ops(plain, rank), engine, figures, layout, anchor_time_s, world,
-            counts if rank == ranks[0] else {},
+            counts if rank == ranks[0] else {}, work_scale,
         )
         for rank in ranks
     }  # fmt: skip
@@ -402,6 +406,7 @@ def _rewrite_rank(
     anchor_time_s: AnchorTime,
     world: int,
     counts: dict[str, int],
+    work_scale: float = 1.0,
 ) -> list[EditableOp]:
     glue = figures.glue_s_per_gather / 2
     shards: dict[int, int] = {}  # gather (by identity) → its shards
@@ -413,7 +418,7 @@ def _rewrite_rank(
         # A kernel of 0 s is not inserted; a tiny floor keeps every call's encode and decode in the graph.
         encode = max(a + b * n + c * op.raw_bytes / world + glue, 1e-9)
         decode = max(d + e * n * (world - 1) + f * op.raw_bytes * (world - 1) / world + glue, 1e-9)
-        return encode, decode
+        return encode / work_scale, decode / work_scale
 
     edited, done = insert_codec(ops, overlap=False, kernel_s=kernel_s)
     # Overflow rounds: every 1/rate-th first gather of the iteration, the same ones on every rank (the

@@ -22,7 +22,7 @@ from .depth import block_map, repeat_blocks
 from .errors import SimInputError
 from .evaluate import evaluate
 from .opgraph import build_graph
-from .rewrite import ClusterSpec, rewrite_costs, traced_cluster, transport_scale
+from .rewrite import ClusterSpec, compute_scale, rewrite_costs, traced_cluster, transport_scale
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ def predict_run(
     sizes = parameter_sizes(seen, target_layers) if ciera_on is not None else {}
     traced = [build_graph(per_iteration) for _, per_iteration in events.groupby("iteration", sort=True)]
     scale, scale_note = transport_scale(anchor, traced, anchor_cluster)
+    work_scale = compute_scale(traced, anchor_cluster, scale)
     for traced_graph in traced:
         graph = repeat_blocks(traced_graph, anchor_layers, target_layers, ratio)
         if ciera_on is not None:
@@ -116,8 +117,9 @@ def predict_run(
                 lambda op, wire: anchor_cluster.curves[op].time_s(wire),
                 counts,
                 world_size=target_cluster.world_size,
+                work_scale=work_scale,
             )
-        costs, notes = rewrite_costs(graph, anchor_cluster, target_cluster, scale)
+        costs, notes = rewrite_costs(graph, anchor_cluster, target_cluster, scale, work_scale)
         result = evaluate(graph, costs)
         times.append(result.iteration_s)
         simulated += result.events

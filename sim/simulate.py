@@ -41,7 +41,14 @@ from .evaluate import BREAKDOWN_KEYS, Costs, Evaluation, critical_path, evaluate
 from .memory import MemoryEstimate, ModelFootprint, activation_bytes, estimate, model_footprint
 from .opgraph import OpGraph, build_graph
 from .predict import parameter_ratio
-from .rewrite import ClusterSpec, preset_cluster, rewrite_costs, traced_cluster, transport_scale
+from .rewrite import (
+    ClusterSpec,
+    compute_scale,
+    preset_cluster,
+    rewrite_costs,
+    traced_cluster,
+    transport_scale,
+)
 from .shards import shard_table
 from .system_rewrite import (
     BSC_SYSTEMS,
@@ -404,6 +411,11 @@ class Simulator:
             self._transport_scales[run_id] = transport_scale(anchor, traced, self.anchor_cluster(anchor))
         return self._transport_scales[run_id]
 
+    def compute_scale(self, anchor: pd.Series) -> float:
+        """The anchor run's compute calibration (sim/rewrite.py `compute_scale`)."""
+        traced = self.graphs(anchor, int(anchor["layers"]))
+        return compute_scale(traced, self.anchor_cluster(anchor), self.transport_scale(anchor)[0])
+
     def anchor_time_s(self, anchor: pd.Series) -> AnchorTime:
         """The anchor cluster's collective times (what the system rewrites rescale durations by),
         remembered per (curve op, sizes): the rewrites ask for the same few sizes once per collective of
@@ -478,6 +490,7 @@ class Simulator:
 
         anchor_time_s = self.anchor_time_s(anchor)
         scale, scale_note = self.transport_scale(anchor)
+        work_scale = self.compute_scale(anchor)
         if scale_note:
             plan_notes = (*plan_notes, scale_note)
         depth = self.target_layers(model, dtype)
@@ -493,7 +506,7 @@ class Simulator:
                 )
                 if plan is None:
                     self._system_graphs[graph_key] = rewritten
-            costs, _ = rewrite_costs(rewritten.graph, anchor_cluster, target, scale)
+            costs, _ = rewrite_costs(rewritten.graph, anchor_cluster, target, scale, work_scale)
             evaluated.append((rewritten, costs, self.evaluated(rewritten.graph, costs)))
         self.simpy_seconds += time.perf_counter() - started
         times = np.array([result.iteration_s for _, _, result in evaluated])
@@ -547,7 +560,11 @@ class Simulator:
             ),
         )
         costs, _ = rewrite_costs(
-            free.graph, anchor_cluster, self.target(world_size), self.transport_scale(anchor)[0]
+            free.graph,
+            anchor_cluster,
+            self.target(world_size),
+            self.transport_scale(anchor)[0],
+            self.compute_scale(anchor),
         )
         return self.evaluated(free.graph, costs).iteration_s
 

@@ -171,6 +171,21 @@ def test_a_collectives_transport_takes_host_cores_from_compute_once_every_rank_h
     assert evaluate(graph, free).iteration_s == pytest.approx(evaluate(graph).iteration_s)
 
 
+def test_a_collectives_transport_loads_the_cores_but_does_not_hold_its_end() -> None:
+    # The gather's own path (2 s, measured under the anchor's contention) ends it; 3 core-seconds of
+    # transport per rank keep the cores busy past that and slow rank 1's compute, not the gather.
+    rank0 = _events([("compute", 0, 0, 1), ("allgather", 1, 1, 3, 100), ("compute", 3, 3, 4)], rank=0)
+    rank1 = _events([("compute", 0, 0, 3), ("allgather", 1, 1, 3, 100), ("compute", 3, 3, 4)], rank=1)
+    graph = build_graph(pd.concat([rank0, rank1]))
+    base = Costs.measured(graph)
+    heavy = Costs(**{**base.__dict__, "host_cores": 2.0, "comm_cpu_s": np.where(graph.is_main, 0.0, 3.0)})
+    result = evaluate(graph, heavy)
+    gathers = np.flatnonzero(graph.stream == "allgather")
+    assert result.end_s[gathers] == pytest.approx([3.0, 3.0])
+    compute_end = np.flatnonzero(graph.is_main & (graph.rank == 1))[1]
+    assert result.end_s[compute_end] > 3.0
+
+
 @pytest.fixture(scope="module")
 def measured(shipped_measured_bundle: traces.TraceBundle) -> traces.TraceBundle:
     return shipped_measured_bundle

@@ -32,6 +32,7 @@ from sim.opgraph import build_graph
 from sim.predict import CieraOn, predict_run
 from sim.rewrite import (
     ClusterSpec,
+    compute_scale,
     main_work_s,
     mean_concurrency,
     measured_cluster,
@@ -186,6 +187,37 @@ def test_the_rewrite_onto_its_own_cluster_stays_near_the_replay(measured: traces
     assert evaluate(graph, costs).iteration_s == pytest.approx(evaluate(graph).iteration_s, rel=0.10)
 
 
+def test_zero3_re_costed_onto_its_own_cluster_spends_its_measured_time_once_calibrated(
+    measured: traces.TraceBundle,
+) -> None:
+    # Four ranks on two cores with many small gathers: the core shares read off the overlaps and the
+    # evaluator's moment-by-moment sharing disagree; the anchor's compute calibration closes the gap.
+    run = _run(measured, "zero3", 4, "emulated-2x2-200mbit")
+    events = measured.events[measured.events["run_id"] == run.run_id]
+    graphs = [build_graph(rows) for _, rows in events.groupby("iteration")]
+    spec = measured_cluster(measured.collectives, run)
+    scale = transport_scale(run, graphs, spec)[0]
+    factor = compute_scale(graphs, spec, scale)
+    assert 0.5 < factor < 1.0
+    graph = graphs[0]
+    main_s = graph.duration_s[graph.is_main].sum()
+
+    def simulated(work_scale: float) -> tuple[float, float]:
+        result = evaluate(graph, rewrite_costs(graph, spec, spec, scale, work_scale)[0])
+        return result.iteration_s, (result.end_s - result.start_s)[graph.is_main].sum()
+
+    replay_s = evaluate(graph).iteration_s
+    uncalibrated_s, uncalibrated_main_s = simulated(1.0)
+    calibrated_s, calibrated_main_s = simulated(factor)
+    assert uncalibrated_main_s > 1.05 * main_s and uncalibrated_s > 1.05 * replay_s
+    assert calibrated_main_s == pytest.approx(main_s, rel=0.03)
+    assert calibrated_s == pytest.approx(replay_s, rel=0.03)
+    # Asked again with the same inputs (every target of one anchor), the factor is not re-solved.
+    assert compute_scale(graphs, spec, scale) == factor
+    # Where the cluster's cores are not simulated there is nothing to calibrate.
+    assert compute_scale(graphs, dataclasses.replace(spec, host_cores=0), scale) == 1.0
+
+
 def test_the_sweeps_transport_cpu_is_scaled_to_what_the_run_itself_measured(
     measured: traces.TraceBundle,
 ) -> None:
@@ -291,7 +323,8 @@ def test_codec_figures_give_back_the_codec_runs_own_bytes_and_codec_seconds(
 def test_main_thread_work_is_each_events_time_at_its_core_share_with_cut_ops_added_back(
     measured: traces.TraceBundle,
 ) -> None:
-    # Three ranks on two cores: every main-thread op shared its cores, so its work is below its time.
+    # Three ranks on two cores: every main-thread op shared its cores, so its work is below its time
+    # (read at its core share, times the run's compute calibration).
     codec = _run(measured, "ciera", 2, "emulated-3x1-200mbit")
     events = measured.events[measured.events["run_id"] == codec.run_id]
     work = main_thread_work_s(measured, codec)
@@ -305,8 +338,10 @@ def test_main_thread_work_is_each_events_time_at_its_core_share_with_cut_ops_add
     iterations = [rows for _, rows in events.groupby("iteration")]
     graphs = [build_graph(rows) for rows in iterations]
     scale = transport_scale(codec, graphs, cluster)[0]
+    work_scale = compute_scale(graphs, cluster, scale)  # the run's own compute calibration
+    assert 0.5 < work_scale < 1.0
     for rows, graph in zip(iterations, graphs, strict=True):
-        per_op = main_work_s(graph, cluster, run_transport_s(graph, cluster, scale))
+        per_op = main_work_s(graph, cluster, run_transport_s(graph, cluster, scale)) * work_scale
         assert graph.size > len(rows)  # some ops were cut
         assert work[rows.index].sum() == pytest.approx(per_op.sum(), rel=1e-9)
 

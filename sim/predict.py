@@ -32,6 +32,10 @@ class Prediction:
     anchor_run: str
     events: int  # simpy events the evaluations took
     notes: tuple[str, ...] = ()
+    # The anchor's in-sample calibrations (sim/rewrite.py): its transport CPU over its sweep's, and the
+    # factor on its compute work at which it re-costed onto its own cluster spends its measured time.
+    transport_scale: float = 1.0
+    compute_scale: float = 1.0
 
 
 def parameter_ratio(
@@ -145,4 +149,4 @@ def predict_run(
                      "op after them that uses them; their decode is left out"]  # fmt: skip
         if counts.get("overflow_rounds"):
             basis += f", {counts['overflow_rounds'] // max(len(times), 1)} overflow rounds per iteration"
-    return Prediction(float(np.median(times)), basis, anchor_id, simulated, tuple(notes))
+    return Prediction(float(np.median(times)), basis, anchor_id, simulated, tuple(notes), scale, work_scale)

@@ -123,6 +123,16 @@ def sim_command(
                             f"{row['time_at_112KiB_s'] * 1e3:.2f} ms", f"{row['time_at_1MiB_s'] * 1e3:.1f} ms",
                             f"{row['time_at_16MiB_s'] * 1e3:.0f} ms", transport)  # fmt: skip
     console.print(calibration)
+    anchors = document.get("anchor_calibration", [])
+    if anchors:
+        compute = [row["compute_scale"] for row in anchors]
+        transport = [row["transport_scale"] for row in anchors]
+        console.print(
+            f"anchors, calibrated in sample on their own runs ({len(anchors)}; each in the JSON; docs/simulator.md): "
+            f"compute work ×{min(compute):.2f}–{max(compute):.2f} (each anchor re-costed onto its own cluster "
+            f"spends its measured main-thread time), transport CPU ×{min(transport):.2f}–{max(transport):.2f} "
+            "(what the run measured over what its sweep says)"
+        )
     noise = document["measurement_noise"]
     line = (
         ""

@@ -199,6 +199,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
 
     figures = _codec_figures(bundle, seen, held_out, seen_runs)
     predicted: dict[str, tuple[float | None, str]] = {}
+    anchors: dict[str, dict[str, Any]] = {}  # each anchor's in-sample calibration, as predictions used it
     simulated_events = 0
     for run in target_runs.itertuples():
         row = pd.Series(run._asdict())
@@ -216,6 +217,11 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
         prediction = predict_run(seen, row, target_cluster, bundle.collectives, ciera_on)
         predicted[run.run_id] = (prediction.iteration_s, prediction.basis, prediction.notes)
         simulated_events += prediction.events
+        anchors[prediction.anchor_run] = {
+            "anchor_run": prediction.anchor_run,
+            "transport_scale": prediction.transport_scale,
+            "compute_scale": prediction.compute_scale,
+        }
     # The codec runs, predicted by the same rewrite from the plain engine's run of their configuration: in
     # sample (their codec events set the figures), so what is left is the rewrite's own bias — reported
     # beside the held-out errors, never counted in them.
@@ -298,6 +304,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
         "replay": replay_rows,
         "held_out": held_rows,
         "codec_runs_in_sample": codec_rows,
+        "anchor_calibration": [anchors[key] for key in sorted(anchors)],
         "replay_mean_abs_error": float(replay_errors.mean()) if len(replay_errors) else 0.0,
         "replay_max_abs_error": float(replay_errors.max()) if len(replay_errors) else 0.0,
         "held_out_mean_abs_error": float(held_errors.mean()) if len(held_errors) else None,

@@ -284,6 +284,8 @@ def simulate_command(
         def report(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
+        started_s = time.perf_counter()
+        counters: dict[str, int] = {}
         records = simulate(
             loaded,
             preset,
@@ -293,7 +295,9 @@ def simulate_command(
             dtypes=dtypes,
             progress=report,
             layers=layers,
+            counters=counters,
         )
+        elapsed_s = time.perf_counter() - started_s
     if json_path is not None:
         document = records_to_json(
             records,
@@ -345,6 +349,13 @@ def simulate_command(
             markup=False,
             highlight=False,
         )
+    events = counters["simulated_events"]
+    out.print(
+        f"{len(records)} records, {events:,} simpy events in {elapsed_s:.1f} s "
+        f"({events / max(elapsed_s, 1e-9):,.0f} events/s)",
+        markup=False,
+        highlight=False,
+    )
     if json_path is not None:
         out.print(f"wrote {json_path}", markup=False, highlight=False)
     if timeline_path is not None:

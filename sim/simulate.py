@@ -839,9 +839,11 @@ def simulate(
     dtypes: Sequence[str] = DTYPES,
     progress: Callable[[int, int], None] | None = None,
     layers: int | None = None,
+    counters: dict[str, int] | None = None,
 ) -> list[SimRecord]:
     """One record per (model, dtype, gpus, system); zeropp only for fp16 (as in DeepSpeed's evaluation).
-    `layers`: simulate that many blocks instead of each model's full depth."""
+    `layers`: simulate that many blocks instead of each model's full depth. `counters`, when given, gets
+    `simulated_events`: the events simpy processed (an evaluation records share, once)."""
     check_request(systems, gpus, dtypes)
     names = resolve_models(bundle, models)
     simulator = Simulator(bundle, cluster, layers=layers)
@@ -859,6 +861,8 @@ def simulate(
         records.extend(simulator.records_for(model, dtype, world_size, systems))
         if progress is not None:
             progress(done, len(jobs))
+    if counters is not None:
+        counters["simulated_events"] = simulator.simulated_events
     return records
 
 

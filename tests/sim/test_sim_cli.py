@@ -112,7 +112,7 @@ def test_json_and_timeline(bundle_dir: Path, tmp_path: Path, capsys, monkeypatch
 
 def test_filters(bundle_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     out = tmp_path / "out.json"
-    code, _, _ = run_ciera(
+    code, stdout, _ = run_ciera(
         [
             "simulate",
             "--bundle",
@@ -140,6 +140,9 @@ def test_filters(bundle_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
         ("ciera", 32, "fp16"),
     ]
     assert records[1]["speedup_vs_zeropp"] is not None
+    # How much simulating the answer took, as on a measured cluster: records, events, events/s.
+    line = next(line for line in stdout.splitlines() if "simpy events in" in line)
+    assert line.startswith("2 records, ") and line.endswith(" events/s)")
 
 
 @pytest.mark.parametrize(

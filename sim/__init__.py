@@ -6,7 +6,9 @@ The op graph (the one intermediate form) and its evaluator:
 - `replay_run(bundle, run_id)`: a traced run's iterations replayed.
 - `sweep_curves(...)` / `SweepCurve`: a measured cluster's size-resolved cost of each collective.
 - `predict_run(...)`, `simulate_measured_cluster(...)`: projections as rewrites of traced graphs, measured
-  or analytic; `preset_cluster(...)`: W GPUs of a cluster preset as a cluster the rewrites target.
+  or analytic; `preset_cluster(...)`: W GPUs of a cluster preset as a cluster the rewrites target;
+  `main_thread_work_s(bundle, run)`: a run's main-thread events read as work at a full core (what the
+  CIERA rewrite's codec figures are fitted to).
 
 Records of `ciera simulate` on a cluster preset, on the same path:
 - `load_cluster` / `list_clusters`: cluster presets (TOML data) with dotted-key overrides.
@@ -22,6 +24,7 @@ Records of `ciera simulate` on a cluster preset, on the same path:
   `summary_table`, the threshold `PAYS_ABOVE`.
 """
 
+from .ciera_rewrite import main_thread_work_s
 from .cluster import ClusterPreset, list_clusters, load_cluster, parse_overrides
 from .collectives import CollectiveModel, algbw_Bps, busbw_Bps, busbw_factor
 from .curves import SweepCurve, sweep_curves
@@ -68,6 +71,7 @@ from .verdict import (
 )
 
 __all__ = [
+    "main_thread_work_s",
     "LOSSY_SYSTEMS",
     "MemoryEstimate",
     "PAYS_ABOVE",

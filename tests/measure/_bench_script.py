@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -26,3 +27,15 @@ def run_benchmark(
         timeout=timeout,
         env=env,
     )
+
+
+def load_benchmark(name: str):  # noqa: ANN201  (a module)
+    """A script of benchmarks/ imported as a module, to call its functions in process (it imports its
+    sibling `_output`, so benchmarks/ goes on sys.path)."""
+    benchmarks = str(REPO_ROOT / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

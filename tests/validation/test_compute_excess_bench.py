@@ -4,30 +4,15 @@ host work visible beside each call's codec; bad input is one line."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
-from _bench_script import REPO_ROOT, run_benchmark  # noqa: E402
+from _bench_script import load_benchmark, run_benchmark  # noqa: E402
 
 import traces  # noqa: E402
-
-CLUSTER = "emulated-2x1-200mbit"
-
-
-def _script():
-    benchmarks = str(REPO_ROOT / "benchmarks")
-    if benchmarks not in sys.path:
-        sys.path.insert(0, benchmarks)  # the script imports its sibling _output
-    spec = importlib.util.spec_from_file_location(
-        "compute_excess", REPO_ROOT / "benchmarks" / "compute_excess.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +28,7 @@ def one_cluster() -> traces.TraceBundle:
 
 
 def test_each_depth_compares_the_pair_per_call(one_cluster: traces.TraceBundle) -> None:
-    rows = _script().compute_excess(one_cluster, "zero3", "ciera")
+    rows = load_benchmark("compute_excess").compute_excess(one_cluster, "zero3", "ciera")
     assert [(row["cluster"], row["layers"]) for row in rows] == [(CLUSTER, 2), (CLUSTER, 4)]
     for row in rows:
         assert row["calls"] in (87, 191)  # one CIERA call per engine all-gather, every rank alike
@@ -56,6 +41,9 @@ def test_each_depth_compares_the_pair_per_call(one_cluster: traces.TraceBundle) 
     in_sample, deeper = rows
     assert abs(in_sample["work_excess_per_call_s"]) < 100e-6  # where the glue is fitted: ~nothing
     assert deeper["work_excess_per_call_s"] > 100e-6  # held out at L = 4: heavier
+
+
+CLUSTER = "emulated-2x1-200mbit"
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@ sweep's fastest repetitions in place of its means; bad input is one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
 import numpy as np  # noqa: E402
-from _bench_script import REPO_ROOT, run_benchmark  # noqa: E402
+from _bench_script import load_benchmark, run_benchmark  # noqa: E402
 
 import sim  # noqa: E402
 import traces  # noqa: E402
@@ -21,13 +20,7 @@ CLUSTER = "emulated-2x2-200mbit"
 
 
 def _script():
-    benchmarks = str(REPO_ROOT / "benchmarks")
-    if benchmarks not in sys.path:
-        sys.path.insert(0, benchmarks)  # the script imports its sibling _output
-    spec = importlib.util.spec_from_file_location("sweep_skew", REPO_ROOT / "benchmarks" / "sweep_skew.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("sweep_skew")
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,6 @@ from .verdict import (
 )
 
 __all__ = [
-    "main_thread_work_s",
     "LOSSY_SYSTEMS",
     "MemoryEstimate",
     "PAYS_ABOVE",
@@ -117,6 +116,7 @@ __all__ = [
     "busbw_factor",
     "list_clusters",
     "load_cluster",
+    "main_thread_work_s",
     "parse_overrides",
     "records_to_json",
     "select_shards",

@@ -20,7 +20,6 @@ A graph traced on one cluster (the anchor) is moved to a target cluster:
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 
@@ -261,48 +260,44 @@ _compute_scales: dict[bytes, float] = {}  # by a digest of every input: validati
 
 
 def compute_scale(graphs: list[OpGraph], cluster: ClusterSpec, transport_scale: float = 1.0) -> float:
-    """The factor on the anchor's compute work (`main_work_s`) at which its own iterations, re-costed onto
-    its own cluster by `rewrite_costs` and evaluated, spend its measured main-thread time (summed over
-    ranks, on the iteration of median main-thread time). `main_work_s` reads each op's core share from overlaps averaged over the op;
-    the evaluator shares the cores moment by moment, with each collective's transport CPU concentrated
-    from its last issue — with many small collectives the two disagree (ZeRO-3 on OLMoE-1B-7B: compute
-    10 % slower in the evaluator than measured, the iteration 13 % longer). Calibrated in sample, on the
-    anchor alone, like `transport_scale`; 1 where the cluster's cores are not simulated."""
+    """The factor on the anchor's compute work (`main_work_s`) at which its iteration of median
+    main-thread time, re-costed onto its own cluster by `rewrite_costs` and evaluated, spends its measured
+    main-thread time (summed over ranks; the factor varies by ~1 % between iterations). `main_work_s`
+    reads each op's core share from overlaps averaged over the op; the evaluator shares the cores moment
+    by moment, with each collective's transport CPU from its last issue — with many small collectives the
+    two disagree (ZeRO-3 on OLMoE-1B-7B: compute 10 % slower in the evaluator than measured, the
+    iteration 13 % longer). Calibrated in sample, on the anchor alone, like `transport_scale`; 1 where the
+    cluster's cores are not simulated."""
     if not cluster.host_cores or not graphs:
         return 1.0
-    # One iteration stands for the run (the one of median main-thread time): the factor varies by ~1 %
-    # between iterations, and each round evaluates every graph it is given.
     main_s = [float(graph.duration_s[graph.is_main].sum()) for graph in graphs]
-    graphs = [graphs[int(np.argsort(main_s)[len(main_s) // 2])]]
-    digest = hashlib.blake2b(digest_size=20)
-    for graph in graphs:
-        digest.update(evaluation_key(graph, rewrite_costs(graph, cluster, cluster, transport_scale)[0]))
-    key = digest.digest()
+    graph = graphs[int(np.argsort(main_s)[len(main_s) // 2])]
+    unscaled = rewrite_costs(graph, cluster, cluster, transport_scale)[0]
+    key = evaluation_key(graph, unscaled)  # every input of the solve: graph, costs, measured durations
     if key not in _compute_scales:
         if len(_compute_scales) > 256:
             _compute_scales.clear()
-        _compute_scales[key] = _calibrated_compute_scale(graphs, cluster, transport_scale)
+        _compute_scales[key] = _solve_compute_scale(graph, cluster, transport_scale, unscaled)
     return _compute_scales[key]
 
 
-def _calibrated_compute_scale(graphs: list[OpGraph], cluster: ClusterSpec, transport_scale: float) -> float:
+def _solve_compute_scale(
+    graph: OpGraph, cluster: ClusterSpec, transport_scale: float, unscaled: Costs
+) -> float:
     """Solve simulated(c) = measured main-thread time by the secant method from c = 1 and the
     proportional step (a plain fixed-point step overshoots where ranks share cores with the transport)."""
-    measured_s = sum(float(graph.duration_s[graph.is_main].sum()) for graph in graphs)
+    measured_s = float(graph.duration_s[graph.is_main].sum())
 
-    def simulated_s(scale: float) -> float:
-        total = 0.0
-        for graph in graphs:
-            result = evaluate(graph, rewrite_costs(graph, cluster, cluster, transport_scale, scale)[0])
-            total += float((result.end_s - result.start_s)[graph.is_main].sum())
-        return total
+    def simulated_s(costs: Costs) -> float:
+        result = evaluate(graph, costs)
+        return float((result.end_s - result.start_s)[graph.is_main].sum())
 
-    previous, previous_s = 1.0, simulated_s(1.0)
+    previous, previous_s = 1.0, simulated_s(unscaled)
     if previous_s <= 0 or measured_s <= 0:
         return 1.0
     scale = measured_s / previous_s
     for _ in range(COMPUTE_SCALE_ROUNDS - 1):
-        now_s = simulated_s(scale)
+        now_s = simulated_s(rewrite_costs(graph, cluster, cluster, transport_scale, scale)[0])
         if abs(now_s / measured_s - 1.0) < COMPUTE_SCALE_TOLERANCE or now_s == previous_s:
             break
         step = (measured_s - now_s) * (scale - previous) / (now_s - previous_s)

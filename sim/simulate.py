@@ -303,6 +303,7 @@ class Simulator:
         self._model_runs: dict[tuple[str, str], pd.DataFrame] = {}
         self._anchor_clusters: dict[str, ClusterSpec] = {}
         self._transport_scales: dict[str, tuple[float, str | None]] = {}
+        self._compute_scales: dict[str, float] = {}
         self._targets: dict[int, ClusterSpec] = {}
         self._shards: dict[tuple[str, str, int], tuple[pd.DataFrame, tuple[str, ...]]] = {}
         self._outcomes: dict[tuple[str, str, str, int, str], _Outcome] = {}
@@ -412,9 +413,14 @@ class Simulator:
         return self._transport_scales[run_id]
 
     def compute_scale(self, anchor: pd.Series) -> float:
-        """The anchor run's compute calibration (sim/rewrite.py `compute_scale`)."""
-        traced = self.graphs(anchor, int(anchor["layers"]))
-        return compute_scale(traced, self.anchor_cluster(anchor), self.transport_scale(anchor)[0])
+        """The anchor run's compute calibration (sim/rewrite.py `compute_scale`), once per run."""
+        run_id = str(anchor["run_id"])
+        if run_id not in self._compute_scales:
+            traced = self.graphs(anchor, int(anchor["layers"]))
+            self._compute_scales[run_id] = compute_scale(
+                traced, self.anchor_cluster(anchor), self.transport_scale(anchor)[0]
+            )
+        return self._compute_scales[run_id]
 
     def anchor_time_s(self, anchor: pd.Series) -> AnchorTime:
         """The anchor cluster's collective times (what the system rewrites rescale durations by),

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import sim.rewrite as sim_rewrite
 import traces
 from sim.ciera_rewrite import (
     CodecFigures,
@@ -188,7 +189,7 @@ def test_the_rewrite_onto_its_own_cluster_stays_near_the_replay(measured: traces
 
 
 def test_zero3_re_costed_onto_its_own_cluster_spends_its_measured_time_once_calibrated(
-    measured: traces.TraceBundle,
+    measured: traces.TraceBundle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Four ranks on two cores with many small gathers: the core shares read off the overlaps and the
     # evaluator's moment-by-moment sharing disagree; the anchor's compute calibration closes the gap.
@@ -212,7 +213,12 @@ def test_zero3_re_costed_onto_its_own_cluster_spends_its_measured_time_once_cali
     assert uncalibrated_main_s > 1.05 * main_s and uncalibrated_s > 1.05 * replay_s
     assert calibrated_main_s == pytest.approx(main_s, rel=0.03)
     assert calibrated_s == pytest.approx(replay_s, rel=0.03)
+
     # Asked again with the same inputs (every target of one anchor), the factor is not re-solved.
+    def no_second_solve(*_args: object) -> float:
+        raise AssertionError("compute_scale solved the same anchor twice")
+
+    monkeypatch.setattr(sim_rewrite, "_solve_compute_scale", no_second_solve)
     assert compute_scale(graphs, spec, scale) == factor
     # Where the cluster's cores are not simulated there is nothing to calibrate.
     assert compute_scale(graphs, dataclasses.replace(spec, host_cores=0), scale) == 1.0

@@ -109,17 +109,21 @@ def test_the_codec_runs_are_predicted_in_sample_and_kept_out_of_the_held_out_err
         assert abs(row["error"]) < 0.15, row
 
 
-def test_every_anchor_states_its_in_sample_calibration(small_document: dict) -> None:
+def test_every_anchor_states_its_in_sample_calibration(
+    small_document: dict, bundle: traces.TraceBundle
+) -> None:
     """Each anchor a prediction used is listed once with the two factors fitted on its own run: what a
     reader needs to see that the predictions lean on the seen runs only."""
     anchors = small_document["anchor_calibration"]
     used = {row["basis"].split(" (")[0] for row in small_document["held_out"] if row["predicted_s"]}
     assert {row["anchor_run"] for row in anchors} == used
     assert len(anchors) == len(used)
-    seen_ids = set(small_document["seen"]["runs"]) if "runs" in small_document["seen"] else None
+    runs = bundle.runs.set_index("run_id")
+    seen = small_document["seen"]
     for row in anchors:
         assert 0.25 <= row["compute_scale"] <= 4.0 and row["transport_scale"] > 0
-        assert seen_ids is None or row["anchor_run"] in seen_ids
+        anchor = runs.loc[row["anchor_run"]]  # a seen run: a seen cluster and depth
+        assert anchor["cluster"] in seen["clusters"] and int(anchor["layers"]) in seen["layers"]
 
 
 def test_the_first_thing_no_seen_run_has_names_the_category() -> None:

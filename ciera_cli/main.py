@@ -75,13 +75,29 @@ for _module_name in STAGE_CLI_MODULES:
 USER_ERRORS: tuple[type[BaseException], ...] = tuple(_user_errors)
 
 
+# click's UsageError (a malformed option), which Typer raises from its own copy of click in recent versions
+# and from click in older ones: found as the base of typer.BadParameter either way.
+_USAGE_ERROR: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
 def main() -> None:
     try:
-        app()
+        # Not standalone: click raises a malformed option (`--layers two`, an unknown option, a missing
+        # value) as a UsageError, which prints as one line like every other user error, not a usage box.
+        code = app(standalone_mode=False)
     except USER_ERRORS as error:
         message = " ".join(str(error).split())
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+    except _USAGE_ERROR as error:
+        command = error.ctx.command_path if error.ctx is not None else "ciera"
+        message = " ".join(error.format_message().split())
+        print(f"error: {message} (see `{command} --help`)", file=sys.stderr)
+        sys.exit(2)
+    except typer.Abort:  # Ctrl-C, or EOF at a prompt
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from .simulate import (
     other_device,
     records_to_json,
     simulate,
+    sweep_workers,
     timeline,
     write_json_atomic,
 )
@@ -121,6 +122,7 @@ __all__ = [
     "records_to_json",
     "select_shards",
     "simulate",
+    "sweep_workers",
     "timeline",
     "write_json_atomic",
 ]

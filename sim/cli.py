@@ -215,11 +215,26 @@ def simulate_command(
             "notes on the plans chosen (BSC's selection, cache budgets).",
         ),
     ] = False,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            help="Processes for a preset sweep (default: one per core from 16 (model, dtype, W) jobs on, "
+            "else 1). The records are the same at any count.",
+        ),
+    ] = None,
 ) -> None:
     """Replay one training iteration per system and project it to the requested GPU counts."""
+    if workers is not None and workers < 1:
+        raise SimInputError(f"--workers: value {workers}, expected a whole number >= 1")
     if cluster not in list_clusters() and not cluster.endswith(".toml"):
         loaded = _read_bundle(bundle)
         if cluster in measured_clusters(loaded):
+            if workers is not None:
+                raise SimInputError(
+                    f"--workers with --cluster {cluster}: a measured cluster's projection runs in this "
+                    "process; --workers sets the processes of a preset sweep"
+                )
             for option, given in (("--sweep", sweep), ("--set", overrides), ("--timeline", timeline_path)):
                 if given:
                     raise SimInputError(
@@ -239,7 +254,7 @@ def simulate_command(
                 "--timeline with --sweep: a timeline shows one configuration; drop one of them"
             )
         _sweep_command(
-            sweep, bundle, models, gpus, systems, dtype, cluster, overrides or [], layers, json_path
+            sweep, bundle, models, gpus, systems, dtype, cluster, overrides or [], layers, json_path, workers
         )
         return
     parsed_overrides = parse_overrides(overrides or [])
@@ -296,6 +311,7 @@ def simulate_command(
             progress=report,
             layers=layers,
             counters=counters,
+            workers=workers,
         )
         elapsed_s = time.perf_counter() - started_s
     if json_path is not None:
@@ -349,10 +365,11 @@ def simulate_command(
             markup=False,
             highlight=False,
         )
-    events = counters["simulated_events"]
+    events, processes = counters["simulated_events"], counters["workers"]
     out.print(
         f"{len(records)} records, {events:,} simpy events in {elapsed_s:.1f} s "
-        f"({events / max(elapsed_s, 1e-9):,.0f} events/s)",
+        f"({events / max(elapsed_s, 1e-9):,.0f} events/s"
+        + (f", {processes} processes)" if processes > 1 else ")"),
         markup=False,
         highlight=False,
     )
@@ -468,7 +485,7 @@ def _measured_cluster_command(
 
 
 def _sweep_command(
-    sweep, bundle, models, gpus, systems, dtype, cluster, overrides, layers, json_path
+    sweep, bundle, models, gpus, systems, dtype, cluster, overrides, layers, json_path, workers=None
 ) -> None:
     key, sep, text = sweep.partition("=")
     values = [value.strip() for value in text.split(",") if value.strip()]
@@ -486,7 +503,7 @@ def _sweep_command(
         preset = load_cluster(cluster, parsed_overrides)
         records = simulate(
             loaded, preset, models=_split(models) or None, gpus=parse_gpus(gpus), systems=system_names,
-            dtypes=dtypes, layers=layers,
+            dtypes=dtypes, layers=layers, workers=workers,
         )  # fmt: skip
         runs.append((value, records))
     table = Table(title=f"speedup vs zero3 (p50) as {key.strip()} varies ({cluster})")

@@ -836,6 +836,21 @@ def _gathered_bytes(graph: OpGraph) -> float:
     return float(graph.wire_bytes[first & np.isin(graph.stream, _GATHERS)].sum())
 
 
+# A sweep of at least this many (model, dtype, W) jobs runs in worker processes, one per core: a job
+# takes ~0.1–0.25 s here, a worker ~1.5 s to start (imports and the bundle), so fewer jobs would not gain.
+PARALLEL_MIN_JOBS = 16
+MAX_WORKERS = 8
+
+
+def sweep_workers(jobs: int) -> int:
+    """How many processes `simulate` uses for `jobs` jobs by default: the cores this process may run on
+    (at most MAX_WORKERS) when there are at least PARALLEL_MIN_JOBS jobs, else 1 (in this process)."""
+    if jobs < PARALLEL_MIN_JOBS:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_WORKERS, jobs))
+
+
 def simulate(
     bundle: traces.TraceBundle,
     cluster: ClusterPreset,
@@ -846,30 +861,87 @@ def simulate(
     progress: Callable[[int, int], None] | None = None,
     layers: int | None = None,
     counters: dict[str, int] | None = None,
+    workers: int | None = None,
 ) -> list[SimRecord]:
     """One record per (model, dtype, gpus, system); zeropp only for fp16 (as in DeepSpeed's evaluation).
     `layers`: simulate that many blocks instead of each model's full depth. `counters`, when given, gets
-    `simulated_events`: the events simpy processed (an evaluation records share, once)."""
+    `simulated_events` (the events simpy processed; an evaluation records share, once per process) and
+    `workers`. `workers`: processes to run the sweep in (default `sweep_workers`); each takes whole
+    (model, dtype) groups, and the records come back in the order one process gives them — the same
+    values, since every evaluation is deterministic."""
     check_request(systems, gpus, dtypes)
     names = resolve_models(bundle, models)
-    simulator = Simulator(bundle, cluster, layers=layers)
-    jobs = [
-        (model, dtype, world_size)
-        for model in names
-        for dtype in dtypes
-        if _has_runs(bundle, model, dtype)
-        for world_size in gpus
-    ]
-    if not jobs:
+    groups = [(model, dtype) for model in names for dtype in dtypes if _has_runs(bundle, model, dtype)]
+    if not groups:
         raise SimInputError(f"bundle: no runs of {names} with dtype {list(dtypes)}")
-    records: list[SimRecord] = []
-    for done, (model, dtype, world_size) in enumerate(jobs, start=1):
-        records.extend(simulator.records_for(model, dtype, world_size, systems))
+    total = len(groups) * len(gpus)
+    if workers is None:
+        workers = sweep_workers(total)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise SimInputError(f"workers={workers!r}: expected a whole number >= 1")
+    workers = min(workers, len(groups))
+    done = 0
+
+    def finished(count: int) -> None:
+        nonlocal done
+        done += count
         if progress is not None:
-            progress(done, len(jobs))
+            progress(done, total)
+
+    records_by_group: list[list[SimRecord]] = [[] for _ in groups]
+    events = 0
+    if workers == 1:
+        simulator = Simulator(bundle, cluster, layers=layers)
+        for position, (model, dtype) in enumerate(groups):
+            for world_size in gpus:
+                records_by_group[position].extend(simulator.records_for(model, dtype, world_size, systems))
+                finished(1)
+        events = simulator.simulated_events
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # spawn, not fork: the parent may hold threads (pyarrow's pools) that a forked child would inherit
+        # mid-lock; each worker unpickles the bundle once and keeps its own Simulator (and caches).
+        with ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_sweep_worker,
+            initargs=(bundle, cluster, layers),
+        ) as pool:
+            futures = {
+                pool.submit(_sweep_group, model, dtype, list(gpus), list(systems)): position
+                for position, (model, dtype) in enumerate(groups)
+            }
+            for future in as_completed(futures):
+                group_records, group_events = future.result()
+                records_by_group[futures[future]] = group_records
+                events += group_events
+                finished(len(gpus))
     if counters is not None:
-        counters["simulated_events"] = simulator.simulated_events
-    return records
+        counters["simulated_events"] = events
+        counters["workers"] = workers
+    return [record for group in records_by_group for record in group]
+
+
+_sweep_simulator: Simulator | None = None  # a sweep worker's own, made by _start_sweep_worker
+
+
+def _start_sweep_worker(bundle: traces.TraceBundle, cluster: ClusterPreset, layers: int | None) -> None:
+    global _sweep_simulator
+    _sweep_simulator = Simulator(bundle, cluster, layers=layers)
+
+
+def _sweep_group(model: str, dtype: str, gpus: list[int], systems: list[str]) -> tuple[list[SimRecord], int]:
+    """One (model, dtype) group of a sweep in a worker: its records at every W, and the simpy events its
+    evaluations took."""
+    simulator = _sweep_simulator
+    assert simulator is not None, "sweep worker not started"
+    before = simulator.simulated_events
+    records = [
+        record for world_size in gpus for record in simulator.records_for(model, dtype, world_size, systems)
+    ]
+    return records, simulator.simulated_events - before
 
 
 def _has_runs(bundle: traces.TraceBundle, model: str, dtype: str) -> bool:

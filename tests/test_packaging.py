@@ -52,3 +52,31 @@ def test_help_and_version_show_no_bool_type():
     for command in ("simulate", "report", "train", "measure", "validate", "replay", "models"):
         result = runner.invoke(app, [command, "--help"])
         assert result.exit_code == 0 and "<bool>" not in result.output, command
+
+
+def test_malformed_options_are_one_line_errors():
+    """A value of the wrong type, an unknown option or command, a missing value: one line on stderr, exit 2
+    (click's usage box was ~6 lines); help and version still exit 0, no arguments prints help (exit 2)."""
+    cases = {
+        ("simulate", "--workers", "two"): "Invalid value for '--workers'",
+        ("simulate", "--layers"): "requires an argument",
+        ("simulate", "--bogus"): "No such option: --bogus",
+        ("report", "--gpus"): "requires an argument",
+        ("nosuchcommand",): "No such command 'nosuchcommand'",
+    }
+    outcomes = {"one-line error": 0}
+    for args, fragment in cases.items():
+        result = subprocess.run(
+            [sys.executable, "-m", "ciera_cli.main", *args], capture_output=True, text=True
+        )
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2, (args, result.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], (args, lines)
+        assert result.stdout == "", args
+        outcomes["one-line error"] += 1
+    assert outcomes == {"one-line error": len(cases)}
+    for args, code in ((("simulate", "--help"), 0), (("--version",), 0), ((), 2)):
+        result = subprocess.run(
+            [sys.executable, "-m", "ciera_cli.main", *args], capture_output=True, text=True
+        )
+        assert result.returncode == code, (args, result.stderr)

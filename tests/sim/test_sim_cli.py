@@ -12,7 +12,7 @@ import pytest
 import typer
 
 import traces
-from sim import SYSTEMS
+from sim import SYSTEMS, sweep_workers
 from sim import cli as sim_cli
 
 RECORD_KEYS = {
@@ -161,6 +161,8 @@ def test_filters(bundle_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
         (["--gpus", ""], "--gpus: empty"),
         (["--dtype", "fp8"], "--dtype: value 'fp8'"),
         (["--systems", "zeropp", "--dtype", "bf16"], "fp16 only"),
+        (["--workers", "0"], "--workers: value 0"),
+        (["--workers", "two"], "--workers"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(
@@ -221,6 +223,10 @@ def test_default_bundle_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert code == 0
     records = json.loads(out.read_text())["records"]
     assert len({r["model"] for r in records}) == 6
+    # 24 (model, dtype, W) jobs: the sweep runs in one process per core, and says so.
+    processes = sweep_workers(24)
+    line = next(line for line in stdout.splitlines() if "simpy events in" in line)
+    assert line.endswith(f", {processes} processes)" if processes > 1 else " events/s)"), line
     assert all(
         r["speedup_vs_zero3"] <= r["bound_speedup"] * (1 + 1e-9) or r["speedup_parts"]["other"] > 1
         for r in records

@@ -34,7 +34,9 @@ def test_workers_give_the_records_of_one_process(bundle: traces.TraceBundle) -> 
 
 def test_no_more_workers_than_groups(bundle: traces.TraceBundle) -> None:
     counters: dict[str, int] = {}
-    simulate(bundle, load_cluster("a100-hdr-testbed"), gpus=[8], dtypes=["bf16"], counters=counters, workers=4)
+    simulate(
+        bundle, load_cluster("a100-hdr-testbed"), gpus=[8], dtypes=["bf16"], counters=counters, workers=4
+    )
     assert counters["workers"] == 1  # one (model, dtype) group: run here, no process started
 
 

@@ -11,7 +11,11 @@ For every (cluster, depth) with a run of both systems, per rank and iteration (m
   bundle has no collectives sweep of that cluster);
 - ``calls``: CIERA calls (``codec_send`` events), and the excess per call, ``(codec − plain) / calls``;
 - the host work visible beside each call's codec: from the end of its encode to its collective's issue
-  (``send_gap_s``, median) and the main-thread segment just before its decode (``before_decode_s``).
+  (``send_gap_s``, median) and the main-thread segment just before its decode (``before_decode_s``);
+- where the runs record the engine's gather path (the ``gather_host`` stream, captures since 2026-12-05):
+  each system's ``gather_host`` time per call, measured and as work (``*_gather_host_per_call_s``,
+  ``*_gather_host_work_per_call_s``) — what the CIERA rewrite then replaces directly — and the compute
+  excess without it (``compute_s`` and ``work_s`` count ``compute`` and ``optim`` only).
 
 The CIERA rewrite adds one glue per call fitted on its in-sample run(s); the excess per call here is what
 that glue would have to be in each run.
@@ -40,7 +44,7 @@ def _per_rank_iteration(frame: pd.DataFrame, value: pd.Series) -> float:
 def _visible_glue_s(events: pd.DataFrame) -> tuple[float, float]:
     """(median encode end → next issue on the rank, median main op just before a decode)."""
     gaps, before = [], []
-    main_streams = ("compute", "optim", "codec_send", "codec_recv")
+    main_streams = ("compute", "gather_host", "optim", "codec_send", "codec_recv")
     for _, rows in events.groupby(["iteration", "rank"]):
         rows = rows.sort_values(["start_s", "end_s"], kind="stable")
         main = rows[rows["stream"].isin(main_streams)].reset_index(drop=True)
@@ -51,7 +55,7 @@ def _visible_glue_s(events: pd.DataFrame) -> tuple[float, float]:
         gaps.extend((issued[following[found]] - send_end[found]).tolist())
         decodes = main.index[main["stream"] == "codec_recv"]
         previous = main.loc[decodes[decodes > 0] - 1]
-        previous = previous[previous["stream"] == "compute"]
+        previous = previous[previous["stream"].isin(("compute", "gather_host"))]
         before.extend((previous["end_s"] - previous["start_s"]).tolist())
     return (
         float(np.median(gaps)) if gaps else float("nan"),
@@ -78,7 +82,19 @@ def compute_excess(bundle: traces.TraceBundle, plain: str, codec: str) -> list[d
             except sim.SimInputError:  # no sweep of that cluster: the work cannot be read
                 work_s = None
             calls = (events["stream"] == "codec_send").astype(float)
+            path = events["stream"] == "gather_host"
+            if path.any():
+                host_s = _per_rank_iteration(events, (events["end_s"] - events["start_s"]).where(path, 0.0))
+                host_work_s = (
+                    None
+                    if work_s is None
+                    else _per_rank_iteration(events, sim.main_thread_work_s(bundle, run).where(path, 0.0))
+                )
+            else:
+                host_s = host_work_s = None
             figures[system] = {
+                "gather_host_s": host_s,
+                "gather_host_work_s": host_work_s,
                 "run_id": str(run["run_id"]),
                 "compute_s": _per_rank_iteration(events, measured),
                 "work_s": work_s,
@@ -99,6 +115,14 @@ def compute_excess(bundle: traces.TraceBundle, plain: str, codec: str) -> list[d
                 (figures[codec]["work_s"] - figures[plain]["work_s"]) / max(calls, 1.0) if both_work else None
             ),
             "send_gap_s": send_gap_s, "before_decode_s": before_decode_s,
+            **{
+                f"{side}_gather_host{kind}_per_call_s": (
+                    None if figures[system][f"gather_host{kind}_s"] is None
+                    else figures[system][f"gather_host{kind}_s"] / max(calls, 1.0)
+                )
+                for side, system in (("plain", plain), ("codec", codec))
+                for kind in ("", "_work")
+            },
         })  # fmt: skip
     return rows
 
@@ -126,7 +150,14 @@ def main() -> None:
             f"{row['excess_per_call_s'] * 1e6:+.0f} µs per call measured"
             f"{'' if work is None else f', {work * 1e6:+.0f} µs as work'}; beside the codec "
             f"{row['send_gap_s'] * 1e6:.0f} µs after the encode, {row['before_decode_s'] * 1e6:.0f} µs before "
-            "the decode",
+            "the decode"
+            + (
+                f"; the engine's gather path {row['plain_gather_host_per_call_s'] * 1e6:.0f} → "
+                f"{row['codec_gather_host_per_call_s'] * 1e6:.0f} µs per call measured"
+                if row["plain_gather_host_per_call_s"] is not None
+                and row["codec_gather_host_per_call_s"] is not None
+                else ""
+            ),
             file=sys.stderr,
         )
     emit_json({"benchmark": "compute_excess", "bundle": args.bundle, "plain": args.plain,

@@ -16,6 +16,7 @@ its device path (`measure.train.placed_config`, said on the rank's log and recor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -129,7 +130,7 @@ def _attribute_gathers(run, model, layer_of: dict[int, int], recorder) -> None:
 
             def all_gather_coalesced(params, *args, inner=inner, **kwargs):
                 layer = _main_layer(params, layer_of)
-                with recorder.gather_layer(layer):
+                with recorder.gather_layer(layer), recorder.engine_gather():
                     handle = inner(params, *args, **kwargs)
                 return _AttributedHandle(handle, recorder, layer)
 
@@ -144,11 +145,17 @@ def _attribute_gathers(run, model, layer_of: dict[int, int], recorder) -> None:
     FSDPParamGroup._ciera_measure_layers = module_layer
     for method in ("unshard", "wait_for_unshard", "post_backward"):
         original = getattr(FSDPParamGroup, method)
+        # The group's gather and its wait are the engine's gather path (`gather_host`); post_backward (the
+        # reduce-scatter) is attributed only.
+        gathers = method != "post_backward"
 
-        def wrapped(self, *args, original=original, **kwargs):
+        def wrapped(self, *args, original=original, gathers=gathers, **kwargs):
             layers = FSDPParamGroup._ciera_measure_layers
             layer = next((layers[id(m)] for m in self.modules if id(m) in layers), -1)
-            with recorder.gather_layer(layer):
+            with (
+                recorder.gather_layer(layer),
+                recorder.engine_gather() if gathers else contextlib.nullcontext(),
+            ):
                 return original(self, *args, **kwargs)
 
         setattr(FSDPParamGroup, method, wrapped)
@@ -182,7 +189,7 @@ class _AttributedHandle:
         self._handle, self._recorder, self._layer = handle, recorder, layer
 
     def wait(self, *args, **kwargs):
-        with self._recorder.gather_layer(self._layer):
+        with self._recorder.gather_layer(self._layer), self._recorder.engine_gather():
             return self._handle.wait(*args, **kwargs)
 
     def __getattr__(self, name: str):

@@ -8,9 +8,11 @@ compute stream has caught up with the collective, without a synchronize inside t
 asynchronous collective ends at the wait that consumes it (NCCL completes its future when the op is
 queued, not when it is done).
 
-- **compute / optim**: the main thread's time, cut into segments. A segment ends whenever the main thread
-  blocks in a collective (a synchronous call, or `Work.wait()`), runs the codec, or enters or leaves a
-  layer; each segment is attributed to the layer and phase it ran in. Segments in the optimizer step go
+- **compute / gather_host / optim**: the main thread's time, cut into segments. A segment ends whenever
+  the main thread blocks in a collective (a synchronous call, or `Work.wait()`), runs the codec, enters or
+  leaves a layer, or enters or leaves the engine's own gather call (`engine_gather`); each segment is
+  attributed to the layer and phase it ran in. Segments inside the engine's gather call (its issue or its
+  wait: the engine's host path, or CIERA's) go to the `gather_host` stream, segments in the optimizer step
   to the `optim` stream. Time the main thread spends blocked is on no compute stream: it is exactly what
   the collectives did not hide.
 - **allgather / reduce_scatter / all_reduce**: every collective this process issues (wrapped where every
@@ -84,6 +86,7 @@ class EventRecorder:
         self._log: _IterationLog | None = None
         self._phase = "fwd"
         self._stack: list[int] = [-1]  # layer context of the main thread
+        self._engine_calls = 0  # how deep the main thread is in the engine's own gather calls
         self._segment_start_s = 0.0
         self._gather_layer = threading.local()
         self._last_collective = threading.local()
@@ -250,6 +253,28 @@ class EventRecorder:
         finally:
             self._gather_layer.layer = previous
 
+    @contextlib.contextmanager
+    def engine_gather(self) -> Iterator[None]:
+        """The main thread inside the engine's own gather call — its issue (DeepSpeed's
+        `all_gather_coalesced`, FSDP2's `unshard`) or its wait — running the engine's host path (or CIERA's,
+        when CIERA replaces it) rather than the model: its segments go to the `gather_host` stream, not to
+        `compute`, so a system rewrite can replace one engine's path by another's as measured."""
+        if threading.get_ident() != self._main:
+            yield
+            return
+
+        def enter() -> None:
+            self._engine_calls += 1
+
+        def leave() -> None:
+            self._engine_calls -= 1
+
+        self._switch(enter)
+        try:
+            yield
+        finally:
+            self._switch(leave)
+
     def _switch(self, change: Callable[[], None]) -> None:
         if not self._recording_here():
             change()
@@ -306,7 +331,10 @@ class EventRecorder:
         log = self._log
         if log is None or now_s <= self._segment_start_s:
             return
-        stream = "optim" if self._phase == "optim" else "compute"
+        if self._phase == "optim":
+            stream = "optim"
+        else:
+            stream = "gather_host" if self._engine_calls > 0 else "compute"
         event = Event(
             self._stack[-1],
             self._phase_in_layer(),

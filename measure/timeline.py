@@ -11,7 +11,9 @@ import traces
 
 from .launch import CaptureError
 
-STREAM_ORDER = ("compute", "allgather", "reduce_scatter", "all_reduce", "codec_send", "codec_recv", "optim")
+STREAM_ORDER = (
+    "compute", "gather_host", "allgather", "reduce_scatter", "all_reduce", "codec_send", "codec_recv", "optim",
+)  # fmt: skip
 
 
 def _event_name(layer: int, phase: str, stream: str) -> str:

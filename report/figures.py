@@ -63,7 +63,7 @@ CATEGORY_COLOURS = {
     "embedding": "#54a24b",
 }
 STREAM_ORDER = (
-    "compute", "optim", "allgather", "allgather_intra", "reduce_scatter", "all_reduce",
+    "compute", "gather_host", "optim", "allgather", "allgather_intra", "reduce_scatter", "all_reduce",
     "codec_send", "codec_recv", "ccp_send", "ccp_recv",
 )  # fmt: skip
 

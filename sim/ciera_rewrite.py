@@ -70,6 +70,10 @@ class CodecFigures:
     overflow_rate: float  # overflow rounds per first gather
     overflow_s: float  # in-run time of one overflow round (the median of the codec runs')
     runs: tuple[str, ...] = field(default=())
+    # Measured directly where the runs record the engine's gather path (the `gather_host` stream): CIERA's
+    # host time per call inside the engine's gather calls, beyond the codec. The rewrite then replaces the
+    # plain run's own gather path by it and glue_s_per_gather is 0. None: not recorded (glue by difference).
+    gather_host_s_per_call: float | None = None
 
     @property
     def changed_exponent_bits(self) -> float:
@@ -82,7 +86,13 @@ class CodecFigures:
         return (
             f"encode {encode[0] * 1e3:.2f} ms + {encode[1] * 1e3:.3f} ms/shard + {encode[2] * 1e9:.1f} ns/B, "
             f"decode {decode[0] * 1e3:.2f} ms + {decode[1] * 1e3:.3f} ms/shard/source + {decode[2] * 1e9:.1f} ns/B, "
-            f"glue {self.glue_s_per_gather * 1e3:+.2f} ms per call, payload ratio {self.first_ratio:.3f} "
+            + (
+                f"the engine's gather path replaced by CIERA's, {self.gather_host_s_per_call * 1e3:.2f} ms per call "
+                "(measured)"
+                if self.gather_host_s_per_call is not None
+                else f"glue {self.glue_s_per_gather * 1e3:+.2f} ms per call (compute minus the plain run's)"
+            )
+            + f", payload ratio {self.first_ratio:.3f} "
             f"(first) / {self.repeat_ratio:.3f} (repeat) + {self.shard_overhead_bytes:.0f} B per shard and "
             f"rank, {self.overflow_rate:.1%} overflow rounds (fitted to {', '.join(self.runs)})"
         )
@@ -145,7 +155,8 @@ def fit_codec_figures(
     """Fit the figures to `codec_runs` (CIERA runs of one engine); `plain_runs` maps each to the plain
     engine's run of the same configuration (the glue is measured against its main-thread time);
     `parameters` gives each run's parameter sizes per layer (`parameter_sizes`)."""
-    encode_rows, decode_rows, wire_rows, glue = [], [], [], []
+    encode_rows, decode_rows, wire_rows, glue, gather_host = [], [], [], [], []
+    plain_paths: list[bool] = []  # per plain twin: whether it records the engine's gather path
     first_calls, overflows, overflow_s = 0, 0, []
     for run_id in codec_runs:
         run = bundle.runs[bundle.runs["run_id"] == run_id].iloc[0]
@@ -175,15 +186,18 @@ def fit_codec_figures(
             first_calls += int(first.sum())
             overflows += len(overflow)
             overflow_s += (overflow["end_s"] - overflow["start_s"]).tolist()
+        calls = len(events[(events["stream"] == "allgather") & (events["raw_bytes"] > 0)]) / max(
+            events.groupby(["iteration", "rank"]).ngroups, 1
+        )
+        if (events["stream"] == "gather_host").any():
+            gather_host.append(_stream_work_s(events, "gather_host") / max(calls, 1.0))
         plain_id = plain_runs.get(run_id)
         if plain_id is not None:
             plain_run = bundle.runs[bundle.runs["run_id"] == plain_id].iloc[0]
             plain = bundle.events[bundle.events["run_id"] == plain_id]
             plain = plain.assign(work_s=main_thread_work_s(bundle, plain_run))
-            calls = len(events[(events["stream"] == "allgather") & (events["raw_bytes"] > 0)]) / max(
-                events.groupby(["iteration", "rank"]).ngroups, 1
-            )
             glue.append((_main_compute_s(events) - _main_compute_s(plain)) / max(calls, 1.0))
+            plain_paths.append(bool((plain["stream"] == "gather_host").any()))
     if not encode_rows:
         raise SimInputError("codec runs: no CIERA gathers to fit the codec figures to")
     encode, decode, wire = (np.vstack(rows) for rows in (encode_rows, decode_rows, wire_rows))
@@ -195,10 +209,13 @@ def fit_codec_figures(
         [wire[:, 0], wire[:, 1], wire[:, 2]], wire[:, 3] - floor * (wire[:, 0] + wire[:, 1])
     )
     first_ratio, repeat_ratio = floor + first_excess, floor + repeat_excess
+    # Every codec run records the engine's gather path, or the glue is read by difference (older bundles).
+    measured_path = len(gather_host) == len(codec_runs) and all(plain_paths)
     return CodecFigures(
         encode_s=tuple(_nonnegative_fit([encode[:, k] for k in range(3)], encode[:, 3])),
         decode_s=tuple(_nonnegative_fit([decode[:, k] for k in range(3)], decode[:, 3])),
-        glue_s_per_gather=float(np.median(glue)) if glue else 0.0,
+        glue_s_per_gather=0.0 if measured_path else (float(np.median(glue)) if glue else 0.0),
+        gather_host_s_per_call=float(np.median(gather_host)) if measured_path else None,
         shard_overhead_bytes=overhead,
         first_ratio=max(first_ratio, repeat_ratio),
         repeat_ratio=repeat_ratio,
@@ -242,6 +259,12 @@ def fit_system_figures(
     parameters = {r: parameter_sizes(statistics, int(runs.loc[r, "layers"])) for r in codec_runs}
     change_rate = mean_block_change_rate(statistics, block_sizes.pop())
     return fit_codec_figures(bundle, codec_runs, pairs, parameters, change_rate)
+
+
+def _stream_work_s(frame: pd.DataFrame, stream: str) -> float:
+    """One stream's main-thread work per rank and iteration (`work_s`, at a full core)."""
+    chosen = frame[frame["stream"] == stream]
+    return float(chosen["work_s"].sum()) / max(frame.groupby(["iteration", "rank"]).ngroups, 1)
 
 
 def _main_compute_s(frame: pd.DataFrame) -> float:
@@ -409,6 +432,22 @@ def _rewrite_rank(
     work_scale: float = 1.0,
 ) -> list[EditableOp]:
     glue = figures.glue_s_per_gather / 2
+    replace_path = figures.gather_host_s_per_call is not None
+    if replace_path:
+        # The engine's own gather path (recorded as gather_host) is what CIERA replaces: the plain run's
+        # is dropped, and CIERA's, measured per call, runs half with the encode and half with the decode.
+        glue = figures.gather_host_s_per_call / 2
+        replaced = 0
+        for op in ops:
+            if op.stream == "gather_host":
+                op.duration_s = 0.0
+                replaced += 1
+        if not replaced and any(op.stream == "allgather" for op in ops):
+            raise SimInputError(
+                "CIERA rewrite: the anchor run records no engine gather path (gather_host events: captured "
+                "before they were recorded) while the codec figures replace it; capture the plain and the "
+                "CIERA runs with the same `ciera measure`"
+            )
     shards: dict[int, int] = {}  # gather (by identity) → its shards
 
     def kernel_s(op: EditableOp) -> tuple[float, float]:

@@ -55,11 +55,13 @@ from .graph_edit import EditableOp, relink_main, to_graph
 from .opgraph import OpGraph
 
 _GRADIENT_STREAMS = ("reduce_scatter", "all_reduce")
+# Main-thread streams labelled with the layer the program is in (the engine's gather path runs inside it).
+PROGRAM_STREAMS = ("compute", "gather_host", "optim")
 
 
 def _window_key(stream: str, phase: str, layer: int, layers: int) -> tuple[str, int] | None:
     """The block window a main-thread op opens (or None: it stays in the current window)."""
-    if stream not in ("compute", "optim"):
+    if stream not in PROGRAM_STREAMS:
         return None  # codec work names the shard it codes, not where the program is
     if 1 <= layer <= layers and phase == "fwd":
         return ("fwd", layer)
@@ -103,7 +105,7 @@ class _RankWindows:
         # repeated), with the last block window of that phase, which is copied once.
         first_of: dict[tuple[int, str], int] = {}
         for op in self.main:
-            if graph.stream[op] in ("compute", "optim"):
+            if graph.stream[op] in PROGRAM_STREAMS:
                 first_of.setdefault((int(graph.layer[op]), str(graph.phase[op])), int(op))
         last_block = {
             "fwd": self.keys.index(("fwd", layers)) if ("fwd", layers) in self.keys else -1,

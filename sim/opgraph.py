@@ -37,7 +37,7 @@ import pandas as pd
 
 from .errors import SimInputError
 
-MAIN_THREAD_STREAMS = ("compute", "optim", "codec_send", "codec_recv")
+MAIN_THREAD_STREAMS = ("compute", "gather_host", "optim", "codec_send", "codec_recv")
 COLLECTIVE_STREAMS = ("allgather", "reduce_scatter", "all_reduce")
 # Device kernels a rewrite puts on side streams (CIERA's codec under CCP): off the main thread, issued
 # like a collective and run in order on their stream, but one rank's own work (no coupling, no link).

@@ -66,7 +66,7 @@ SYSTEMS = ("zero3", "fsdp", "zeropp", "ciera-er", "ciera-er-bsc", "ciera")
 FP16_ONLY_SYSTEMS = ("zeropp",)
 # Timeline threads in this order (a stream an iteration does not use is left out).
 TIMELINE_STREAMS = (
-    "compute", "optim", "codec_send", "codec_recv", "ccp_send", "ccp_recv", "allgather",
+    "compute", "gather_host", "optim", "codec_send", "codec_recv", "ccp_send", "ccp_recv", "allgather",
     INTRA_NODE_GATHER_STREAM, "reduce_scatter", "all_reduce",
 )  # fmt: skip
 SCHEMA = "ciera.simulate/1"
@@ -683,7 +683,7 @@ class Simulator:
         baseline = outcomes["zero3"]
         base_graph = baseline.system.graph
         # Busy times of zero3 on the target: the main thread's work, and the link's time per collective kind.
-        compute_busy = _busy(base_graph, baseline.costs.work_s, ("compute", "optim"))
+        compute_busy = _busy(base_graph, baseline.costs.work_s, ("compute", "gather_host", "optim"))
         allgather_busy = _link_seconds(base_graph, baseline.costs, _GATHERS)
         other_comm_busy = _link_seconds(base_graph, baseline.costs, _OTHER_COMM)
         base_p50 = float(np.median(baseline.times_s))
@@ -1008,6 +1008,7 @@ def _op_name(graph: OpGraph, index: int) -> str:
     stream, layer, phase = str(graph.stream[index]), int(graph.layer[index]), str(graph.phase[index])
     what = {
         "compute": phase,
+        "gather_host": f"gather host path {phase}",
         "optim": "optimizer step",
         "codec_send": "hash+compress",
         "codec_recv": "decompress",

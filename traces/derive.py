@@ -3,7 +3,8 @@
 docs/trace-format.md (*Deriving layers from events*) states the rules; in short, per run, iteration, layer
 0..L+1 and phase (fwd, recompute when the run checkpoints activations, bwd, optim):
 
-- compute_s: the summed durations of the compute-stream events of that (layer, phase); for phase optim
+- compute_s: the summed durations of the compute- and gather_host-stream events of that (layer, phase)
+  (the main thread's time outside the codec and the waits, as before gather_host was recorded); for phase optim
   also the optim-stream events of that layer, plus the layer's numel share (numel / the run's total numel)
   of the optim-stream events with layer -1 (an engine's single optimizer step over all parameters is
   apportioned to the layers by their parameter counts);
@@ -77,7 +78,7 @@ def _contributions(events: pd.DataFrame, shares: pd.DataFrame) -> pd.DataFrame:
     duration = events["end_s"] - events["start_s"]
     tied = events["layer"] >= 0
     parts = []
-    compute = events[tied & (events["stream"] == "compute")]
+    compute = events[tied & events["stream"].isin(("compute", "gather_host"))]
     parts.append(compute[KEY].assign(column="compute_s", value=duration[compute.index]))
     optim = events[tied & (events["stream"] == "optim")]
     parts.append(optim[KEY].assign(phase="optim", column="compute_s", value=duration[optim.index]))

@@ -20,7 +20,11 @@ CATEGORIES = ("expert_ffn", "attention", "router", "norm", "embedding")
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 ENGINES = ("zero3", "fsdp")
 BACKENDS = ("gloo", "nccl", "analytic")
-STREAMS = ("compute", "allgather", "reduce_scatter", "all_reduce", "codec_send", "codec_recv", "optim")
+# gather_host: the main thread inside the engine's own gather call (its host path); bundles before it have
+# none (their engines' gather paths are inside `compute`).
+STREAMS = (
+    "compute", "gather_host", "allgather", "reduce_scatter", "all_reduce", "codec_send", "codec_recv", "optim",
+)  # fmt: skip
 
 RUNS_V1 = pa.schema(
     [

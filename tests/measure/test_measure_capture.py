@@ -73,7 +73,7 @@ def test_events_are_consistent(captured: Path) -> None:
         assert (ordered["start_s"].to_numpy()[1:] >= ordered["end_s"].to_numpy()[:-1] - 1e-6).all()
     # The iteration time is at least every rank's main-thread busy time.
     busy = (
-        events[events["stream"].isin(["compute", "optim"])]
+        events[events["stream"].isin(["compute", "gather_host", "optim"])]
         .assign(duration=lambda f: f["end_s"] - f["start_s"])
         .groupby(["run_id", "iteration", "rank"])["duration"]
         .sum()
@@ -93,6 +93,16 @@ def test_events_are_consistent(captured: Path) -> None:
     )
     assert by_system.loc["ciera", "wire_bytes"] < by_system.loc["ciera", "raw_bytes"]
     assert by_system.loc["zero3", "wire_bytes"] == by_system.loc["zero3", "raw_bytes"]
+    # Every engine gather is issued inside the engine's own gather call, whose main-thread time is the
+    # gather_host stream (the path a system rewrite replaces), in every system.
+    host = events[events["stream"] == "gather_host"]
+    assert set(host["run_id"]) == set(bundle.runs["run_id"])
+    for key, issued in gathers.groupby(["run_id", "rank", "iteration"]):
+        segments = host.set_index(["run_id", "rank", "iteration"]).loc[[key]]
+        inside = (
+            issued["issued_s"].to_numpy()[:, None] >= segments["start_s"].to_numpy()[None, :] - 1e-6
+        ) & (issued["issued_s"].to_numpy()[:, None] <= segments["end_s"].to_numpy()[None, :] + 1e-6)
+        assert inside.any(axis=1).all(), key
     # Every phase shows up, and CIERA's codec runs in its own streams.
     assert {"fwd", "bwd", "recompute", "optim"} <= set(events["phase"])
     assert {"codec_send", "codec_recv"} <= set(events[events["run_id"].str.contains("-ciera-")]["stream"])

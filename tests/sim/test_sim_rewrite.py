@@ -448,3 +448,86 @@ def test_a_block_size_the_statistics_lack_is_one_line_naming_those_they_have(
 ) -> None:
     with pytest.raises(SimInputError, match=r"no exponent statistics at block size 4096 \(it has \[64, 128"):
         mean_block_change_rate(measured, 4096)
+
+
+def _with_gather_path(
+    bundle: traces.TraceBundle, run_ids: list[str], below_s: float = 2e-4
+) -> traces.TraceBundle:
+    """`bundle` as if `run_ids` had been captured with the engine's gather path recorded: their short
+    compute segments (under `below_s`: the host work around each engine call) relabelled `gather_host`."""
+    events = bundle.events
+    short = (events["end_s"] - events["start_s"]) < below_s
+    chosen = events["run_id"].isin(run_ids) & (events["stream"] == "compute") & short
+    stream = events["stream"].astype(object).where(~chosen, "gather_host")
+    return dataclasses.replace(bundle, events=events.assign(stream=stream.astype(events["stream"].dtype)))
+
+
+def test_a_recorded_engine_gather_path_replaces_the_plain_one_with_cieras_measured_one(
+    measured: traces.TraceBundle,
+) -> None:
+    codec, plain = _run(measured, "ciera", 2, CLUSTER), _run(measured, "zero3", 2, CLUSTER)
+    bundle = _with_gather_path(measured, [codec.run_id, plain.run_id])
+    figures = fit_codec_figures(
+        bundle, [codec.run_id], {codec.run_id: plain.run_id}, {codec.run_id: parameter_sizes(bundle, 2)},
+        mean_block_change_rate(bundle, int(codec.block_size)),
+    )  # fmt: skip
+    # CIERA's path per call: its gather_host work per rank and iteration over its calls; no glue by difference.
+    events = bundle.events[bundle.events["run_id"] == codec.run_id]
+    work = main_thread_work_s(bundle, codec)
+    rank_iterations = events.groupby(["iteration", "rank"]).ngroups
+    calls = int(((events["stream"] == "allgather") & (events["raw_bytes"] > 0)).sum()) / rank_iterations
+    path = work[events["stream"] == "gather_host"].sum() / rank_iterations / calls
+    assert figures.gather_host_s_per_call == pytest.approx(path, rel=1e-9) and path > 0
+    assert figures.glue_s_per_gather == 0.0
+    assert "replaced by CIERA's" in figures.describe() and "(measured)" in figures.describe()
+    # The rewrite drops the plain run's gather path and spends CIERA's, half with each encode and decode.
+    graph = build_graph(_iteration(bundle, plain.run_id))
+    assert (graph.stream == "gather_host").sum() > 0
+    spec = measured_cluster(bundle.collectives, plain)
+    sizes = parameter_sizes(bundle, 2)
+    rewritten = ciera_graph(graph, "zero3", figures, sizes, lambda op, w: spec.curves[op].time_s(w))
+    on_path = rewritten.stream == "gather_host"
+    assert on_path.sum() == (graph.stream == "gather_host").sum()
+    assert (rewritten.duration_s[on_path] == 0).all()
+    gathers = np.flatnonzero((rewritten.stream == "allgather") & (rewritten.rank == 0))
+    layout = ParameterLayout(sizes)
+    d, e, f = figures.decode_s
+    expected = sum(
+        d + e * layout.shards("zero3", r, int(lay)) + f * r / 2 + path / 2
+        for r, lay in zip(rewritten.raw_bytes[gathers], rewritten.layer[gathers], strict=True)
+    )
+    decode = rewritten.duration_s[(rewritten.stream == "codec_recv") & (rewritten.rank == 0)].sum()
+    assert decode == pytest.approx(expected, rel=1e-6)
+    # End to end through the depth rewrite and the evaluator: in sample, near the codec run's time.
+    seen = dataclasses.replace(bundle, events=bundle.events[bundle.events["run_id"] == plain.run_id])
+    seen = dataclasses.replace(seen, runs=bundle.runs[bundle.runs["run_id"] == plain.run_id])
+    prediction = predict_run(
+        seen, codec, measured_cluster(bundle.collectives, codec), bundle.collectives,
+        CieraOn(figures, "zero3", "zero3"),
+    )  # fmt: skip
+    measured_s = bundle.iterations.loc[bundle.iterations["run_id"] == codec.run_id, "iteration_s"].median()
+    assert abs(prediction.iteration_s / measured_s - 1) < 0.05
+
+
+def test_without_the_plain_runs_gather_path_the_glue_is_read_by_difference(
+    measured: traces.TraceBundle,
+) -> None:
+    codec, plain = _run(measured, "ciera", 2, CLUSTER), _run(measured, "zero3", 2, CLUSTER)
+    only_codec = _with_gather_path(measured, [codec.run_id])
+    figures = fit_codec_figures(
+        only_codec, [codec.run_id], {codec.run_id: plain.run_id}, {codec.run_id: parameter_sizes(measured, 2)},
+        mean_block_change_rate(measured, int(codec.block_size)),
+    )  # fmt: skip
+    assert figures.gather_host_s_per_call is None and "minus the plain run's" in figures.describe()
+    # Figures that replace the path, on an anchor that never recorded it: one line, not a double count.
+    both = _with_gather_path(measured, [codec.run_id, plain.run_id])
+    replacing = fit_codec_figures(
+        both, [codec.run_id], {codec.run_id: plain.run_id}, {codec.run_id: parameter_sizes(measured, 2)},
+        mean_block_change_rate(measured, int(codec.block_size)),
+    )  # fmt: skip
+    graph = build_graph(_iteration(measured, plain.run_id))
+    spec = measured_cluster(measured.collectives, plain)
+    with pytest.raises(SimInputError, match="records no engine gather path"):
+        ciera_graph(
+            graph, "zero3", replacing, parameter_sizes(measured, 2), lambda op, w: spec.curves[op].time_s(w)
+        )

@@ -356,16 +356,21 @@ def test_the_zero3_codec_run_predicted_in_sample_from_its_plain_run(measured: tr
     # The codec figures come from this run; what is left is the rewrite's own bias (+3.9 % when the
     # figures were fitted to measured durations, which the evaluator's shared cores then slowed again).
     figures, codec, plain = _codec_fit(measured, "ciera")
-    seen = dataclasses.replace(measured, events=measured.events[measured.events["run_id"] == plain.run_id])
-    seen = dataclasses.replace(seen, runs=measured.runs[measured.runs["run_id"] == plain.run_id])
+    assert abs(_in_sample_error(measured, figures, codec, plain)) < 0.025
+
+
+def _in_sample_error(
+    bundle: traces.TraceBundle, figures: CodecFigures, codec: pd.Series, plain: pd.Series
+) -> float:
+    """The codec run predicted from its plain twin alone (the seen bundle holds only that run), as an error."""
+    seen = dataclasses.replace(bundle, events=bundle.events[bundle.events["run_id"] == plain.run_id])
+    seen = dataclasses.replace(seen, runs=bundle.runs[bundle.runs["run_id"] == plain.run_id])
     prediction = predict_run(
-        seen, codec, measured_cluster(measured.collectives, codec), measured.collectives,
+        seen, codec, measured_cluster(bundle.collectives, codec), bundle.collectives,
         CieraOn(figures, "zero3", "zero3"),
     )  # fmt: skip
-    measured_s = measured.iterations.loc[
-        measured.iterations["run_id"] == codec.run_id, "iteration_s"
-    ].median()
-    assert abs(prediction.iteration_s / measured_s - 1) < 0.025
+    measured_s = bundle.iterations.loc[bundle.iterations["run_id"] == codec.run_id, "iteration_s"].median()
+    return prediction.iteration_s / measured_s - 1
 
 
 @pytest.mark.parametrize("system", ["ciera", "ciera-fsdp"])
@@ -499,14 +504,7 @@ def test_a_recorded_engine_gather_path_replaces_the_plain_one_with_cieras_measur
     decode = rewritten.duration_s[(rewritten.stream == "codec_recv") & (rewritten.rank == 0)].sum()
     assert decode == pytest.approx(expected, rel=1e-6)
     # End to end through the depth rewrite and the evaluator: in sample, near the codec run's time.
-    seen = dataclasses.replace(bundle, events=bundle.events[bundle.events["run_id"] == plain.run_id])
-    seen = dataclasses.replace(seen, runs=bundle.runs[bundle.runs["run_id"] == plain.run_id])
-    prediction = predict_run(
-        seen, codec, measured_cluster(bundle.collectives, codec), bundle.collectives,
-        CieraOn(figures, "zero3", "zero3"),
-    )  # fmt: skip
-    measured_s = bundle.iterations.loc[bundle.iterations["run_id"] == codec.run_id, "iteration_s"].median()
-    assert abs(prediction.iteration_s / measured_s - 1) < 0.05
+    assert abs(_in_sample_error(bundle, figures, codec, plain)) < 0.05
 
 
 def test_without_the_plain_runs_gather_path_the_glue_is_read_by_difference(

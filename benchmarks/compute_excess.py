@@ -77,21 +77,17 @@ def compute_excess(bundle: traces.TraceBundle, plain: str, codec: str) -> list[d
             computing = events["stream"].isin(("compute", "optim"))
             measured = (events["end_s"] - events["start_s"]).where(computing, 0.0)
             try:
-                work = sim.main_thread_work_s(bundle, run).where(computing, 0.0)
-                work_s = _per_rank_iteration(events, work)
+                all_work = sim.main_thread_work_s(bundle, run)
             except sim.SimInputError:  # no sweep of that cluster: the work cannot be read
-                work_s = None
+                all_work = None
+            work_s = None if all_work is None else _per_rank_iteration(events, all_work.where(computing, 0.0))
             calls = (events["stream"] == "codec_send").astype(float)
             path = events["stream"] == "gather_host"
+            host_s = host_work_s = None
             if path.any():
                 host_s = _per_rank_iteration(events, (events["end_s"] - events["start_s"]).where(path, 0.0))
-                host_work_s = (
-                    None
-                    if work_s is None
-                    else _per_rank_iteration(events, sim.main_thread_work_s(bundle, run).where(path, 0.0))
-                )
-            else:
-                host_s = host_work_s = None
+                if all_work is not None:
+                    host_work_s = _per_rank_iteration(events, all_work.where(path, 0.0))
             figures[system] = {
                 "gather_host_s": host_s,
                 "gather_host_work_s": host_work_s,

@@ -47,6 +47,7 @@ from .rewrite import compute_scale, main_work_s, run_transport_s, traced_cluster
 from .system_rewrite import AnchorTime, insert_codec, rescaled_duration
 
 SIGN_MANTISSA_FRACTION = {"bf16": 0.5, "fp16": 11 / 16}
+COMPUTE_STREAMS = ("compute", "optim")
 FIRST_PHASES = ("fwd",)  # the first gather of a parameter after the optimizer step
 PLAIN_ENGINE = {"ciera": "zero3", "ciera-fsdp": "fsdp"}  # a CIERA system → the engine it runs in
 # The runtime's default pipelining threshold (ciera_runtime.bucket: a call of at least 2 × part_bytes
@@ -190,13 +191,16 @@ def fit_codec_figures(
             events.groupby(["iteration", "rank"]).ngroups, 1
         )
         if (events["stream"] == "gather_host").any():
-            gather_host.append(_stream_work_s(events, "gather_host") / max(calls, 1.0))
+            gather_host.append(_work_s(events, ("gather_host",)) / max(calls, 1.0))
         plain_id = plain_runs.get(run_id)
         if plain_id is not None:
             plain_run = bundle.runs[bundle.runs["run_id"] == plain_id].iloc[0]
             plain = bundle.events[bundle.events["run_id"] == plain_id]
             plain = plain.assign(work_s=main_thread_work_s(bundle, plain_run))
-            glue.append((_main_compute_s(events) - _main_compute_s(plain)) / max(calls, 1.0))
+            # Compute and optimizer segments: the work outside the codec (and outside a recorded gather path).
+            glue.append(
+                (_work_s(events, COMPUTE_STREAMS) - _work_s(plain, COMPUTE_STREAMS)) / max(calls, 1.0)
+            )
             plain_paths.append(bool((plain["stream"] == "gather_host").any()))
     if not encode_rows:
         raise SimInputError("codec runs: no CIERA gathers to fit the codec figures to")
@@ -261,16 +265,9 @@ def fit_system_figures(
     return fit_codec_figures(bundle, codec_runs, pairs, parameters, change_rate)
 
 
-def _stream_work_s(frame: pd.DataFrame, stream: str) -> float:
-    """One stream's main-thread work per rank and iteration (`work_s`, at a full core)."""
-    chosen = frame[frame["stream"] == stream]
-    return float(chosen["work_s"].sum()) / max(frame.groupby(["iteration", "rank"]).ngroups, 1)
-
-
-def _main_compute_s(frame: pd.DataFrame) -> float:
-    """Main-thread work outside the codec per rank and iteration (compute and optimizer segments, at a
-    full core: `work_s`)."""
-    chosen = frame[frame["stream"].isin(("compute", "optim"))]
+def _work_s(frame: pd.DataFrame, streams: tuple[str, ...]) -> float:
+    """Main-thread work on `streams` per rank and iteration (`work_s`, at a full core)."""
+    chosen = frame[frame["stream"].isin(streams)]
     return float(chosen["work_s"].sum()) / max(frame.groupby(["iteration", "rank"]).ngroups, 1)
 
 

@@ -1008,7 +1008,7 @@ def _op_name(graph: OpGraph, index: int) -> str:
     stream, layer, phase = str(graph.stream[index]), int(graph.layer[index]), str(graph.phase[index])
     what = {
         "compute": phase,
-        "gather_host": f"gather host path {phase}",
+        "gather_host": "gather host path",
         "optim": "optimizer step",
         "codec_send": "hash+compress",
         "codec_recv": "decompress",

@@ -93,15 +93,6 @@ def load_held_out(path: Path) -> HeldOut:
     )
 
 
-def _subset(bundle: traces.TraceBundle, run_ids: set[str]) -> traces.TraceBundle:
-    """The seen runs, and every run without events (exponent statistics: inputs, never held out)."""
-    statistics = set(bundle.runs["run_id"]) - set(bundle.events["run_id"].unique())
-    run_ids = run_ids | statistics
-    keep = {name: bundle.table(name)[bundle.table(name)["run_id"].isin(run_ids)] for name in
-            ("runs", "layers", "iterations", "exponents", "events", "shard_changes")}  # fmt: skip
-    return dataclasses.replace(bundle, **keep)
-
-
 def category(run: pd.Series, seen_runs: pd.DataFrame) -> str:
     """What the held-out run has that no seen run has (the first of system, topology, link, depth)."""
     if not seen_runs["system"].eq(run["system"]).any():
@@ -183,7 +174,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
     seen_runs, target_runs = measured_runs[is_seen], measured_runs[~is_seen & ~is_codec]
     if target_runs.empty:
         raise ValidationInputError(f"{held_out.origin}: every measured run is seen; nothing is held out")
-    seen = _subset(bundle, set(seen_runs["run_id"]))
+    seen = bundle.with_runs(set(seen_runs["run_id"]))
     measured_s = bundle.iterations.groupby("run_id")["iteration_s"].median()
 
     replay_rows = []

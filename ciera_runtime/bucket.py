@@ -216,15 +216,26 @@ class _Header:
     crcs: tuple[int, ...]
 
 
+_HEADER_STRUCT = struct.Struct(f"<{len(_HEADER_FIELDS)}q")
+_HEADER_CRC = struct.Struct("<II")
+_NO_REASON = np.frombuffer(protocol._encode_reason(""), dtype=np.uint8)
+_ENTRY_TABLES: dict[int, struct.Struct] = {}  # shards per bucket → the entry table's layout
+
+
 def _pack_header(values: dict, reason: str, entries: list[int], crcs: list[int], out: np.ndarray) -> None:
-    body = (
-        struct.pack(f"<{len(_HEADER_FIELDS)}q", BUCKET_MAGIC, *(int(values[n]) for n in _HEADER_FIELDS[1:]))
-        + protocol._encode_reason(reason)
-        + struct.pack(f"<{len(entries)}q", *entries)
-        + struct.pack(f"<{len(crcs)}q", *crcs)
+    """Write the header (fields, reason, entry table, CRC-32 of all that) at the start of ``out``; every
+    call of every bucket writes one, so it is packed in place."""
+    n = len(entries)
+    table = _ENTRY_TABLES.get(n)
+    if table is None:
+        table = _ENTRY_TABLES[n] = struct.Struct(f"<{2 * n}q")
+    _HEADER_STRUCT.pack_into(out, 0, BUCKET_MAGIC, *(int(values[name]) for name in _HEADER_FIELDS[1:]))
+    out[_HEADER_STRUCT.size : _HEADER_FIXED_BYTES] = (
+        np.frombuffer(protocol._encode_reason(reason), dtype=np.uint8) if reason else _NO_REASON
     )
-    out[: len(body)] = np.frombuffer(body, dtype=np.uint8)
-    out[len(body) : len(body) + 8] = np.frombuffer(struct.pack("<II", zlib.crc32(body), 0), dtype=np.uint8)
+    table.pack_into(out, _HEADER_FIXED_BYTES, *entries, *crcs)
+    end = _HEADER_FIXED_BYTES + table.size
+    _HEADER_CRC.pack_into(out, end, zlib.crc32(out[:end]), 0)
 
 
 def _unpack_header(row: np.ndarray, n_shards: int) -> _Header | None:
@@ -504,12 +515,18 @@ class BucketGather:
         from ciera_runtime.allgather import _all_gather_single
 
         name = group.group_name
-        open_rounds = self._rounds_open[name]
-        open_rounds[:] = [entry for entry in open_rounds if not entry[2].is_completed()]
         work = _all_gather_single(recv, torch.from_numpy(send), group=group, async_op=True)
-        open_rounds.append((self._rounds_posted[name], send.size, work))
+        # Dropped again when a wait sees it finished (_wait); the drain skips any that finished since.
+        self._rounds_open[name].append((self._rounds_posted[name], send.size, work))
         self._rounds_posted[name] += 1
         return work
+
+    def _round_finished(self, work) -> None:
+        for open_rounds in self._rounds_open.values():
+            for at, entry in enumerate(open_rounds):
+                if entry[2] is work:
+                    del open_rounds[at]
+                    return
 
     def _drain(self) -> None:
         """Pair the rounds a failure left unpaired on the old groups, then wait for them.
@@ -726,6 +743,7 @@ class BucketGather:
                 left_s = deadline_s - time.perf_counter()
                 try:
                     work.wait(timeout=timedelta(seconds=max(1e-3, min(WAIT_SLICE_S, left_s))))
+                    self._round_finished(work)
                     return
                 except RuntimeError as error:
                     text = str(error)

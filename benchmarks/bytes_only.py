@@ -1,7 +1,7 @@
-"""What CIERA's bytes alone could buy on each captured run, against what its measured runs got — by the
-simulator's own rewrite, the one `ciera validate sim` checks. Reads a bundle; starts no rank.
+"""What CIERA's bytes alone buy on each captured run, against what its measured runs got — by the
+simulator's own CIERA rewrite, the one `ciera validate sim` checks. Reads a bundle; starts no rank.
 
-    python benchmarks/bytes_bound.py [--bundle measured] [--held-out FILE] [--runs SUBSTRING] [--json F]
+    python benchmarks/bytes_only.py [--bundle measured] [--held-out FILE] [--runs SUBSTRING] [--json F]
 
 For every (cluster, depth) where the bundle has a plain engine's run and its CIERA twin (ZeRO-3 and
 ZeRO-3 + CIERA, FSDP2 and FSDP2 + CIERA), three predictions from the plain run's own graphs (no depth or
@@ -13,12 +13,14 @@ cluster rewrite: the anchor is the run itself), by `sim.predict_run`:
   nothing else changes: no encode, no decode, no host time beyond the engine's own;
 - ``ciera_s``: the CIERA rewrite with the figures as fitted (what `ciera validate sim` predicts).
 
-``bytes_bound`` = plain_s / bytes_only_s: the most any runtime sending these bytes could gain on that run
-(the simulator's counterpart of `benchmarks/train_step.py`'s T_plain / (T_plain − (1 − r)·T_allgather),
-here with the traced overlap: a gather hidden behind compute saves nothing). Beside it the measured
-speedup (plain run's median over the CIERA twin's) and ``codec_cost_s``: ciera_s − bytes_only_s, what
-the codec and its host work cost the iteration in the rewrite. A run where the bound is near 1 cannot
-pay whatever the runtime does: its gathers are not what the iteration waits for.
+``bytes_only_speedup`` = plain_s / bytes_only_s: the most a runtime sending these bytes gains on that
+run's schedule — a gather hidden behind compute saves nothing. It is neither `benchmarks/train_step.py`'s
+bytes bound T_plain / (T_plain − (1 − r)·T_allgather), which takes every gather's saved time off the
+step, nor a simulate record's `bound_speedup`, which assumes perfect overlap. Beside it the measured
+speedup (the plain run's median over the CIERA twin's), the rewrite's predicted one, and
+``codec_cost_s`` = ciera_s − bytes_only_s: what the codec and its host work cost the iteration in the
+rewrite. Where the bytes-only speedup is near 1 no runtime can pay: the gathers are not what the
+iteration waits for.
 
 The codec figures are fitted as `ciera validate sim` fits them: to the held-out file's codec runs
 (default: the bundle's own held-out file).
@@ -58,7 +60,9 @@ def bytes_only(figures: CodecFigures) -> CodecFigures:
     )
 
 
-def bounds(bundle: traces.TraceBundle, codec_runs: tuple[str, ...], runs_containing: str = "") -> list[dict]:
+def speedups(
+    bundle: traces.TraceBundle, codec_runs: tuple[str, ...], runs_containing: str = ""
+) -> list[dict]:
     runs = bundle.runs_with_events()
     measured = runs[runs["source"] == "measured"]
     medians = bundle.iterations.groupby("run_id")["iteration_s"].median()
@@ -96,7 +100,7 @@ def bounds(bundle: traces.TraceBundle, codec_runs: tuple[str, ...], runs_contain
                 "measured_plain_s": measured_plain, "measured_ciera_s": measured_codec,
                 "measured_speedup": measured_plain / measured_codec,
                 "plain_s": plain_s, "bytes_only_s": predicted["bytes_only"], "ciera_s": predicted["ciera"],
-                "bytes_bound": plain_s / predicted["bytes_only"],
+                "bytes_only_speedup": plain_s / predicted["bytes_only"],
                 "predicted_speedup": plain_s / predicted["ciera"],
                 "codec_cost_s": predicted["ciera"] - predicted["bytes_only"],
             })  # fmt: skip
@@ -113,24 +117,22 @@ def main() -> None:
     try:
         held_out_path = args.held_out or default_held_out_path(args.bundle)
         if held_out_path is None:
-            parser.exit(2, f"bytes_bound.py: bundle {args.bundle!r} has no held-out file; give --held-out\n")
+            parser.exit(2, f"bytes_only.py: bundle {args.bundle!r} has no held-out file; give --held-out\n")
         held_out = load_held_out(held_out_path)
         bundle = traces.read_bundle(traces.resolve_bundle(args.bundle))
         missing = sorted(set(held_out.codec_runs) - set(bundle.runs["run_id"]))
         if missing:
-            parser.exit(
-                2, f"bytes_bound.py: {held_out_path}: codec run {missing[0]!r} is not in the bundle\n"
-            )
-        rows = bounds(bundle, held_out.codec_runs, args.runs)
+            parser.exit(2, f"bytes_only.py: {held_out_path}: codec run {missing[0]!r} is not in the bundle\n")
+        rows = speedups(bundle, held_out.codec_runs, args.runs)
     except (traces.TraceError, ValidationInputError, sim.SimInputError, OSError, ValueError) as error:
-        parser.exit(2, f"bytes_bound.py: {error}\n")
+        parser.exit(2, f"bytes_only.py: {error}\n")
     if not rows:
         parser.exit(
-            2, f"bytes_bound.py: {args.bundle}: no plain run with a CIERA twin (matching {args.runs!r})\n"
+            2, f"bytes_only.py: {args.bundle}: no plain run with a CIERA twin (matching {args.runs!r})\n"
         )
     for row in rows:
         print(
-            f"{row['codec_run']}: bytes bound {row['bytes_bound']:.3f}x, measured {row['measured_speedup']:.3f}x, "
+            f"{row['codec_run']}: bytes only {row['bytes_only_speedup']:.3f}x, measured {row['measured_speedup']:.3f}x, "
             f"predicted {row['predicted_speedup']:.3f}x; codec and host work {1e3 * row['codec_cost_s']:+.0f} ms "
             f"of {1e3 * row['plain_s']:.0f} ms",
             file=sys.stderr,
@@ -139,13 +141,13 @@ def main() -> None:
     for system in sorted({row["system"] for row in rows}):
         chosen = [row for row in rows if row["system"] == system]
         by_system[system] = {
-            "bytes_bound_median": float(np.median([row["bytes_bound"] for row in chosen])),
+            "bytes_only_speedup_median": float(np.median([row["bytes_only_speedup"] for row in chosen])),
             "measured_speedup_median": float(np.median([row["measured_speedup"] for row in chosen])),
             "runs_measured_faster": sum(row["measured_speedup"] > 1.0 for row in chosen),
             "runs": len(chosen),
         }
     emit_json(
-        {"benchmark": "bytes_bound", "bundle": args.bundle, "held_out": str(held_out_path),
+        {"benchmark": "bytes_only", "bundle": args.bundle, "held_out": str(held_out_path),
          "by_system": by_system, "rows": rows},
         args.json,
     )  # fmt: skip

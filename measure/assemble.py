@@ -82,6 +82,8 @@ def _run_row(
         "measured_link_Bps": float(topology["measured_link_Bps"]),
         "warmup_iterations": warmup,
         "clock_spread_s": float(run.get("clock_spread_s", 0.0)),
+        # Runs captured before it was recorded (and the exponent-statistics run) leave it NaN.
+        "reduce_bucket_size": float(schedule.get("reduce_bucket_size", math.nan)),
     }
 
 

@@ -78,6 +78,9 @@ class CapturePlan:
     prefetch_bucket_blocks: float | None = 1.0
     max_live_blocks: float | None = 1.0
     max_reuse_distance_blocks: float | None = 0.0
+    # Gradients are reduce-scattered in buckets of this many blocks during backward, as in a model far larger
+    # than DeepSpeed's default bucket (5e8 elements); the default would reduce the whole model at the end.
+    reduce_bucket_blocks: float | None = 1.0
     collectives: bool = True
     collectives_max_bytes: int = 64 << 20
     collectives_repetitions: int = 5
@@ -160,6 +163,7 @@ def layer_jobs(plan: CapturePlan) -> list[tuple[Topology, LayersJob]]:
                     prefetch_bucket_size=_blocks_to_elements(plan.prefetch_bucket_blocks, one_block),
                     max_live_parameters=_blocks_to_elements(plan.max_live_blocks, one_block),
                     max_reuse_distance=_blocks_to_elements(plan.max_reuse_distance_blocks, one_block),
+                    reduce_bucket_size=_blocks_to_elements(plan.reduce_bucket_blocks, one_block),
                 )
                 job = LayersJob(
                     run_id=run_id_for(label, system, depth, topology),

@@ -90,6 +90,7 @@ class TrainConfig:
     prefetch_bucket_size: int | None = None  # DeepSpeed stage3_prefetch_bucket_size
     max_reuse_distance: int | None = None  # DeepSpeed stage3_max_reuse_distance
     max_live_parameters: int | None = None  # DeepSpeed stage3_max_live_parameters
+    reduce_bucket_size: int | None = None  # DeepSpeed reduce_bucket_size (gradients reduced per bucket)
     reshard_after_forward: bool = True  # FSDP2 fully_shard(reshard_after_forward=...)
     # Exponent statistics: after every step, the exponent and block change rates per category against the
     # step before (measure.exponents), from the full weights (a collective per parameter: slows the run).
@@ -258,6 +259,7 @@ def _ds_config(cfg: TrainConfig) -> dict:
                     ("stage3_prefetch_bucket_size", cfg.prefetch_bucket_size),
                     ("stage3_max_reuse_distance", cfg.max_reuse_distance),
                     ("stage3_max_live_parameters", cfg.max_live_parameters),
+                    ("reduce_bucket_size", cfg.reduce_bucket_size),
                 )
                 if value is not None
             },
@@ -326,6 +328,7 @@ class _Zero3Run(_EngineRun):
             "prefetch_bucket_size": int(zero.prefetch_bucket_size),
             "max_reuse_distance": int(zero.max_reuse_distance),
             "max_live_parameters": int(zero.max_live_parameters),
+            "reduce_bucket_size": int(zero.reduce_bucket_size),
             "reshard_after_forward": False,
         }
 
@@ -428,6 +431,7 @@ class _FsdpRun(_EngineRun):
             "prefetch_bucket_size": 0,
             "max_reuse_distance": 0,
             "max_live_parameters": 0,
+            "reduce_bucket_size": 0,
             "reshard_after_forward": self.cfg.reshard_after_forward,
         }
 

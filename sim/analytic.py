@@ -273,6 +273,8 @@ def _run_tables(
         "measured_link_Bps": 0.0,
         "warmup_iterations": 0,
         "clock_spread_s": 0.0,
+        # Not a bucket: the generator reduce-scatters each layer's gradients in that layer's backward.
+        "reduce_bucket_size": float("nan"),
     }
     event_frames: list[pd.DataFrame] = []
     exponent_rows: list[dict] = []

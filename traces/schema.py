@@ -123,6 +123,9 @@ RUNS = pa.schema(
         ("measured_link_Bps", pa.float64()),
         ("warmup_iterations", pa.int32()),
         ("clock_spread_s", pa.float64()),
+        # DeepSpeed's reduce_bucket_size (elements) of a ZeRO-3 run, 0 for other engines; NaN: not recorded
+        # (captures before 2026-12-05, analytic runs).
+        ("reduce_bucket_size", pa.float64()),
     ]
 )
 
@@ -225,7 +228,7 @@ POSITIVE_INT_COLUMNS = {
 }
 
 # Columns a file of this schema version may lack (read as NaN) and whose NaN means "not measured".
-OPTIONAL_COLUMNS = {("collectives", "transport_cpu_s")}
+OPTIONAL_COLUMNS = {("collectives", "transport_cpu_s"), ("runs", "reduce_bucket_size")}
 
 # Numeric columns with a floor other than 0: `events.layer` = -1 marks an event tied to no one layer.
 MINIMUM_VALUES: dict[tuple[str, str], int] = {("events", "layer"): -1}

@@ -27,6 +27,7 @@ def upgrade_v1_table(name: str, frame: pd.DataFrame) -> pd.DataFrame:
             measured_link_Bps=0.0,
             warmup_iterations=0,
             clock_spread_s=0.0,
+            reduce_bucket_size=np.nan,
         )
     elif name == "collectives":
         frame = frame.assign(

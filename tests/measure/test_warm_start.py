@@ -167,6 +167,22 @@ def test_capture_jobs_carry_block_size_and_warm_steps() -> None:
     assert steps["exponents"].iterations == 7 + 20
 
 
+def test_capture_jobs_scale_the_reduce_bucket_with_the_model() -> None:
+    from measure.train import _ds_config
+
+    plan = CapturePlan(model="mixtral-8x7b", width_scale=64, layers=(1, 2), systems=("zero3", "ciera"))
+    jobs = [job for _, job in layer_jobs(plan)]
+    one_block = {job.train.prefetch_bucket_size for job in jobs}  # one block's elements, like the prefetch
+    assert len(one_block) == 1 and one_block.pop() > 0
+    assert {job.train.reduce_bucket_size for job in jobs} == {jobs[0].train.prefetch_bucket_size}
+    zero = _ds_config(jobs[0].train)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"]
+    # None: DeepSpeed's own default (5e8 elements), which the config then leaves out.
+    default = [job for _, job in layer_jobs(dataclasses.replace(plan, reduce_bucket_blocks=None))]
+    assert {job.train.reduce_bucket_size for job in default} == {None}
+    assert "reduce_bucket_size" not in _ds_config(default[0].train)["zero_optimization"]
+
+
 def test_a_run_finished_before_the_new_fields_is_kept(tmp_path: Path) -> None:
     """A job.json written before `warm_steps` existed is the same job as today's with warm_steps 0."""
     plan = CapturePlan(model="mixtral-8x7b", width_scale=64, layers=(1,), systems=("zero3",))

@@ -41,6 +41,7 @@ def make_tiny_bundle(layers: int = 2, world_size: int = 4, iterations: int = 2) 
                 "measured_link_Bps": 77e6,
                 "warmup_iterations": 2,
                 "clock_spread_s": 2e-6,
+                "reduce_bucket_size": 500_000_000.0,
             }
         ]
     )

@@ -164,6 +164,29 @@ def test_round_trip_with_events_and_shard_changes(events_bundle, tmp_path):
         assert pq.read_schema(path / f"{name}.parquet").metadata[SCHEMA_VERSION_KEY] == b"2"
 
 
+def test_reduce_bucket_size_is_optional_nan_when_not_recorded_and_checked_when_it_is(events_bundle, tmp_path):
+    # A bundle written before the column existed: its runs file lacks it and reads as NaN.
+    path = traces.write_bundle(events_bundle, tmp_path / "b")
+    table = pq.read_table(path / "runs.parquet")
+    older = table.drop_columns(["reduce_bucket_size"])
+    pq.write_table(older.replace_schema_metadata(table.schema.metadata), path / "runs.parquet")
+    loaded = traces.read_bundle(path)
+    assert len(loaded.runs) and loaded.runs["reduce_bucket_size"].isna().all()
+    recorded = loaded.runs.assign(reduce_bucket_size=1_441_792.0)
+    again = traces.read_bundle(
+        traces.write_bundle(dataclasses.replace(loaded, runs=recorded), tmp_path / "c")
+    )
+    assert (again.runs["reduce_bucket_size"] == 1_441_792.0).all()
+    for bad, expected in (
+        (-1.0, r"value -1.*expected >= 0"),
+        (float("inf"), r"value inf, expected a finite number"),
+    ):
+        with pytest.raises(traces.TraceError, match=rf"column 'reduce_bucket_size': {expected}"):
+            traces.validate_bundle(
+                dataclasses.replace(loaded, runs=recorded.assign(reduce_bucket_size=bad)), "o"
+            )
+
+
 def test_transport_cpu_is_optional_nan_when_not_measured_and_checked_when_it_is(events_bundle, tmp_path):
     # A bundle written before the column existed: its collectives file lacks it and reads as NaN.
     path = traces.write_bundle(events_bundle, tmp_path / "b")
@@ -686,6 +709,7 @@ def test_v1_bundle_reads_upgraded_with_a_note(tiny_bundle, tmp_path):
         "clock_spread_s",
     ):
         assert (runs[column] == 0).all(), column
+    assert runs["reduce_bucket_size"].isna().all()  # not recorded
     assert not runs["reshard_after_forward"].any()
     collectives = loaded.collectives
     assert collectives["repetitions"].tolist() == [1]

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import traces
 from tests.traces.conftest import make_tiny_bundle
-from traces.schema import SCHEMA_VERSION_KEY, V1_TABLE_SCHEMAS, with_metadata
+from traces.schema import OPTIONAL_COLUMNS, SCHEMA_VERSION_KEY, V1_TABLE_SCHEMAS, with_metadata
 from traces.upgrade import V1_UPGRADE_NOTE
 
 LAYERS = 2  # traced blocks: layers 0..3
@@ -164,46 +164,34 @@ def test_round_trip_with_events_and_shard_changes(events_bundle, tmp_path):
         assert pq.read_schema(path / f"{name}.parquet").metadata[SCHEMA_VERSION_KEY] == b"2"
 
 
-def test_reduce_bucket_size_is_optional_nan_when_not_recorded_and_checked_when_it_is(events_bundle, tmp_path):
-    # A bundle written before the column existed: its runs file lacks it and reads as NaN.
+@pytest.mark.parametrize(
+    "table_name, column, value",
+    [("collectives", "transport_cpu_s", 0.25e-3), ("runs", "reduce_bucket_size", 1_441_792.0)],
+)
+def test_optional_columns_read_nan_when_absent_and_are_checked_when_present(
+    events_bundle, tmp_path, table_name: str, column: str, value: float
+):
+    assert (table_name, column) in OPTIONAL_COLUMNS
+    # A bundle written before the column existed: its file lacks it and reads as NaN (not measured).
     path = traces.write_bundle(events_bundle, tmp_path / "b")
-    table = pq.read_table(path / "runs.parquet")
-    older = table.drop_columns(["reduce_bucket_size"])
-    pq.write_table(older.replace_schema_metadata(table.schema.metadata), path / "runs.parquet")
+    table = pq.read_table(path / f"{table_name}.parquet")
+    older = table.drop_columns([column])
+    pq.write_table(older.replace_schema_metadata(table.schema.metadata), path / f"{table_name}.parquet")
     loaded = traces.read_bundle(path)
-    assert len(loaded.runs) and loaded.runs["reduce_bucket_size"].isna().all()
-    recorded = loaded.runs.assign(reduce_bucket_size=1_441_792.0)
+    assert len(loaded.table(table_name)) and loaded.table(table_name)[column].isna().all()
+    # Recorded values round-trip; a negative or infinite one is refused in one line.
+    recorded = loaded.table(table_name).assign(**{column: value})
     again = traces.read_bundle(
-        traces.write_bundle(dataclasses.replace(loaded, runs=recorded), tmp_path / "c")
+        traces.write_bundle(dataclasses.replace(loaded, **{table_name: recorded}), tmp_path / "c")
     )
-    assert (again.runs["reduce_bucket_size"] == 1_441_792.0).all()
+    assert (again.table(table_name)[column] == value).all()
     for bad, expected in (
         (-1.0, r"value -1.*expected >= 0"),
         (float("inf"), r"value inf, expected a finite number"),
     ):
-        with pytest.raises(traces.TraceError, match=rf"column 'reduce_bucket_size': {expected}"):
-            traces.validate_bundle(
-                dataclasses.replace(loaded, runs=recorded.assign(reduce_bucket_size=bad)), "o"
-            )
-
-
-def test_transport_cpu_is_optional_nan_when_not_measured_and_checked_when_it_is(events_bundle, tmp_path):
-    # A bundle written before the column existed: its collectives file lacks it and reads as NaN.
-    path = traces.write_bundle(events_bundle, tmp_path / "b")
-    table = pq.read_table(path / "collectives.parquet")
-    older = table.drop_columns(["transport_cpu_s"])
-    pq.write_table(older.replace_schema_metadata(table.schema.metadata), path / "collectives.parquet")
-    loaded = traces.read_bundle(path)
-    assert len(loaded.collectives) and loaded.collectives["transport_cpu_s"].isna().all()
-    # Measured values round-trip; a negative one is refused in one line.
-    measured = loaded.collectives.assign(transport_cpu_s=0.25e-3)
-    again = traces.read_bundle(
-        traces.write_bundle(dataclasses.replace(loaded, collectives=measured), tmp_path / "c")
-    )
-    assert (again.collectives["transport_cpu_s"] == 0.25e-3).all()
-    negative = measured.assign(transport_cpu_s=-1.0)
-    with pytest.raises(traces.TraceError, match=r"column 'transport_cpu_s': value -1.*expected >= 0"):
-        traces.validate_bundle(dataclasses.replace(loaded, collectives=negative), "origin")
+        bad_table = recorded.assign(**{column: bad})
+        with pytest.raises(traces.TraceError, match=rf"column '{column}': {expected}"):
+            traces.validate_bundle(dataclasses.replace(loaded, **{table_name: bad_table}), "origin")
 
 
 def test_seven_tables_and_five_table_construction_still_works():

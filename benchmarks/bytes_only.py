@@ -39,11 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sim  # noqa: E402
 import traces  # noqa: E402
-from sim.ciera_rewrite import PLAIN_ENGINE, CodecFigures, fit_system_figures  # noqa: E402
+from sim.ciera_rewrite import PLAIN_ENGINE, CodecFigures  # noqa: E402
 from sim.predict import CieraOn  # noqa: E402
 from sim.rewrite import measured_cluster  # noqa: E402
 from validation.sim_check import (  # noqa: E402
+    HeldOut,
     ValidationInputError,
+    codec_figures,
     default_held_out_path,
     load_held_out,
 )
@@ -60,18 +62,18 @@ def bytes_only(figures: CodecFigures) -> CodecFigures:
     )
 
 
-def speedups(
-    bundle: traces.TraceBundle, codec_runs: tuple[str, ...], runs_containing: str = ""
-) -> list[dict]:
+def speedups(bundle: traces.TraceBundle, held_out: HeldOut, runs_containing: str = "") -> list[dict]:
     runs = bundle.runs_with_events()
     measured = runs[runs["source"] == "measured"]
     medians = bundle.iterations.groupby("run_id")["iteration_s"].median()
     rows = []
+    # The figures `ciera validate sim` fits: each codec run paired with its plain twin (here among every
+    # measured run, the seen ones included: the same twin).
+    fitted = codec_figures(bundle, bundle, held_out, measured)
     for system, engine in PLAIN_ENGINE.items():
-        chosen = [r for r in codec_runs if r in set(measured.loc[measured["system"] == system, "run_id"])]
-        if not chosen:
+        figures = fitted.get(system)
+        if figures is None:
             continue
-        figures = fit_system_figures(bundle, system, chosen, measured)
         variants = {
             "ciera": CieraOn(figures, engine, engine),
             "bytes_only": CieraOn(bytes_only(figures), engine, engine),
@@ -96,7 +98,7 @@ def speedups(
             rows.append({
                 "cluster": cluster, "layers": int(layers), "system": system,
                 "plain_run": str(plain_row["run_id"]), "codec_run": str(codec_row["run_id"]),
-                "in_sample": str(codec_row["run_id"]) in chosen,
+                "in_sample": str(codec_row["run_id"]) in held_out.codec_runs,
                 "measured_plain_s": measured_plain, "measured_ciera_s": measured_codec,
                 "measured_speedup": measured_plain / measured_codec,
                 "plain_s": plain_s, "bytes_only_s": predicted["bytes_only"], "ciera_s": predicted["ciera"],
@@ -123,7 +125,7 @@ def main() -> None:
         missing = sorted(set(held_out.codec_runs) - set(bundle.runs["run_id"]))
         if missing:
             parser.exit(2, f"bytes_only.py: {held_out_path}: codec run {missing[0]!r} is not in the bundle\n")
-        rows = speedups(bundle, held_out.codec_runs, args.runs)
+        rows = speedups(bundle, held_out, args.runs)
     except (traces.TraceError, ValidationInputError, sim.SimInputError, OSError, ValueError) as error:
         parser.exit(2, f"bytes_only.py: {error}\n")
     if not rows:

@@ -136,10 +136,11 @@ def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -
     }
 
 
-def _codec_figures(
+def codec_figures(
     bundle: traces.TraceBundle, seen: traces.TraceBundle, held_out: HeldOut, seen_runs: pd.DataFrame
 ) -> dict[str, CodecFigures | None]:
-    """Per CIERA system: its codec figures, fitted to the held-out file's codec runs of that system."""
+    """Per CIERA system: its codec figures, fitted to the held-out file's codec runs of that system (each
+    paired with its plain twin among `seen_runs`; the statistics from `seen`)."""
     runs = bundle.runs.set_index("run_id")
     figures: dict[str, CodecFigures | None] = {}
     for system in PLAIN_ENGINE:
@@ -188,7 +189,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
             "max_iteration_error": float(per_iteration["error"].abs().max()),
         })  # fmt: skip
 
-    figures = _codec_figures(bundle, seen, held_out, seen_runs)
+    figures = codec_figures(bundle, seen, held_out, seen_runs)
     predicted: dict[str, tuple[float | None, str]] = {}
     anchors: dict[str, dict[str, Any]] = {}  # each anchor's in-sample calibration, as predictions used it
     simulated_events = 0

@@ -1,7 +1,7 @@
 """The training thread's time per engine all-gather on the bucket path, against the plain gather's.
 
     python benchmarks/bucket_host.py --json out/bucket_host.json [--values 65536] [--shards 1,4,16,32]
-        [--iterations 20] [--q 0.4]
+        [--iterations 20] [--q 0.4] [--one-call-min-shards N]
 
 Two spawned gloo ranks on loopback, one torch and one numba thread each (what `ciera measure` gives a
 rank). Each rank holds a bucket of ``--values`` BF16 values per rank, cut into S equal shards for every S
@@ -9,8 +9,11 @@ of ``--shards`` (the same bytes, more parameters): what DeepSpeed's coalesced fe
 hands CIERA. Every iteration a share q of each shard's 64-value blocks get one exponent moved by one, then
 the bucket is gathered three times (forward, recompute, backward), as the engines do.
 
-Per S, per engine call (each rank's median over the timed calls, after 5 warm-up iterations; the mean of
-the two ranks):
+Per S, two rows, one per ``path``: ``one_call`` (the bucket's shards encoded and rebuilt in one compiled
+call each, ciera_runtime/bucket_codec.py) and ``per_shard`` (the same engine with those passes switched
+off: the loop they replace), each its own engine, gathering the same values in turn, gather for gather;
+the outputs are one buffer per bucket, as the engines pass them. Per engine call (each rank's median over
+the timed calls, after 5 warm-up iterations; the mean of the two ranks):
 
 - ``ciera_host_us``: CIERA's whole time on the calling thread (``CompressedAllGather.stats.host_s``:
   packing, encode, issue, unpack, decode; network waits left out), split into ``encode_us``,
@@ -45,6 +48,9 @@ SAMPLED = (
     "ciera_host_us", "encode_us", "decode_us", "glue_us", "ciera_wall_us", "plain_issue_us", "plain_wall_us",
 )  # fmt: skip
 GATHERS_PER_ITERATION = 3  # forward, recompute, backward
+# The bucket's shards encoded and rebuilt in one compiled call each (ciera_runtime/bucket_codec.py), and the
+# per-shard loop it replaces where it applies (the baseline, measured in the same run, gather for gather).
+PATHS = ("one_call", "per_shard")
 
 
 def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -53,7 +59,7 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
     import torch
     import torch.distributed as dist
 
-    from ciera_runtime import CodecConfig, CompressedAllGather
+    from ciera_runtime import CodecConfig, CompressedAllGather, bucket_codec
     from ciera_runtime.selection import perturb_blocks
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -61,6 +67,9 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
     torch.set_num_threads(1)
     numba.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    usable = bucket_codec.usable
+    if args.one_call_min_shards is not None:
+        bucket_codec.MIN_SHARDS = args.one_call_min_shards
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     rng = np.random.default_rng(100 + rank)
     rows = []
@@ -70,26 +79,22 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
             ((rng.standard_normal(numel) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
             for _ in range(shards)
         ]
-        engine = CompressedAllGather(config=CodecConfig())
         ids = tuple(range(shards))
-        for shard_id in ids:
-            engine.register(shard_id, numel, torch.bfloat16)
-        outputs = [torch.empty(world_size * numel, dtype=torch.bfloat16) for _ in ids]
+        engines = {}
+        for path in PATHS:
+            engine = engines[path] = CompressedAllGather(config=CodecConfig())
+            for shard_id in ids:
+                engine.register(shard_id, numel, torch.bfloat16)
         flat_out = torch.empty(world_size * numel * shards, dtype=torch.bfloat16)
         mismatches = 0
-        samples: dict[str, list[float]] = {key: [] for key in SAMPLED}
-        bytes_sent = raw_bytes = 0
+        samples = {path: {key: [] for key in SAMPLED} for path in PATHS}
+        sent = dict.fromkeys(PATHS, 0)
+        raw_bytes = 0
         for iteration in range(WARMUP_ITERATIONS + args.iterations):
             timed = iteration >= WARMUP_ITERATIONS
             bits = [perturb_blocks(b, args.q, 64, "bf16", rng) for b in bits]
             weights = [torch.from_numpy(b.view(np.int16)).view(torch.bfloat16) for b in bits]
             for _ in range(GATHERS_PER_ITERATION):
-                dist.barrier()
-                before = (engine.stats.host_s, engine.stats.encode_s, engine.stats.decode_s)
-                sent_before = engine.stats.bytes_sent
-                start_s = time.perf_counter()
-                got = engine.all_gather_bucket(weights, ids, outputs).wait()
-                ciera_s = time.perf_counter() - start_s
                 dist.barrier()
                 start_s = time.perf_counter()
                 flat = torch.cat(weights)
@@ -99,33 +104,54 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
                 plain_s = time.perf_counter() - start_s
                 # The raw gather's layout: rank r's flat bucket, so shard k of rank r sits at r·S·n + k·n.
                 expected = flat_out.view(world_size, shards, numel)
-                for k, result in enumerate(got):
-                    mismatches += int(
-                        (result.view(world_size, numel).view(torch.int16) != expected[:, k].view(torch.int16))
-                        .sum()
-                        .item()
+                for path, engine in engines.items():
+                    # The engines' layout: one buffer for the bucket's outputs (zero3.py).
+                    outputs = list(
+                        torch.empty(world_size * numel * shards, dtype=torch.bfloat16).split(
+                            world_size * numel
+                        )
                     )
+                    bucket_codec.usable = usable if path == "one_call" else (lambda: False)
+                    dist.barrier()
+                    before = (engine.stats.host_s, engine.stats.encode_s, engine.stats.decode_s)
+                    sent_before = engine.stats.bytes_sent
+                    start_s = time.perf_counter()
+                    got = engine.all_gather_bucket(weights, ids, outputs).wait()
+                    ciera_s = time.perf_counter() - start_s
+                    bucket_codec.usable = usable
+                    for k, result in enumerate(got):
+                        mismatches += int(
+                            (
+                                result.view(world_size, numel).view(torch.int16)
+                                != expected[:, k].view(torch.int16)
+                            )
+                            .sum()
+                            .item()
+                        )
+                    if timed:
+                        host = engine.stats.host_s - before[0]
+                        encode = engine.stats.encode_s - before[1]
+                        decode = engine.stats.decode_s - before[2]
+                        for key, value in zip(
+                            SAMPLED,
+                            (host, encode, decode, host - encode - decode, ciera_s, issued_s, plain_s),
+                            strict=True,
+                        ):
+                            samples[path][key].append(1e6 * value)
+                        sent[path] += engine.stats.bytes_sent - sent_before
                 if timed:
-                    host = engine.stats.host_s - before[0]
-                    encode = engine.stats.encode_s - before[1]
-                    decode = engine.stats.decode_s - before[2]
-                    for key, value in zip(
-                        SAMPLED,
-                        (host, encode, decode, host - encode - decode, ciera_s, issued_s, plain_s),
-                        strict=True,
-                    ):
-                        samples[key].append(1e6 * value)
-                    bytes_sent += engine.stats.bytes_sent - sent_before
                     raw_bytes += 2 * numel * shards
-        rows.append(
-            {
-                "shards": shards,
-                "values_per_shard": numel,
-                **{key: float(np.median(values)) for key, values in samples.items()},
-                "wire_over_raw": bytes_sent / raw_bytes,
-                "mismatches": mismatches,
-            }
-        )
+        for path in PATHS:
+            rows.append(
+                {
+                    "shards": shards,
+                    "path": path,
+                    "values_per_shard": numel,
+                    **{key: float(np.median(values)) for key, values in samples[path].items()},
+                    "wire_over_raw": sent[path] / raw_bytes,
+                    "mismatches": mismatches if path == PATHS[0] else 0,
+                }
+            )
     queue.put({"rank": rank, "rows": rows})
     dist.destroy_process_group()
     from measure.rank import leave_rank
@@ -143,6 +169,12 @@ def _shard_counts(text: str) -> list[int]:
     return counts
 
 
+def _runtime_min_shards() -> int:
+    from ciera_runtime import bucket_codec
+
+    return bucket_codec.MIN_SHARDS
+
+
 def main() -> None:
     import torch.multiprocessing as mp
 
@@ -154,9 +186,18 @@ def main() -> None:
     parser.add_argument("--shards", type=_shard_counts, default=[1, 4, 16, 32], help="shards per bucket")
     parser.add_argument("--iterations", type=int, default=20, help="timed iterations (3 gathers each)")
     parser.add_argument("--q", type=float, default=0.4, help="block change rate per iteration (default 0.4)")
+    parser.add_argument(
+        "--one-call-min-shards",
+        type=int,
+        default=None,
+        help="buckets of at least this many shards take the one-call passes (default: the runtime's, "
+        "bucket_codec.MIN_SHARDS; 1 measures them at every count)",
+    )
     args = parser.parse_args()
     if args.iterations < 1 or not 0.0 <= args.q <= 1.0:
         parser.error(f"--iterations {args.iterations} / --q {args.q}: expected >= 1 and within [0, 1]")
+    if args.one_call_min_shards is not None and args.one_call_min_shards < 1:
+        parser.error(f"--one-call-min-shards {args.one_call_min_shards}: expected >= 1")
     if args.values < max(args.shards):
         parser.error(f"--values {args.values}: expected at least one value per shard ({max(args.shards)})")
     with socket.socket() as probe:
@@ -168,7 +209,11 @@ def main() -> None:
     ranks = [queue.get() for _ in range(world_size)]
     rows = []
     for position, first in enumerate(ranks[0]["rows"]):
-        row = {"shards": first["shards"], "values_per_shard": first["values_per_shard"]}
+        row = {
+            "shards": first["shards"],
+            "path": first["path"],
+            "values_per_shard": first["values_per_shard"],
+        }
         for key in first:
             if key in row:
                 continue
@@ -181,6 +226,7 @@ def main() -> None:
         "values_per_rank": args.values,
         "q": args.q,
         "iterations": args.iterations,
+        "one_call_min_shards": args.one_call_min_shards or _runtime_min_shards(),
         "gathers_per_iteration": GATHERS_PER_ITERATION,
         "rows": rows,
     }

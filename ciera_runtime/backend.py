@@ -205,6 +205,8 @@ class CpuBackend:
     # A small shard's whole payload in one compiled call each way (ciera_runtime/payload_passes.py); the
     # encoder and decoder use them for shards that run serially anyway (codec._one_call_capable).
     serial_payload_passes = True
+    # A bucket of such shards in one compiled call (ciera_runtime/bucket_codec.py).
+    bucket_payload_passes = True
 
     def encode_exact_payload(
         self, bits, exp_shift, exp_mask, is_fp16, block_size, exp_out, last_exp, base, changed_out, full,

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ciera_runtime import protocol
+from ciera_runtime import bucket_codec, protocol
 from ciera_runtime.codec import FLAG_FULL_EXPONENTS, HEADER_FLAGS_OFFSET, dtype_from_name, shard_bits
 from ciera_runtime.errors import CieraError, ConfigMismatchError, GatherError, GatherTimeoutError
 
@@ -273,6 +273,9 @@ class Bucket:
     _period: int | None = None  # the cycle length capacity_for predicts with
     _period_chosen_at: int = -1
     _in_call_order: bool = True  # every record() so far came with a call number >= the one before
+    # Its shards encoded and rebuilt in one compiled call each (bucket_codec), or None: one by one.
+    batch: bucket_codec.BucketEncoder | None = None
+    batch_decoder: bucket_codec.BucketDecoder | None = None
 
     def capacity_for(self, call: int, index: int) -> int:
         """The message area of this bucket's gather number ``index``, at engine call ``call``: predicted
@@ -369,6 +372,11 @@ class BucketStats:
     seed_messages: int = 0
     payload_messages: int = 0
     failed_calls: int = 0
+    # Calls whose shards were encoded, and calls whose received messages were rebuilt, in one compiled call
+    # (bucket_codec; the rest went shard by shard), and messages that pass handed to the per-shard path.
+    one_call_encodes: int = 0
+    one_call_rebuilds: int = 0
+    one_call_handoffs: int = 0
     # This rank's bytes on the wire in bucket rows and overflow rounds, by what they carry: codec
     # payloads, raw messages, headers (bucket header and entry table), and padding (the planned area's
     # unused end and 8-byte alignment). Registration rounds are not counted here.
@@ -682,6 +690,11 @@ class BucketGather:
                 floor += raw_bytes
             largest += largest_message
         bucket = Bucket(shard_ids, tuple(numels), fingerprint, initial, largest, floor)
+        if bucket_codec.batchable(states, engine.config):
+            bucket.batch = bucket_codec.BucketEncoder(states, engine.config)
+            bucket.batch_decoder = bucket_codec.BucketDecoder(
+                bucket.batch, shard_ids, states, engine.config, engine.world_size
+            )
         self.buckets[shard_ids] = bucket
         return bucket
 
@@ -883,14 +896,52 @@ class BucketGather:
         encode_start_s = time.perf_counter()
         n = len(bucket.shard_ids)
         head = header_bytes(n)
-        send = np.zeros(head + capacity_bytes, dtype=np.uint8)
-        area = send[head:]
         overflow = bytearray()
         entries = [0] * n
         crcs = [0] * n
         bits_of: list[np.ndarray | None] = [None] * n
         position = 0
-        if error is None:
+        batch = bucket.batch if error is None and bucket_codec.usable() else None
+        bits = None
+        if batch is not None:
+            try:
+                bits = batch.flat_bits(shards)
+            except (ValueError, TypeError, RuntimeError):
+                batch = None  # the per-shard loop names what is wrong with which shard
+        if batch is not None:
+            # One compiled call writes every message straight into the row, the overflow after it.
+            row = np.empty(head + max(capacity_bytes, batch.stream_bytes), dtype=np.uint8)
+            send, area = row[: head + capacity_bytes], row[head : head + capacity_bytes]
+            shard_states = engine._shards
+            encoders = [shard_states[shard_id].encoder for shard_id in bucket.shard_ids]
+            stream_bytes = batch.encode(encoders, bits, row[head:])
+            if stream_bytes < capacity_bytes:
+                area[stream_bytes:] = 0
+            else:
+                overflow = bytearray(row[head + capacity_bytes : head + stream_bytes])
+            kinds, sizes = batch.kinds.tolist(), batch.sizes.tolist()
+            entries = [kind | size << 2 for kind, size in zip(kinds, sizes, strict=True)]
+            bits_of = [bits[start:stop] for start, stop in batch.bounds]
+            payload_messages = kinds.count(KIND_PAYLOAD)
+            if payload_messages == n:  # the steady state
+                stats.payload_bytes += sum(sizes)
+            else:  # raw values and seeds carry a CRC-32 in the entry table
+                start = head
+                for index, (kind, size) in enumerate(zip(kinds, sizes, strict=True)):
+                    if kind == KIND_PAYLOAD:
+                        stats.payload_bytes += size
+                    else:
+                        crcs[index] = zlib.crc32(row[start : start + size])
+                        stats.raw_message_bytes += size
+                        stats.seed_messages += kind == KIND_SEED
+                    start += _align8(size)
+            stats.payload_messages += payload_messages
+            stats.raw_messages += n - payload_messages
+            stats.one_call_encodes += 1
+        else:
+            send = np.zeros(head + capacity_bytes, dtype=np.uint8)
+            area = send[head:]
+        if error is None and batch is None:
             payload_messages = seed_messages = payload_bytes = raw_bytes = 0
             shard_states = engine._shards
             try:
@@ -973,7 +1024,16 @@ class BucketGather:
                 if self._poison is not None:
                     raise self._poison
                 return self._finish(
-                    bucket, call, gather_index, work, recv, capacity_bytes, bytes(overflow), bits_of, outputs
+                    bucket,
+                    call,
+                    gather_index,
+                    work,
+                    recv,
+                    capacity_bytes,
+                    bytes(overflow),
+                    bits_of,
+                    outputs,
+                    bits,
                 )
             except GatherError:
                 stats.failed_calls += 1
@@ -1001,6 +1061,7 @@ class BucketGather:
         overflow: bytes,
         bits_of,
         outputs,
+        bits: np.ndarray | None = None,
     ) -> list[torch.Tensor]:
         engine = self.engine
         world_size, rank, n = engine.world_size, engine.rank, len(bucket.shard_ids)
@@ -1031,6 +1092,49 @@ class BucketGather:
         if self.engine.fault_injector is not None:
             self.engine.fault_injector("receive", first, received[:, head:])
         decode_start_s = time.perf_counter()
+        failure: tuple[int, str] | None = None
+        # The bucket's messages rebuilt in one compiled call when its encode was (bits: its values, flat)
+        # and the outputs tile one buffer; anything else, one shard and source at a time.
+        batch = bucket.batch_decoder if bits is not None and bucket_codec.usable() else None
+        flat = batch.flat_output(outputs) if batch is not None else None
+        if flat is not None:
+            out, results = flat
+            states = [engine._shards[shard_id] for shard_id in bucket.shard_ids]
+
+            def decode_one(index: int, source: int, offset: int, target: np.ndarray):
+                state = states[index]
+                return self._decode_one(
+                    index, bucket.shard_ids[index], state, source, headers, offset, received, overflow_rows,
+                    head, target,
+                )  # fmt: skip
+
+            failure, handoffs = batch.decode(states, headers, received, head, rank, bits, out, decode_one)
+            self.stats.one_call_rebuilds += 1
+            self.stats.one_call_handoffs += handoffs
+        else:
+            results = self._decode_shards(bucket, headers, received, overflow_rows, head, bits_of, outputs)
+            if isinstance(results, tuple):
+                failure, results = results, []
+        decode_end_s = time.perf_counter()
+        engine.stats.decode_s += decode_end_s - decode_start_s
+        if engine.codec_timer is not None:
+            engine.codec_timer(
+                "codec_recv", first, decode_start_s, decode_end_s, 2 * sum(bucket.numels) * world_size
+            )
+        if failure is not None:
+            # The others' weights are exact; they learn of this from the store at their next call.
+            self._post_notice(*failure)
+            self._raise_again = True
+            raise self._poisoned(GatherError(failure[0], {rank: failure[1]}, NOTICE_SUMMARY))
+        return results
+
+    def _decode_shards(
+        self, bucket: Bucket, headers, received, overflow_rows, head: int, bits_of, outputs
+    ) -> list[torch.Tensor] | tuple[int, str]:
+        """Rebuild the bucket one shard and source at a time: the gathered tensors, or the first failure
+        (shard id, reason)."""
+        engine = self.engine
+        world_size, rank = engine.world_size, engine.rank
         results = []
         failure: tuple[int, str] | None = None
         # Where each source's message of each shard starts in its area (8-aligned, in entry order): one
@@ -1054,18 +1158,7 @@ class BucketGather:
             if output is not None and not contiguous:
                 output.copy_(result.view(output.shape))
             results.append(output if output is not None else result)
-        decode_end_s = time.perf_counter()
-        engine.stats.decode_s += decode_end_s - decode_start_s
-        if engine.codec_timer is not None:
-            engine.codec_timer(
-                "codec_recv", first, decode_start_s, decode_end_s, 2 * sum(bucket.numels) * world_size
-            )
-        if failure is not None:
-            # The others' weights are exact; they learn of this from the store at their next call.
-            self._post_notice(*failure)
-            self._raise_again = True
-            raise self._poisoned(GatherError(failure[0], {rank: failure[1]}, NOTICE_SUMMARY))
-        return results
+        return failure if failure is not None else results
 
     def _problem(self, headers: list[_Header | None], bucket: Bucket, limit: int) -> GatherError | None:
         """The error every rank raises for this gather, derived from the received headers only."""
@@ -1114,45 +1207,55 @@ class BucketGather:
         for source in range(engine.world_size):
             if source == engine.rank:
                 continue
-            entries = headers[source].entries
-            offset = starts[source][index]
-            entry = entries[index]
-            kind, length = _entry_kind(entry), _entry_length(entry)
-            area = received[source, head:]
-            if offset + length <= area.size:
-                message = area[offset : offset + length]
-            else:
-                spill = overflow_rows[source] if overflow_rows is not None else np.zeros(0, dtype=np.uint8)
-                inside = area[min(offset, area.size) :]
-                start_in_spill = max(0, offset - area.size)
-                message = np.concatenate(
-                    [inside, spill[start_in_spill : start_in_spill + length - inside.size]]
-                )
-                if message.size != length:
-                    return shard_id, f"rebuilding rank {source}'s shard: message truncated"
             target = out_bits[source * numel : (source + 1) * numel]
-            try:
-                if kind in (KIND_RAW, KIND_SEED):
-                    prefix = SEED_PREFIX.size if kind == KIND_SEED else 0
-                    if length != prefix + 2 * numel:
-                        raise CieraError(f"raw message of {length} bytes, expected {prefix + 2 * numel}")
-                    if zlib.crc32(message) != headers[source].crcs[index]:
-                        raise CieraError("raw values CRC mismatch: corrupted in transit")
-                    values = message[prefix:].view(np.uint16)
-                    if kind == KIND_SEED:
-                        if not state.compressed:
-                            raise CieraError("seed for a shard registered raw")
-                        epoch, generation, _ = SEED_PREFIX.unpack(message[: SEED_PREFIX.size].tobytes())
-                        state.decoders[source].seed(values, epoch, generation)
-                    # A plain raw message leaves a compressed shard's cache alone: the next payload is full.
-                    target[:] = values
-                else:
+            failure = self._decode_one(
+                index, shard_id, state, source, headers, starts[source][index], received, overflow_rows, head,
+                target,
+            )  # fmt: skip
+            if failure is not None:
+                return failure
+        return None
+
+    def _decode_one(
+        self, index, shard_id, state, source, headers, offset, received, overflow_rows, head, target
+    ) -> tuple[int, str] | None:
+        """Rebuild rank ``source``'s part of shard ``index`` (its message begins at ``offset`` in that
+        source's area) into ``target``; (shard, reason) when it cannot be."""
+        numel = state.numel
+        entry = headers[source].entries[index]
+        kind, length = _entry_kind(entry), _entry_length(entry)
+        area = received[source, head:]
+        if offset + length <= area.size:
+            message = area[offset : offset + length]
+        else:
+            spill = overflow_rows[source] if overflow_rows is not None else np.zeros(0, dtype=np.uint8)
+            inside = area[min(offset, area.size) :]
+            start_in_spill = max(0, offset - area.size)
+            message = np.concatenate([inside, spill[start_in_spill : start_in_spill + length - inside.size]])
+            if message.size != length:
+                return shard_id, f"rebuilding rank {source}'s shard: message truncated"
+        try:
+            if kind in (KIND_RAW, KIND_SEED):
+                prefix = SEED_PREFIX.size if kind == KIND_SEED else 0
+                if length != prefix + 2 * numel:
+                    raise CieraError(f"raw message of {length} bytes, expected {prefix + 2 * numel}")
+                if zlib.crc32(message) != headers[source].crcs[index]:
+                    raise CieraError("raw values CRC mismatch: corrupted in transit")
+                values = message[prefix:].view(np.uint16)
+                if kind == KIND_SEED:
                     if not state.compressed:
-                        raise CieraError("payload for a shard registered raw")
-                    # message: a uint8 slice of the received row; target: this source's part of the output.
-                    state.decoders[source]._decode_into(message, target)
-            except (CieraError, ValueError) as error:
-                return shard_id, f"rebuilding rank {source}'s shard: {error}"
+                        raise CieraError("seed for a shard registered raw")
+                    epoch, generation, _ = SEED_PREFIX.unpack(message[: SEED_PREFIX.size].tobytes())
+                    state.decoders[source].seed(values, epoch, generation)
+                # A plain raw message leaves a compressed shard's cache alone: the next payload is full.
+                target[:] = values
+            else:
+                if not state.compressed:
+                    raise CieraError("payload for a shard registered raw")
+                # message: a uint8 slice of the received row; target: this source's part of the output.
+                state.decoders[source]._decode_into(message, target)
+        except (CieraError, ValueError) as error:
+            return shard_id, f"rebuilding rank {source}'s shard: {error}"
         return None
 
     def _reset_after_error(self) -> None:

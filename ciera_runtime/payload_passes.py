@@ -150,6 +150,59 @@ def encode_exact(
     return blocks.size, fixed_bytes + exp_bytes
 
 
+# A bucket's message kinds (bucket.KIND_*; bucket imports codec, which imports this module) and the size of
+# a seed's prefix (bucket.SEED_PREFIX: sender epoch, generation, flags; flag 1 = a full payload's seed).
+KIND_PAYLOAD, KIND_RAW, KIND_SEED = 1, 2, 3
+SEED_PREFIX_BYTES = 24
+
+
+@njit(cache=True, nogil=True)
+def encode_exact_bucket(
+    bits, starts, exp_planes, last_planes, base_planes, changed_flags, templates, exp_shifts, exp_masks, fp16,
+    block_size, full, generations, epochs, shard_crcs, checksum_flags, bitmap_bytes, sm_offsets, sm_bytes,
+    fixed_bytes, use_rans, out, kinds, sizes, changed_counts,
+):  # fmt: skip
+    """Every shard's message of a bucket, one ``encode_exact`` each, in one call: written one after the
+    other into ``out``, each at an 8-aligned offset with its padding zeroed (the bucket row's area as a
+    stream). Shard i is ``bits[starts[i]:starts[i + 1]]``; its encoder's planes, flags and header template
+    come as the i-th item of each typed list, its settings as the i-th item of each array. A payload not
+    smaller than the shard's raw values is replaced by a seed (epoch, generation, flags, then the values)
+    or, where no payload of the shard can ever be smaller (``fixed_bytes`` >= raw), by the raw values.
+    ``kinds``, ``sizes`` and ``changed_counts`` receive each message's kind, length and changed blocks;
+    returns the stream's length.
+
+    Unlike the encoder's own call this keeps every plane where it is: the new plane is copied into the
+    receivers' plane (``base``), as the encoder's swap of the two gives."""
+    position = 0
+    for i in range(starts.size - 1):
+        shard = bits[starts[i] : starts[i + 1]]
+        exp, base = exp_planes[i], base_planes[i]
+        buffer = out[position:]
+        changed_count, payload_bytes = encode_exact(
+            shard, exp_shifts[i], exp_masks[i], fp16[i] != 0, block_size, exp, last_planes[i], base,
+            changed_flags[i], full[i] != 0, buffer, templates[i], bitmap_bytes[i], sm_offsets[i], sm_bytes[i], fixed_bytes[i],
+            use_rans, generations[i], shard_crcs[i], checksum_flags[i] != 0,
+        )  # fmt: skip
+        base[:] = exp  # one copy of the plane: cheaper than block by block for any share of changed blocks
+        raw = shard.view(np.uint8)
+        if payload_bytes < raw.size:
+            kind, size = KIND_PAYLOAD, payload_bytes
+        elif fixed_bytes[i] < raw.size:
+            kind, size = KIND_SEED, SEED_PREFIX_BYTES + raw.size
+            _put(buffer, 0, np.uint64(epochs[i]), 8)
+            _put(buffer, 8, np.uint64(generations[i]), 8)
+            _put(buffer, 16, np.uint64(1 if full[i] else 0), 8)
+            buffer[SEED_PREFIX_BYTES:size] = raw
+        else:
+            kind, size = KIND_RAW, raw.size
+            buffer[:size] = raw
+        end = (position + size + 7) & ~7
+        out[position + size : end] = 0
+        kinds[i], sizes[i], changed_counts[i] = kind, size, changed_count
+        position = end
+    return position
+
+
 @njit(cache=True, nogil=True)
 def rebuild(
     payload, exp_section, meta_crc, bitmap_bytes, sm_offset, sm_bytes, n_blocks, header_changed, full, deltas,
@@ -204,3 +257,91 @@ def rebuild(
         tail_partials,
     )  # fmt: skip
     return 0, 0, checksum
+
+
+@njit(inline="always")
+def _get(payload, at, size):
+    value = np.uint64(0)
+    for k in range(size):  # little-endian
+        value |= np.uint64(payload[at + k]) << np.uint64(8 * k)
+    return value
+
+
+_MAGIC = np.frombuffer(b"CIER", dtype=np.uint8)  # codec.MAGIC
+FORMAT_VERSION = 5  # codec.FORMAT_VERSION
+# rebuild_bucket's stops: every item done; an item for the per-shard path (a raw message or seed, one that
+# spills into the overflow round, anything but a payload of the steady state); an item whose rebuild
+# failed (status != 0: the cache is untouched); an item whose sign+mantissa checksum did not match (its
+# cache was written and is at the payload's generation, as the per-shard path leaves it).
+STOP_DONE, STOP_OTHER, STOP_REBUILD, STOP_SM_CHECKSUM = 0, 1, 2, 3
+
+
+@njit(cache=True, nogil=True)
+def rebuild_bucket(
+    received, head, entries, offsets, item, rank, bits, out, out_starts, numels, n_blocks, bitmap_bytes,
+    sm_offsets, sm_bytes, fixed_bytes, shard_ids, dtype_codes, block_size, fingerprint, exp_shifts, fp16,
+    caches, epochs, generations, done,
+):  # fmt: skip
+    """Rebuild a bucket's received payloads in one call, item by item from ``item`` (item = shard × world
+    + source, in the per-shard loop's order), while each is a payload of the steady state: in the row's
+    area, header intact and this shard's, no verify-mode CRC, a delta or full payload of the epoch the
+    cache holds at a newer generation. Shard i's values go to ``out[out_starts[i]:]`` (source-major, as
+    all_gather_into_tensor places them); at item 0 this rank's own values are copied there first. Returns
+    (stop, item): the item the caller hands to the per-shard path (see STOP_*). ``epochs``, ``generations``
+    and ``done`` receive, per item rebuilt, the (epoch, generation) its cache is now at."""
+    world = received.shape[0]
+    area_size = received.shape[1] - head
+    n_items = numels.size * world
+    if item == 0:
+        for shard in range(numels.size):
+            numel = numels[shard]
+            start = out_starts[shard] + rank * numel
+            out[start : start + numel] = bits[out_starts[shard] // world : out_starts[shard] // world + numel]
+    while item < n_items:
+        shard, source = item // world, item % world
+        if source == rank:
+            item += 1
+            continue
+        entry = entries[source, shard]
+        length, offset = entry >> 2, offsets[source, shard]
+        if (entry & 3) != KIND_PAYLOAD or offset < 0 or offset + length > area_size or length < HEADER_BYTES:
+            return STOP_OTHER, item
+        payload = received[source, head + offset : head + offset + length]
+        numel = numels[shard]
+        fixed = fixed_bytes[shard]
+        flags = payload[FLAGS_AT]
+        if (
+            payload[0] != _MAGIC[0] or payload[1] != _MAGIC[1] or payload[2] != _MAGIC[2]
+            or payload[3] != _MAGIC[3] or _get(payload, 4, 2) != FORMAT_VERSION
+            or np.uint64(crc32(payload[:HEADER_CRC_AT], 0)) != _get(payload, HEADER_CRC_AT, 4)
+            or payload[6] != dtype_codes[shard] or (flags & ~np.uint8(FLAG_FULL | FLAG_RAW | FLAG_DELTAS)) != 0
+            or _get(payload, 8, 4) != shard_ids[shard] or _get(payload, 12, 4) != source
+            or _get(payload, 32, 8) != numel or _get(payload, 40, 4) != block_size
+            or _get(payload, 72, 4) != fingerprint
+        ):  # fmt: skip
+            return STOP_OTHER, item
+        generation = np.int64(_get(payload, GENERATION_AT, 8))
+        epoch = np.int64(_get(payload, 24, 8))
+        changed = np.int64(_get(payload, CHANGED_AT, 4))
+        exp_bytes = np.int64(_get(payload, EXP_BYTES_AT, 8))
+        full = (flags & FLAG_FULL) != 0
+        if (
+            changed > n_blocks[shard] or exp_bytes > numel or length != fixed + exp_bytes or epoch == 0
+            or epoch != epochs[item] or generation <= generations[item]
+            or not (full or generations[item] == generation - 1)
+        ):  # fmt: skip
+            return STOP_OTHER, item
+        target = out[out_starts[shard] + source * numel : out_starts[shard] + (source + 1) * numel]
+        status, _, checksum = rebuild(
+            payload, payload[fixed:], _get(payload, META_CRC_AT, 4), bitmap_bytes[shard], sm_offsets[shard],
+            sm_bytes[shard], n_blocks[shard], changed, full, (flags & FLAG_DELTAS) != 0, True,
+            (flags & FLAG_RAW) != 0, block_size, caches[item], exp_shifts[shard], fp16[shard] != 0, target,
+        )  # fmt: skip
+        if status:
+            return STOP_REBUILD, item
+        generations[item] = generation
+        done[item] = 1
+        if checksum != _get(payload, SM_CHECKSUM_AT, 8):
+            return STOP_SM_CHECKSUM, item
+        item += 1
+    return STOP_DONE, item

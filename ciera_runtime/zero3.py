@@ -424,10 +424,17 @@ class CieraZero3:
             self._pipelined_calls += len(parts) > 1
             for part in parts:
                 shards = [param.ds_tensor.data for param in part]
-                outputs = [
-                    torch.empty(engine.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
-                    for shard in shards
-                ]
+                # One buffer for the part, as DeepSpeed's coalesced call allocates: the bucket rebuilds
+                # into it in one pass (ciera_runtime/bucket_codec.py).
+                sizes = [engine.world_size * shard.numel() for shard in shards]
+                if len({shard.dtype for shard in shards}) == 1:
+                    flat = torch.empty(sum(sizes), dtype=shards[0].dtype, device=shards[0].device)
+                    outputs = list(flat.split(sizes))
+                else:
+                    outputs = [
+                        torch.empty(size, dtype=shard.dtype, device=shard.device)
+                        for size, shard in zip(sizes, shards, strict=True)
+                    ]
                 handle = engine.all_gather_bucket(shards, [param.ds_id for param in part], outputs)
                 job = _Job(part, handle, outputs)
                 self._pending.append(job)

@@ -184,7 +184,7 @@ FAULT_SHAPES = ((3000, torch.bfloat16), (1537, torch.float16), (40, torch.bfloat
 
 
 def bucket_fault_worker(
-    rank: int, world_size: int, port: int, injections: int, seed: int, result_queue
+    rank: int, world_size: int, port: int, injections: int, seed: int, detector: str, result_queue
 ) -> None:
     """Each injection: one gather of the bucket under one fault (drawn from the same plan on every rank,
     injected by one rank), then two clean gathers. Every rank records (outcome, message) of all three.
@@ -198,7 +198,12 @@ def bucket_fault_worker(
         # Odd seeds run without an entropy stage: every full payload is then raw-sized and goes as a seed
         # (raw values that fill the receivers' caches), so the faults meet seeds as often as payloads.
         entropy = "none" if seed % 2 else "rans"
-        config = CodecConfig(block_size=64, detector="hash", verify_every=5, entropy=entropy)
+        # The exact detector takes the one-call bucket passes (ciera_runtime/bucket_codec.py) wherever they
+        # apply (here at any shard count), the hash detector the per-shard loop.
+        from ciera_runtime import bucket_codec
+
+        bucket_codec.MIN_SHARDS = 1
+        config = CodecConfig(block_size=64, detector=detector, verify_every=5, entropy=entropy)
         engine = CompressedAllGather(config=config, timeout_s=20.0)
         injector = Injector(rank, world_size, np.random.default_rng(seed * 1000 + rank))
         engine.fault_injector = injector
@@ -297,9 +302,97 @@ def bucket_fault_worker(
                 path.drained_rounds,
                 path.unfinished_rounds(),
                 stats.seed_messages,
+                stats.one_call_rebuilds,
             )
         )
     finally:
         # No destroy_process_group: like a training script that forgets it, the process just ends. It
         # must end cleanly: every round a failure left unpaired was paired at the recovery (a drain).
         pass
+
+
+# Shards of the one-call bucket test: both dtypes, a tiny one (never smaller than raw: goes raw), and one
+# too large for the one-call passes (a bucket holding it takes the per-shard loop, and it shares shard 20
+# with a one-call bucket: the loop's plane swap must not confuse the one-call path).
+ONE_CALL_SHAPES = {
+    20: (3000, torch.bfloat16),
+    21: (1537, torch.float16),
+    22: (40, torch.bfloat16),
+    23: (700, torch.bfloat16),
+    24: (70000, torch.bfloat16),
+}
+ONE_CALL_BUCKETS = ((20, 21, 22, 23), (21, 23), (24, 20))
+
+
+def one_call_rows_worker(
+    rank: int, world_size: int, port: int, entropy: str, verify_every: int, result_queue
+) -> None:
+    """The same gathers twice, with the one-call bucket passes and with the per-shard loop (the module's
+    switch turned off): every row sent, every result and every cache position must be the same (epochs
+    are fixed per shard, so the rows can be compared byte for byte)."""
+    from ciera_runtime import CodecConfig, CompressedAllGather, bucket_codec
+
+    init_gloo(rank, world_size, port)
+    usable = bucket_codec.usable
+    bucket_codec.MIN_SHARDS = 1  # buckets this small take the per-shard loop in training (slower there)
+    try:
+        runs = []
+        for one_call in (True, False):
+            bucket_codec.usable = usable if one_call else (lambda: False)
+            config = CodecConfig(block_size=64, detector="exact", verify_every=verify_every, entropy=entropy)
+            engine = CompressedAllGather(config=config, timeout_s=60)
+            rows: list[bytes] = []
+
+            def record(point: str, shard_id: int, data: np.ndarray, rows=rows) -> None:
+                if point == "send":
+                    rows.append(data.tobytes())
+
+            engine.fault_injector = record
+            for sid, (n, dtype) in ONE_CALL_SHAPES.items():
+                engine.register(sid, n, dtype)
+                engine._shards[sid].encoder.epoch = 1000 * sid + 7 * rank + 1
+            generator = torch.Generator().manual_seed(11 + rank)
+            weights = {
+                sid: (torch.randn(n, generator=generator) * 0.02).to(dt)
+                for sid, (n, dt) in ONE_CALL_SHAPES.items()
+            }
+            mismatches = gathers = 0
+            for iteration in range(10):
+                fraction = 0.6 if iteration == 5 else 0.01  # a churn burst: overflow rounds, maybe seeds
+                for weight in weights.values():
+                    picked = torch.rand(weight.numel(), generator=generator) < fraction
+                    weight[picked] = weight[picked] * 1.7
+                for phase in range(3):
+                    for ids in ONE_CALL_BUCKETS:
+                        shards = [weights[sid] for sid in ids]
+                        outputs = None
+                        if phase == 1:  # the engines' layout: one buffer for the bucket's outputs
+                            sizes = [world_size * s.numel() for s in shards]
+                            flat = torch.empty(sum(sizes), dtype=torch.int16)
+                            outputs = [
+                                part.view(s.dtype) for part, s in zip(flat.split(sizes), shards, strict=True)
+                            ]
+                        elif phase == 2:  # separate outputs: the per-shard loop rebuilds into each
+                            outputs = [torch.empty(world_size * s.numel(), dtype=s.dtype) for s in shards]
+                        got = engine.all_gather_bucket(shards, ids, outputs).wait()
+                        for shard, result in zip(shards, got, strict=True):
+                            mismatches += not same_bits(result, raw_gather(shard, world_size))
+                            gathers += 1
+            positions = sorted(
+                (sid, source, decoder.generation)
+                for sid, state in engine._shards.items()
+                for source, decoder in state.decoders.items()
+            )
+            batched = sum(bucket.batch is not None for bucket in engine._bucket_path.buckets.values())
+            stats = engine.bucket_stats
+            runs.append(
+                (
+                    rows, mismatches, gathers, positions, batched, stats.overflow_rounds, stats.seed_messages,
+                    stats.raw_messages, engine.stats.bytes_sent,
+                    (stats.one_call_encodes, stats.one_call_rebuilds, stats.one_call_handoffs),
+                )
+            )  # fmt: skip
+        result_queue.put((rank, runs))
+    finally:
+        bucket_codec.usable = usable
+        dist.destroy_process_group()

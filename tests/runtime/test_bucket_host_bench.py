@@ -19,7 +19,11 @@ def test_a_tiny_run_times_every_bucket_size_and_gathers_exactly(tmp_path: Path) 
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert [row["shards"] for row in result["rows"]] == [1, 8]
+    # Per shard count the one-call passes and the per-shard loop, measured in the same run.
+    assert [(row["shards"], row["path"]) for row in result["rows"]] == [
+        (1, "one_call"), (1, "per_shard"), (8, "one_call"), (8, "per_shard"),
+    ]  # fmt: skip
+    assert result["one_call_min_shards"] >= 1
     for row in result["rows"]:
         assert row["mismatches"] == 0
         assert row["values_per_shard"] * row["shards"] == 4096
@@ -33,6 +37,7 @@ def test_bad_arguments_are_one_line_errors() -> None:
         (("--shards", "0,2"), "expected comma-separated positive integers"),
         (("--values", "3", "--shards", "4"), "expected at least one value per shard"),
         (("--q", "2"), "expected >= 1 and within [0, 1]"),
+        (("--one-call-min-shards", "0"), "--one-call-min-shards 0: expected >= 1"),
     ):
         done = run_benchmark("bucket_host.py", *args, timeout=60)
         assert done.returncode == 2

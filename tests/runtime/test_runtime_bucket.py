@@ -69,19 +69,25 @@ def test_a_rank_that_gives_up_tells_the_others_so_both_meet_at_the_recovery() ->
     assert "gave up on a CIERA round" in told and "rank 0" in told and told_after_s < timeout_s / 2, told
 
 
-def _check_faults(world_size: int, injections: int, seed: int) -> collections.Counter:
+def _check_faults(world_size: int, injections: int, seed: int, detector: str) -> collections.Counter:
     """Per injection, every rank's (faulted, clean, clean) outcomes must be one of:
     all exact; the same error on every rank in the faulted gather, then exact; or a one-sided failure —
     the ranks that could not rebuild raise in the faulted gather and again in the next, where every other
     rank (exact in the faulted gather) raises that error too, then exact everywhere. Never wrong weights,
     never a hang (every run has a deadline)."""
     collected = spawn_ranks(
-        workers.bucket_fault_worker, world_size, injections, seed, timeout_s=200 + 2.0 * injections
+        workers.bucket_fault_worker, world_size, injections, seed, detector, timeout_s=200 + 2.0 * injections
     )
     # No CIERA round left unfinished: a rank that recovered drained its failure's unpaired rounds (one
     # still held by gloo could abort the process at exit; the ranks leave through leave_rank).
     assert all(result[6] == 0 for result in collected), [result[5:7] for result in collected]
     seeds = sum(result[7] for result in collected)
+    one_call_rebuilds = [result[8] for result in collected]
+    # The exact detector's buckets take the one-call passes (most of their calls), the hash detector's never.
+    assert all(count > injections if detector == "exact" else count == 0 for count in one_call_rebuilds), (
+        detector,
+        one_call_rebuilds,
+    )
     if seed % 2:  # no entropy stage: full payloads go as seeds (see the worker)
         assert seeds > 0
     by_injection = collections.defaultdict(dict)
@@ -120,7 +126,7 @@ def _check_faults(world_size: int, injections: int, seed: int) -> collections.Co
     overflows = [overflow for _, _, overflow, *_ in collected]
     drained = sum(result[5] for result in collected)
     print(
-        f"\nW={world_size}: {len(by_injection)} injections, overflow rounds {overflows[0]}, outcomes {summary}, "
+        f"\nW={world_size}, {detector} detector: {len(by_injection)} injections, overflow rounds {overflows[0]}, outcomes {summary}, "
         f"unpaired rounds paired at recovery {drained}, seeds sent {seeds}"
     )
     return counts
@@ -131,9 +137,13 @@ MUST_ERROR_NOW |= {"shard_not_tensor", "numel_mismatch", "dtype_mismatch", "diff
 MUST_BE_EXACT = {"output_noncontiguous", "output_2d", "shard_noncontiguous", "churn_burst", "none"}
 
 
+# The exact detector runs the one-call bucket passes, the hash detector the per-shard loop.
+@pytest.mark.parametrize("detector", ["hash", "exact"])
 @pytest.mark.parametrize("world_size, injections", [(2, 70), (3, 46)])
-def test_every_fault_ends_exact_or_in_the_same_error_now_or_at_the_next_call(world_size, injections) -> None:
-    counts = _check_faults(world_size, injections, seed=world_size)
+def test_every_fault_ends_exact_or_in_the_same_error_now_or_at_the_next_call(
+    world_size, injections, detector
+) -> None:
+    counts = _check_faults(world_size, injections, seed=world_size, detector=detector)
     assert sum(counts.values()) == injections
     for (fault, kind), _ in counts.items():
         if fault in MUST_ERROR_NOW:
@@ -145,7 +155,8 @@ def test_every_fault_ends_exact_or_in_the_same_error_now_or_at_the_next_call(wor
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("detector", ["hash", "exact"])
 @pytest.mark.parametrize("world_size, injections", [(2, 1500), (3, 800)])
-def test_many_bucket_faults_slow(world_size: int, injections: int) -> None:
-    counts = _check_faults(world_size, injections, seed=100 + world_size)
+def test_many_bucket_faults_slow(world_size: int, injections: int, detector: str) -> None:
+    counts = _check_faults(world_size, injections, seed=100 + world_size, detector=detector)
     assert sum(counts.values()) == injections

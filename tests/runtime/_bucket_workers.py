@@ -31,6 +31,13 @@ def same_bits(got: torch.Tensor, expected: torch.Tensor) -> bool:
     )
 
 
+def _perturb(weights, fraction: float, generator: torch.Generator) -> None:
+    """Scale a share ``fraction`` of each weight's values by 1.7 (their exponents move)."""
+    for weight in weights:
+        picked = torch.rand(weight.numel(), generator=generator) < fraction
+        weight[picked] = weight[picked] * 1.7
+
+
 def bucket_steady_worker(
     rank: int, world_size: int, port: int, iterations: int, entropy: str, result_queue
 ) -> None:
@@ -49,10 +56,7 @@ def bucket_steady_worker(
         buckets = [(10, 11), (12, 13), (10, 11, 12, 13)]
         mismatches = gathers = 0
         for iteration in range(iterations):
-            fraction = 0.5 if iteration == iterations // 2 else 0.01
-            for weight in weights.values():
-                picked = torch.rand(weight.numel(), generator=generator) < fraction
-                weight[picked] = weight[picked] * 1.7
+            _perturb(weights.values(), 0.5 if iteration == iterations // 2 else 0.01, generator)
             for _ in range(3):
                 for ids in buckets:
                     shards = [weights[sid] for sid in ids]
@@ -358,10 +362,8 @@ def one_call_rows_worker(
             }
             mismatches = gathers = 0
             for iteration in range(10):
-                fraction = 0.6 if iteration == 5 else 0.01  # a churn burst: overflow rounds, maybe seeds
-                for weight in weights.values():
-                    picked = torch.rand(weight.numel(), generator=generator) < fraction
-                    weight[picked] = weight[picked] * 1.7
+                # A churn burst at iteration 5: overflow rounds, maybe seeds.
+                _perturb(weights.values(), 0.6 if iteration == 5 else 0.01, generator)
                 for phase in range(3):
                     for ids in ONE_CALL_BUCKETS:
                         shards = [weights[sid] for sid in ids]

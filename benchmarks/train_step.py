@@ -46,7 +46,8 @@ network waits left out (``GatherStats.host_s``: packing, encoding, issuing, unpa
 the plain engine the time spent inside ``all_gather_single`` calls (issuing them; the engine's own
 bookkeeping around them is not counted; FSDP2's all-gathers are synchronous, their time is the
 transfer's: n/a). Both are means of the ranks, medians of the timed steps. Per CIERA system:
-``ciera_calls`` and ``overflow_rounds`` (rank 0, every run, warm-up included) and ``overflow_share``;
+``ciera_calls``, ``overflow_rounds`` and ``one_call_calls`` (calls that took the one-call bucket passes,
+ciera_runtime/bucket_codec.py; rank 0, every run, warm-up included) and ``overflow_share``;
 ``bytes_on_wire_not_above_raw`` checks every timed step.
 
 ``--link netns`` (root, iproute2): the two ranks run in two network namespaces joined by a veth pair with
@@ -359,12 +360,12 @@ def _wire_bytes_by_kind(stats: dict | None) -> dict[str, int] | None:
 
 
 def _calls_and_overflows(stats: dict | None) -> list[int] | None:
-    """[CIERA bucket collectives, overflow rounds] of a run, from either engine's stats."""
+    """[CIERA bucket collectives, overflow rounds, one-call calls] of a run, from either engine's stats."""
     if stats is None:
         return None
     if "ciera_calls" in stats:  # ZeRO-3
-        return [stats["ciera_calls"], stats["ciera_overflow_rounds"]]
-    return [sum(e["calls"] for e in stats["engines"]), sum(e["overflow_rounds"] for e in stats["engines"])]
+        return [stats["ciera_calls"], stats["ciera_overflow_rounds"], stats["ciera_one_call_calls"]]
+    return [sum(e["calls"] for e in stats["engines"]), sum(e["overflow_rounds"] for e in stats["engines"]), 0]
 
 
 # --------------------------------------------------------------------------------------------- root side
@@ -434,6 +435,7 @@ def _report(
         if counted is not None:  # the whole run (warm-up steps included), rank 0's
             entry["ciera_calls"] = entry.get("ciera_calls", 0) + counted[0]
             entry["overflow_rounds"] = entry.get("overflow_rounds", 0) + counted[1]
+            entry["one_call_calls"] = entry.get("one_call_calls", 0) + counted[2]
         for kind, n in (run0.get("ciera_wire_bytes_by_kind") or {}).items():
             entry.setdefault("wire_by_kind", {})
             entry["wire_by_kind"][kind] = entry["wire_by_kind"].get(kind, 0) + n
@@ -469,6 +471,7 @@ def _report(
             # CIERA's bucket collectives and the overflow rounds among them, every run of the system
             "ciera_calls": entry.get("ciera_calls"),
             "overflow_rounds": entry.get("overflow_rounds"),
+            "one_call_calls": entry.get("one_call_calls"),
             "overflow_share": round(entry["overflow_rounds"] / entry["ciera_calls"], 4)
             if entry.get("ciera_calls")
             else None,
@@ -860,6 +863,10 @@ def _main(args) -> int:
         twin_row = result["systems"][plain + "+ciera"]
         if twin_row["overflow_share"] is not None:
             line += f"; overflow rounds {100 * twin_row['overflow_share']:.1f} % of CIERA's collectives"
+        if twin_row.get("one_call_calls") is not None and twin_row.get("ciera_calls"):
+            line += (
+                f"; {twin_row['one_call_calls']} of {twin_row['ciera_calls']} calls in the one-call passes"
+            )
         if not twin_row["bytes_on_wire_not_above_raw"]:
             line += "; MORE BYTES THAN RAW in some step"
         print(line)

@@ -310,6 +310,7 @@ class CieraZero3:
                     registrations=buckets.registrations,
                     overflow_rounds=buckets.overflow_rounds,
                     raw_messages=buckets.raw_messages,
+                    one_call_calls=buckets.one_call_encodes,
                 )
                 wire_by_kind.update(buckets.wire_bytes_by_kind())
             s = engine.stats
@@ -340,6 +341,8 @@ class CieraZero3:
             "ciera_registrations": ciera["registrations"],
             "ciera_overflow_rounds": ciera["overflow_rounds"],
             "ciera_raw_messages": ciera["raw_messages"],
+            # Calls whose shards took the one-call bucket passes (ciera_runtime/bucket_codec.py).
+            "ciera_one_call_calls": ciera["one_call_calls"],
             # Where the bucket rows' bytes go: codec payloads, raw messages, headers, padding.
             "ciera_wire_bytes_by_kind": dict(wire_by_kind),
             "ciera_bytes_sent": ciera["bytes_sent"],

@@ -86,7 +86,7 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
             for shard_id in ids:
                 engine.register(shard_id, numel, torch.bfloat16)
         flat_out = torch.empty(world_size * numel * shards, dtype=torch.bfloat16)
-        mismatches = 0
+        mismatches = dict.fromkeys(PATHS, 0)
         samples = {path: {key: [] for key in SAMPLED} for path in PATHS}
         sent = dict.fromkeys(PATHS, 0)
         raw_bytes = 0
@@ -120,7 +120,7 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
                     ciera_s = time.perf_counter() - start_s
                     bucket_codec.usable = usable
                     for k, result in enumerate(got):
-                        mismatches += int(
+                        mismatches[path] += int(
                             (
                                 result.view(world_size, numel).view(torch.int16)
                                 != expected[:, k].view(torch.int16)
@@ -149,7 +149,7 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
                     "values_per_shard": numel,
                     **{key: float(np.median(values)) for key, values in samples[path].items()},
                     "wire_over_raw": sent[path] / raw_bytes,
-                    "mismatches": mismatches if path == PATHS[0] else 0,
+                    "mismatches": mismatches[path],
                 }
             )
     queue.put({"rank": rank, "rows": rows})

@@ -331,7 +331,7 @@ def _rank_main(args) -> None:
                         "round": round_index,
                         "steps": records,
                         "parameter_digest": result.parameter_digest,
-                        "ciera_calls_and_overflows": _calls_and_overflows(result.ciera),
+                        "ciera_ciera_call_counts": _ciera_call_counts(result.ciera),
                         "ciera_wire_bytes_by_kind": _wire_bytes_by_kind(result.ciera),
                     }
                 )
@@ -359,7 +359,7 @@ def _wire_bytes_by_kind(stats: dict | None) -> dict[str, int] | None:
     return total
 
 
-def _calls_and_overflows(stats: dict | None) -> list[int] | None:
+def _ciera_call_counts(stats: dict | None) -> list[int] | None:
     """[CIERA bucket collectives, overflow rounds, one-call calls] of a run, from either engine's stats."""
     if stats is None:
         return None
@@ -431,7 +431,7 @@ def _report(
         losses.setdefault(system, []).append([step["loss_bits"] for step in run0["steps"]])
         entry.setdefault("first_round_losses", [step["loss"] for step in run0["steps"]])
         digests.setdefault(system, set()).update(runs[index]["parameter_digest"] for runs in rank_runs)
-        counted = run0.get("ciera_calls_and_overflows")
+        counted = run0.get("ciera_ciera_call_counts")
         if counted is not None:  # the whole run (warm-up steps included), rank 0's
             entry["ciera_calls"] = entry.get("ciera_calls", 0) + counted[0]
             entry["overflow_rounds"] = entry.get("overflow_rounds", 0) + counted[1]

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ciera_runtime import bucket_codec, protocol
+from ciera_runtime import bucket_codec, payload_passes, protocol
 from ciera_runtime.codec import FLAG_FULL_EXPONENTS, HEADER_FLAGS_OFFSET, dtype_from_name, shard_bits
 from ciera_runtime.errors import CieraError, ConfigMismatchError, GatherError, GatherTimeoutError
 
@@ -64,8 +64,13 @@ logger = logging.getLogger("ciera_runtime")
 BUCKET_MAGIC = 0x4349455242 << 8 | 2  # "CIERB" + version (2: seeds)
 # A message is a codec payload, raw values (a shard registered raw, or one whose payloads can never be
 # smaller than raw), or a seed: raw values after SEED_PREFIX (sender epoch, generation, flags).
-KIND_PAYLOAD, KIND_RAW, KIND_SEED = 1, 2, 3
+KIND_PAYLOAD, KIND_RAW, KIND_SEED = (
+    payload_passes.KIND_PAYLOAD,
+    payload_passes.KIND_RAW,
+    payload_passes.KIND_SEED,
+)
 SEED_PREFIX = struct.Struct("<QQQ")
+assert SEED_PREFIX.size == payload_passes.SEED_PREFIX_BYTES
 SEED_FULL = 1  # flags: the seed replaces a full-exponent payload (a bucket's first gather, after an error)
 SEED_FLAGS_OFFSET = 16  # the flags word of SEED_PREFIX (after epoch and generation)
 _HEADER_FIELDS = ("magic", "fingerprint", "call", "failed", "overflow_bytes", "message_bytes")
@@ -273,8 +278,8 @@ class Bucket:
     _period: int | None = None  # the cycle length capacity_for predicts with
     _period_chosen_at: int = -1
     _in_call_order: bool = True  # every record() so far came with a call number >= the one before
-    # Its shards encoded and rebuilt in one compiled call each (bucket_codec), or None: one by one.
-    batch: bucket_codec.BucketEncoder | None = None
+    # Its shards encoded and rebuilt in one compiled call each way (bucket_codec), or None: one by one.
+    batch_encoder: bucket_codec.BucketEncoder | None = None
     batch_decoder: bucket_codec.BucketDecoder | None = None
 
     def capacity_for(self, call: int, index: int) -> int:
@@ -691,9 +696,9 @@ class BucketGather:
             largest += largest_message
         bucket = Bucket(shard_ids, tuple(numels), fingerprint, initial, largest, floor)
         if bucket_codec.batchable(states, engine.config):
-            bucket.batch = bucket_codec.BucketEncoder(states, engine.config)
+            bucket.batch_encoder = bucket_codec.BucketEncoder(states, engine.config)
             bucket.batch_decoder = bucket_codec.BucketDecoder(
-                bucket.batch, shard_ids, states, engine.config, engine.world_size
+                bucket.batch_encoder, shard_ids, engine.config, engine.world_size
             )
         self.buckets[shard_ids] = bucket
         return bucket
@@ -901,46 +906,20 @@ class BucketGather:
         crcs = [0] * n
         bits_of: list[np.ndarray | None] = [None] * n
         position = 0
-        batch = bucket.batch if error is None and bucket_codec.usable() else None
-        bits = None
+        batch = bucket.batch_encoder if error is None and bucket_codec.usable() else None
+        bucket_bits = None  # the bucket's values, flat, when it is encoded in one call
         if batch is not None:
             try:
-                bits = batch.flat_bits(shards)
+                bucket_bits = batch.flat_bits(shards)
             except (ValueError, TypeError, RuntimeError):
                 batch = None  # the per-shard loop names what is wrong with which shard
         if batch is not None:
-            # One compiled call writes every message straight into the row, the overflow after it.
-            row = np.empty(head + max(capacity_bytes, batch.stream_bytes), dtype=np.uint8)
-            send, area = row[: head + capacity_bytes], row[head : head + capacity_bytes]
-            shard_states = engine._shards
-            encoders = [shard_states[shard_id].encoder for shard_id in bucket.shard_ids]
-            stream_bytes = batch.encode(encoders, bits, row[head:])
-            if stream_bytes < capacity_bytes:
-                area[stream_bytes:] = 0
-            else:
-                overflow = bytearray(row[head + capacity_bytes : head + stream_bytes])
-            kinds, sizes = batch.kinds.tolist(), batch.sizes.tolist()
-            entries = [kind | size << 2 for kind, size in zip(kinds, sizes, strict=True)]
-            bits_of = [bits[start:stop] for start, stop in batch.bounds]
-            payload_messages = kinds.count(KIND_PAYLOAD)
-            if payload_messages == n:  # the steady state
-                stats.payload_bytes += sum(sizes)
-            else:  # raw values and seeds carry a CRC-32 in the entry table
-                start = head
-                for index, (kind, size) in enumerate(zip(kinds, sizes, strict=True)):
-                    if kind == KIND_PAYLOAD:
-                        stats.payload_bytes += size
-                    else:
-                        crcs[index] = zlib.crc32(row[start : start + size])
-                        stats.raw_message_bytes += size
-                        stats.seed_messages += kind == KIND_SEED
-                    start += _align8(size)
-            stats.payload_messages += payload_messages
-            stats.raw_messages += n - payload_messages
-            stats.one_call_encodes += 1
+            send, overflow, entries, crcs = self._encode_in_one_call(
+                bucket, batch, bucket_bits, head, capacity_bytes
+            )
         else:
             send = np.zeros(head + capacity_bytes, dtype=np.uint8)
-            area = send[head:]
+        area = send[head:]
         if error is None and batch is None:
             payload_messages = seed_messages = payload_bytes = raw_bytes = 0
             shard_states = engine._shards
@@ -1033,7 +1012,7 @@ class BucketGather:
                     bytes(overflow),
                     bits_of,
                     outputs,
-                    bits,
+                    bucket_bits,
                 )
             except GatherError:
                 stats.failed_calls += 1
@@ -1050,6 +1029,41 @@ class BucketGather:
         engine.stats.host_s += time.perf_counter() - host_start_s
         return handle
 
+    def _encode_in_one_call(
+        self, bucket: Bucket, batch: bucket_codec.BucketEncoder, bucket_bits, head: int, capacity_bytes: int
+    ) -> tuple[np.ndarray, bytearray, list[int], list[int]]:
+        """The bucket's row (header space, then the area) with every message written by one compiled call,
+        the overflow after it, and the entry table's kinds and lengths and CRC-32s (bucket_codec)."""
+        stats, n = self.stats, len(bucket.shard_ids)
+        row = np.empty(head + max(capacity_bytes, batch.stream_bytes), dtype=np.uint8)
+        encoders = [self.engine._shards[shard_id].encoder for shard_id in bucket.shard_ids]
+        stream_bytes = batch.encode(encoders, bucket_bits, row[head:])
+        overflow = bytearray()
+        if stream_bytes < capacity_bytes:
+            row[head + stream_bytes : head + capacity_bytes] = 0
+        else:
+            overflow = bytearray(row[head + capacity_bytes : head + stream_bytes])
+        kinds, sizes = batch.kinds.tolist(), batch.sizes.tolist()
+        entries = [kind | size << 2 for kind, size in zip(kinds, sizes, strict=True)]
+        crcs = [0] * n
+        payload_messages = kinds.count(KIND_PAYLOAD)
+        if payload_messages == n:  # the steady state
+            stats.payload_bytes += sum(sizes)
+        else:  # raw values and seeds carry a CRC-32 in the entry table
+            start = head
+            for index, (kind, size) in enumerate(zip(kinds, sizes, strict=True)):
+                if kind == KIND_PAYLOAD:
+                    stats.payload_bytes += size
+                else:
+                    crcs[index] = zlib.crc32(row[start : start + size])
+                    stats.raw_message_bytes += size
+                    stats.seed_messages += kind == KIND_SEED
+                start += _align8(size)
+        stats.payload_messages += payload_messages
+        stats.raw_messages += n - payload_messages
+        stats.one_call_encodes += 1
+        return row[: head + capacity_bytes], overflow, entries, crcs
+
     def _finish(
         self,
         bucket: Bucket,
@@ -1061,7 +1075,7 @@ class BucketGather:
         overflow: bytes,
         bits_of,
         outputs,
-        bits: np.ndarray | None = None,
+        bucket_bits: np.ndarray | None = None,
     ) -> list[torch.Tensor]:
         engine = self.engine
         world_size, rank, n = engine.world_size, engine.rank, len(bucket.shard_ids)
@@ -1093,9 +1107,9 @@ class BucketGather:
             self.engine.fault_injector("receive", first, received[:, head:])
         decode_start_s = time.perf_counter()
         failure: tuple[int, str] | None = None
-        # The bucket's messages rebuilt in one compiled call when its encode was (bits: its values, flat)
-        # and the outputs tile one buffer; anything else, one shard and source at a time.
-        batch = bucket.batch_decoder if bits is not None and bucket_codec.usable() else None
+        # The bucket's messages rebuilt in one compiled call when its encode was (bucket_bits: its values,
+        # flat) and the outputs tile one buffer; anything else, one shard and source at a time.
+        batch = bucket.batch_decoder if bucket_bits is not None else None
         flat = batch.flat_output(outputs) if batch is not None else None
         if flat is not None:
             out, results = flat
@@ -1108,10 +1122,14 @@ class BucketGather:
                     head, target,
                 )  # fmt: skip
 
-            failure, handoffs = batch.decode(states, headers, received, head, rank, bits, out, decode_one)
+            failure, handoffs = batch.decode(
+                states, headers, received, head, rank, bucket_bits, out, decode_one
+            )
             self.stats.one_call_rebuilds += 1
             self.stats.one_call_handoffs += handoffs
         else:
+            if bucket_bits is not None:  # encoded in one call: each shard's own values, as the loop has them
+                bits_of = [bucket_bits[start:stop] for start, stop in bucket.batch_encoder.bounds]
             results = self._decode_shards(bucket, headers, received, overflow_rows, head, bits_of, outputs)
             if isinstance(results, tuple):
                 failure, results = results, []

@@ -8,7 +8,7 @@ shard and per source, the message's copy into the row, header parsing and bookke
 shards are flattened by one ``torch.cat``, one compiled call encodes every shard straight into the row,
 and one compiled call checks and rebuilds every received payload of the steady state into one output
 buffer (the engines' layout); that cuts the growth to ~9 us per shard — the format's own per-shard work
-(header, bitmap, rANS tables, checksums) — at a fixed cost of ~100 us per call, so buckets of fewer than
+(header, bitmap, rANS tables, checksums) — at a fixed cost of ~90 us per call, so buckets of fewer than
 ``MIN_SHARDS`` shards keep the per-shard loop.
 
 The bytes are those of the per-shard loop (``bucket.BucketGather``), shard for shard — both make each
@@ -34,7 +34,7 @@ import torch
 from numba.typed import List
 
 from ciera_runtime import kernels, payload_passes
-from ciera_runtime.codec import _EXP_LAYOUT, DType
+from ciera_runtime.codec import _EXP_LAYOUT, SM_CHECKSUM_MISMATCH, DType
 
 if TYPE_CHECKING:
     from ciera_runtime.allgather import _ShardState
@@ -49,9 +49,9 @@ def _align8(n: int) -> int:
     return (n + 7) & ~7
 
 
-# Buckets of fewer shards take the per-shard loop: the one-call path costs ~100 us more per call at one
-# shard and ~9 us less per further shard; `python benchmarks/bucket_host.py --values 32768 --shards
-# 1,2,4,8,16` put the break-even between 4 and 8 shards (docs/runtime.md).
+# Buckets of fewer shards take the per-shard loop: the one-call path costs ~90 us more per call at one
+# shard and ~12 us less per further shard; `python benchmarks/bucket_host.py --values 32768 --shards
+# 1,2,4,8,16,32 --one-call-min-shards 1` put the break-even between 4 and 8 shards (docs/runtime.md).
 MIN_SHARDS = 8
 
 
@@ -87,6 +87,7 @@ class BucketEncoder:
         self.fp16 = np.array([dtype == DType.FP16 for dtype in self.dtypes], dtype=np.uint8)
         self.dtype_codes = np.array([int(dtype) for dtype in self.dtypes], dtype=np.int64)
         layouts = [state.encoder.layout for state in states]
+        self.n_blocks = np.array([layout.n_blocks for layout in layouts], dtype=np.int64)
         self.bitmap_bytes = np.array([layout.bitmap_bytes for layout in layouts], dtype=np.int64)
         self.sm_offsets = np.array([layout.sign_mantissa_offset for layout in layouts], dtype=np.int64)
         self.sm_bytes = np.array([layout.sign_mantissa_bytes for layout in layouts], dtype=np.int64)
@@ -177,18 +178,15 @@ class BucketDecoder:
     error is the one that path raises."""
 
     def __init__(
-        self, encoder: BucketEncoder, shard_ids: tuple[int, ...], states: list[_ShardState], config: CodecConfig,
-        world: int,
-    ) -> None:  # fmt: skip
+        self, encoder: BucketEncoder, shard_ids: tuple[int, ...], config: CodecConfig, world: int
+    ) -> None:
         self.encoder = encoder
         self.world = world
         self.shard_id_list = list(shard_ids)
         self.shard_ids = np.array(shard_ids, dtype=np.int64)
-        self.numels = np.array([state.numel for state in states], dtype=np.int64)
+        self.numels = np.diff(encoder.starts)
         self.out_starts = world * encoder.starts[:-1]
         self.out_sizes = (world * self.numels).tolist()
-        layouts = [state.encoder.layout for state in states]
-        self.n_blocks = np.array([layout.n_blocks for layout in layouts], dtype=np.int64)
         self.fingerprint = config.fingerprint
         self._decoders: list = []
         self._caches: List | None = None
@@ -229,7 +227,9 @@ class BucketDecoder:
             self._decoders = decoders
         return decoders
 
-    def decode(self, states, headers, received, head: int, rank: int, bits, out, decode_one) -> tuple | None:
+    def decode(
+        self, states, headers, received, head: int, rank: int, bits, out, decode_one
+    ) -> tuple[tuple[int, str] | None, int]:
         """Rebuild every other rank's part of every shard into ``out``; ``decode_one(shard index, source,
         offset, target)`` runs the per-shard path on one item and returns its failure or None. Returns
         the first failure (shard id, reason), or None, and how many items went to ``decode_one``."""
@@ -250,7 +250,7 @@ class BucketDecoder:
             while True:
                 stop, item = payload_passes.rebuild_bucket(
                     received, head, entries, offsets, item, rank, bits, out, self.out_starts, self.numels,
-                    self.n_blocks, encoder.bitmap_bytes, encoder.sm_offsets, encoder.sm_bytes,
+                    encoder.n_blocks, encoder.bitmap_bytes, encoder.sm_offsets, encoder.sm_bytes,
                     encoder.fixed_bytes, self.shard_ids, encoder.dtype_codes, encoder.block_size, self.fingerprint,
                     encoder.exp_shifts, encoder.fp16, self._caches, epochs, generations, done,
                 )  # fmt: skip
@@ -258,9 +258,7 @@ class BucketDecoder:
                     return None, handoffs
                 shard, source = divmod(int(item), world)
                 if stop == payload_passes.STOP_SM_CHECKSUM:
-                    error = decoders[item]._fail(
-                        "sign+mantissa checksum mismatch: payload corrupted in transit"
-                    )
+                    error = decoders[item]._fail(SM_CHECKSUM_MISMATCH)
                     return (self.shard_id_list[shard], f"rebuilding rank {source}'s shard: {error}"), handoffs
                 start = int(self.out_starts[shard]) + source * int(self.numels[shard])
                 handoffs += 1

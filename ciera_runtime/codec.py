@@ -58,6 +58,9 @@ FLAG_CHECKSUM = 4  # shard_crc32 holds the CRC-32 of the shard's 16-bit patterns
 # value in ~100 crosses a power of two per step), so its deltas are nearly all 0 and code to well under a
 # bit per value, where the exponents themselves take ~2.6 bits.
 FLAG_EXPONENT_DELTAS = 8
+# What a receiver raises when the rebuilt sign+mantissa plane does not match the sender's checksum (the
+# per-shard decode and the bucket's one-call rebuild alike).
+SM_CHECKSUM_MISMATCH = "sign+mantissa checksum mismatch: payload corrupted in transit"
 
 # The one-call encode (payload_passes.py, which this module imports, so it keeps its own copies as numba
 # globals) writes the header fields that change per payload at fixed offsets: they must be this format's
@@ -80,6 +83,17 @@ assert (
     payload_passes.SM_CHECKSUM_AT,
     payload_passes.HEADER_CRC_AT,
 ) == (HEADER_BYTES, *(_field_at(k) for k in (3, 6, 10, 11, 12, 13, 14, 16)))
+assert (
+    payload_passes.VERSION_AT,
+    payload_passes.DTYPE_AT,
+    payload_passes.SHARD_AT,
+    payload_passes.SOURCE_AT,
+    payload_passes.EPOCH_AT,
+    payload_passes.NUMEL_AT,
+    payload_passes.BLOCK_SIZE_AT,
+    payload_passes.FINGERPRINT_AT,
+) == tuple(_field_at(k) for k in (1, 2, 4, 5, 7, 8, 9, 15))
+assert (bytes(payload_passes.MAGIC), payload_passes.FORMAT_VERSION) == (MAGIC, FORMAT_VERSION)
 assert (
     payload_passes.FLAG_FULL,
     payload_passes.FLAG_RAW,
@@ -854,7 +868,7 @@ class ShardDecoder:
         if checksum is None:
             checksum = self.backend.merge_planes_checked(self.exp_cache, sign_mantissa, shift, is_fp16, out)
         if int(checksum) != header.sign_mantissa_checksum64:
-            raise self._fail("sign+mantissa checksum mismatch: payload corrupted in transit")
+            raise self._fail(SM_CHECKSUM_MISMATCH)
         if header.flags & FLAG_CHECKSUM and zlib.crc32(out) != header.shard_crc32:
             self.generation = -1  # cache no longer trusted: the next delta fails as out of step
             raise self._fail("rebuilt shard does not match the sender's checksum", ChecksumMismatchError)

@@ -32,6 +32,11 @@ FLAGS_AT, GENERATION_AT, CHANGED_AT, EXP_BYTES_AT, SHARD_CRC_AT, META_CRC_AT, SM
     7, 16, 44, 48, 56, 60, 64,
 )  # fmt: skip
 HEADER_CRC_AT = 76
+# The fields rebuild_bucket reads besides those (fields 1, 2, 4, 5, 7-9, 15: version, dtype, shard, source
+# rank, epoch, numel, block size, configuration fingerprint); codec.py checks every offset against its format.
+VERSION_AT, DTYPE_AT, SHARD_AT, SOURCE_AT, EPOCH_AT, NUMEL_AT, BLOCK_SIZE_AT, FINGERPRINT_AT = (
+    4, 6, 8, 12, 24, 32, 40, 72,
+)  # fmt: skip
 FLAG_FULL, FLAG_RAW, FLAG_CHECKSUM, FLAG_DELTAS = 1, 2, 4, 8  # codec.FLAG_* (codec imports this module)
 
 
@@ -150,8 +155,8 @@ def encode_exact(
     return blocks.size, fixed_bytes + exp_bytes
 
 
-# A bucket's message kinds (bucket.KIND_*; bucket imports codec, which imports this module) and the size of
-# a seed's prefix (bucket.SEED_PREFIX: sender epoch, generation, flags; flag 1 = a full payload's seed).
+# A bucket's message kinds (bucket.py takes them from here) and the size of a seed's prefix (bucket.SEED_PREFIX:
+# sender epoch, generation, flags; flag 1 = a full payload's seed).
 KIND_PAYLOAD, KIND_RAW, KIND_SEED = 1, 2, 3
 SEED_PREFIX_BYTES = 24
 
@@ -267,8 +272,8 @@ def _get(payload, at, size):
     return value
 
 
-_MAGIC = np.frombuffer(b"CIER", dtype=np.uint8)  # codec.MAGIC
-FORMAT_VERSION = 5  # codec.FORMAT_VERSION
+MAGIC = np.frombuffer(b"CIER", dtype=np.uint8)  # codec.MAGIC (checked there)
+FORMAT_VERSION = 5  # codec.FORMAT_VERSION (checked there)
 # rebuild_bucket's stops: every item done; an item for the per-shard path (a raw message or seed, one that
 # spills into the overflow round, anything but a payload of the steady state); an item whose rebuild
 # failed (status != 0: the cache is untouched); an item whose sign+mantissa checksum did not match (its
@@ -311,17 +316,18 @@ def rebuild_bucket(
         fixed = fixed_bytes[shard]
         flags = payload[FLAGS_AT]
         if (
-            payload[0] != _MAGIC[0] or payload[1] != _MAGIC[1] or payload[2] != _MAGIC[2]
-            or payload[3] != _MAGIC[3] or _get(payload, 4, 2) != FORMAT_VERSION
+            payload[0] != MAGIC[0] or payload[1] != MAGIC[1] or payload[2] != MAGIC[2]
+            or payload[3] != MAGIC[3] or _get(payload, VERSION_AT, 2) != FORMAT_VERSION
             or np.uint64(crc32(payload[:HEADER_CRC_AT], 0)) != _get(payload, HEADER_CRC_AT, 4)
-            or payload[6] != dtype_codes[shard] or (flags & ~np.uint8(FLAG_FULL | FLAG_RAW | FLAG_DELTAS)) != 0
-            or _get(payload, 8, 4) != shard_ids[shard] or _get(payload, 12, 4) != source
-            or _get(payload, 32, 8) != numel or _get(payload, 40, 4) != block_size
-            or _get(payload, 72, 4) != fingerprint
+            or payload[DTYPE_AT] != dtype_codes[shard]
+            or (flags & ~np.uint8(FLAG_FULL | FLAG_RAW | FLAG_DELTAS)) != 0
+            or _get(payload, SHARD_AT, 4) != shard_ids[shard] or _get(payload, SOURCE_AT, 4) != source
+            or _get(payload, NUMEL_AT, 8) != numel or _get(payload, BLOCK_SIZE_AT, 4) != block_size
+            or _get(payload, FINGERPRINT_AT, 4) != fingerprint
         ):  # fmt: skip
             return STOP_OTHER, item
         generation = np.int64(_get(payload, GENERATION_AT, 8))
-        epoch = np.int64(_get(payload, 24, 8))
+        epoch = np.int64(_get(payload, EPOCH_AT, 8))
         changed = np.int64(_get(payload, CHANGED_AT, 4))
         exp_bytes = np.int64(_get(payload, EXP_BYTES_AT, 8))
         full = (flags & FLAG_FULL) != 0

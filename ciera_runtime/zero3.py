@@ -429,15 +429,12 @@ class CieraZero3:
                 shards = [param.ds_tensor.data for param in part]
                 # One buffer for the part, as DeepSpeed's coalesced call allocates: the bucket rebuilds
                 # into it in one pass (ciera_runtime/bucket_codec.py).
+                # (16-bit patterns, viewed per parameter: CIERA gathers BF16 and FP16 only, mixed or not.)
                 sizes = [engine.world_size * shard.numel() for shard in shards]
-                if len({shard.dtype for shard in shards}) == 1:
-                    flat = torch.empty(sum(sizes), dtype=shards[0].dtype, device=shards[0].device)
-                    outputs = list(flat.split(sizes))
-                else:
-                    outputs = [
-                        torch.empty(size, dtype=shard.dtype, device=shard.device)
-                        for size, shard in zip(sizes, shards, strict=True)
-                    ]
+                flat = torch.empty(sum(sizes), dtype=torch.int16, device=shards[0].device)
+                outputs = [
+                    part.view(shard.dtype) for part, shard in zip(flat.split(sizes), shards, strict=True)
+                ]
                 handle = engine.all_gather_bucket(shards, [param.ds_id for param in part], outputs)
                 job = _Job(part, handle, outputs)
                 self._pending.append(job)

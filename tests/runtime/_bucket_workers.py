@@ -385,7 +385,7 @@ def one_call_rows_worker(
                 for sid, state in engine._shards.items()
                 for source, decoder in state.decoders.items()
             )
-            batched = sum(bucket.batch is not None for bucket in engine._bucket_path.buckets.values())
+            batched = sum(bucket.batch_encoder is not None for bucket in engine._bucket_path.buckets.values())
             stats = engine.bucket_stats
             runs.append(
                 (

@@ -53,7 +53,7 @@ def _compile_bucket_passes() -> None:
         for shard in range(2)
     ]  # fmt: skip
     encoder = bucket_codec.BucketEncoder(states, config)
-    decoder = bucket_codec.BucketDecoder(encoder, (0, 1), states, config, world)
+    decoder = bucket_codec.BucketDecoder(encoder, (0, 1), config, world)
     shards = [(torch.randn(numel) * 0.02).to(torch.bfloat16) for _ in states]
     bits = encoder.flat_bits(shards)
     head = 64

@@ -160,6 +160,7 @@ def sim_command(
             f"host CPU beside the runs: other processes took at most {noise['other_cpu_share_max'] * 100:.1f} % "
             f"during any of the {recorded} runs"
         )
+    console.print(verdict_line(document["ciera_verdicts"]))
     per_category = []
     for name, count in document["held_out_not_predicted_by_category"].items():
         if name in document["held_out_mean_abs_error_by_category"]:
@@ -186,6 +187,26 @@ def sim_command(
         write_json_atomic(document, json_path, "--json")
     if not document["passed"]:
         raise typer.Exit(1)
+
+
+def verdict_line(verdicts: list[dict]) -> str:
+    """Whether the predictions put CIERA on the measured side of its plain engine, and where they do not."""
+    if not verdicts:
+        return "turning CIERA on: no held-out CIERA run has its plain engine's run beside it"
+    errors = [abs(row["predicted_speedup"] / row["measured_speedup"] - 1.0) for row in verdicts]
+    wrong = [row for row in verdicts if not row["same_side"]]
+    text = (
+        f"turning CIERA on (its speedup over the plain engine's run of the same cluster and depth): predicted "
+        f"faster or slower as measured in {len(verdicts) - len(wrong)} of {len(verdicts)} pairs; speedup error "
+        f"mean {sum(errors) / len(errors) * 100:.1f} %, max {max(errors) * 100:.1f} %"
+    )
+    if wrong:
+        text += "; on the other side: " + "; ".join(
+            f"{row['system']} on {row['cluster']}, L = {row['layers']}: measured {row['measured_speedup']:.3f}×, "
+            f"predicted {row['predicted_speedup']:.3f}×"
+            for row in wrong
+        )
+    return text
 
 
 @app.command("lossless")

@@ -105,6 +105,32 @@ def category(run: pd.Series, seen_runs: pd.DataFrame) -> str:
     return "depth"
 
 
+def ciera_verdicts(held_rows: list[dict], replay_rows: list[dict]) -> list[dict[str, Any]]:
+    """Turning CIERA on, as measured and as predicted: for every predicted held-out CIERA run whose plain
+    engine (ZeRO-3 for `ciera`, FSDP2 for `ciera-fsdp`) ran the same cluster and depth, CIERA's speedup over
+    that run, measured and predicted, and whether the prediction falls on the measured side of 1.0× — the
+    question a projection answers for its user. The plain run's predicted time is its prediction when held
+    out and its replay when seen (the replay is what the simulator makes of a seen run)."""
+    plain_s: dict[tuple[str, int, str], tuple[float, float | None]] = {}
+    for row in replay_rows:
+        plain_s[(row["cluster"], row["layers"], row["system"])] = (row["measured_s"], row["replayed_s"])
+    for row in held_rows:
+        plain_s[(row["cluster"], row["layers"], row["system"])] = (row["measured_s"], row["predicted_s"])
+    verdicts = []
+    for row in held_rows:
+        plain = PLAIN_ENGINE.get(row["system"])
+        base = plain_s.get((row["cluster"], row["layers"], plain)) if plain else None
+        if base is None or base[1] is None or row["predicted_s"] is None:
+            continue
+        measured, predicted = base[0] / row["measured_s"], base[1] / row["predicted_s"]
+        verdicts.append({
+            "cluster": row["cluster"], "layers": row["layers"], "system": row["system"], "plain_system": plain,
+            "measured_speedup": measured, "predicted_speedup": predicted,
+            "same_side": bool((measured > 1.0) == (predicted > 1.0)),
+        })  # fmt: skip
+    return verdicts
+
+
 def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -> dict[str, Any]:
     """How repeatable the measurements are, independent of any model: the spread of a run's timed
     iterations ((max − min) / median), and how far a line a + b·L fitted to *all* measured depths of one
@@ -252,6 +278,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
             "error": None if value is None else value / measured - 1.0,
             "speedup_error": speedup_error, "basis": basis, "notes": list(notes),
         })  # fmt: skip
+    verdicts = ciera_verdicts(held_rows, replay_rows)
     replay_errors = np.abs([row["error"] for row in replay_rows])
     predicted_rows = [row for row in held_rows if row["error"] is not None]
     held_errors = np.abs([row["error"] for row in predicted_rows]) if predicted_rows else np.zeros(0)
@@ -317,6 +344,8 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
             for system, f in figures.items()
         },
         "measurement_noise": measurement_noise(bundle, measured_runs),
+        "ciera_verdicts": verdicts,
+        "ciera_verdicts_on_the_measured_side": sum(row["same_side"] for row in verdicts),
     }
     document["passed"] = bool(
         document["replay_max_abs_error"] <= 0.01

@@ -92,6 +92,20 @@ def test_every_held_out_run_is_predicted_and_categorised(small_document: dict) -
     )
 
 
+def test_every_held_out_ciera_run_beside_its_engine_gets_a_verdict(small_document: dict) -> None:
+    """At L = 2 every cluster but the seen one has all four systems held out: one pair per CIERA run."""
+    verdicts = small_document["ciera_verdicts"]
+    ciera_runs = [r for r in small_document["held_out"] if r["system"] in ("ciera", "ciera-fsdp")]
+    assert len(verdicts) == len(ciera_runs) > 0
+    by_key = {(r["cluster"], r["layers"], r["system"]): r for r in small_document["held_out"]}
+    for verdict in verdicts:
+        ciera = by_key[(verdict["cluster"], verdict["layers"], verdict["system"])]
+        plain = by_key[(verdict["cluster"], verdict["layers"], verdict["plain_system"])]
+        assert verdict["measured_speedup"] == pytest.approx(plain["measured_s"] / ciera["measured_s"])
+        assert verdict["predicted_speedup"] == pytest.approx(plain["predicted_s"] / ciera["predicted_s"])
+    assert small_document["ciera_verdicts_on_the_measured_side"] == sum(v["same_side"] for v in verdicts)
+
+
 def test_the_codec_runs_are_predicted_in_sample_and_kept_out_of_the_held_out_errors(
     small_document: dict,
 ) -> None:

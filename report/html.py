@@ -800,6 +800,7 @@ def _sim_block(index: int, result: ValidationFile) -> str:
         f"{noise['timed_iterations_per_run']} timed iterations of a run differ by "
         f"{noise['iteration_spread_mean'] * 100:.1f} % on average and up to "
         f"{noise['iteration_spread_max'] * 100:.1f} % (max − min over median).{depth_line}</p>"
+        + _verdicts_caption(d.get("ciera_verdicts"))
         + _command_line(result)
         + (
             ""
@@ -807,6 +808,24 @@ def _sim_block(index: int, result: ValidationFile) -> str:
             else '<p class="caption">The file does not record which bundle was checked; without '
             "<code>--bundle</code> it is the shipped measured bundle.</p>"
         )
+    )
+
+
+def _verdicts_caption(verdicts: list[dict] | None) -> str:
+    """Whether the predictions put CIERA on the measured side of its plain engine (files before 2026-12-05
+    do not record it: nothing is said)."""
+    if not verdicts:
+        return ""
+    wrong = [row for row in verdicts if not row["same_side"]]
+    others = "; ".join(
+        f"{html.escape(row['system'])} on {html.escape(row['cluster'])}, L = {row['layers']}: measured "
+        f"{row['measured_speedup']:.3f}×, predicted {row['predicted_speedup']:.3f}×"
+        for row in wrong
+    )
+    return (
+        '<p class="caption">Turning CIERA on — its speedup over the plain engine\'s run of the same cluster and '
+        f"depth: the prediction says faster or slower as measured in {len(verdicts) - len(wrong)} of "
+        f"{len(verdicts)} pairs{'; on the other side: ' + others if wrong else ''}.</p>"
     )
 
 

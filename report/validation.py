@@ -280,6 +280,15 @@ def _check_sim(document: Mapping[str, Any], fields: _Fields) -> None:
         fields.number(noise, key, "measurement_noise", low=0)
     for key in ("depth_line_residual_mean", "depth_line_residual_max"):
         fields.number(noise, key, "measurement_noise", low=0, nullable=True)
+    if "ciera_verdicts" in document:  # from 2026-12-05 on
+        verdicts = fields.array(document, "ciera_verdicts", non_empty=False)
+        for where, row in fields.items(verdicts, "ciera_verdicts"):
+            for key in ("cluster", "system"):
+                fields.string(row, key, where)
+            fields.integer(row, "layers", where, low=1)
+            for key in ("measured_speedup", "predicted_speedup"):
+                fields.number(row, key, where, low=0)
+            fields.boolean(row, "same_side", where)
     fields.boolean(document, "passed")
 
 

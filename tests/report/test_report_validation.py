@@ -226,6 +226,12 @@ def test_without_validation_files_the_section_shows_the_shipped_sim_check(monkey
     )
     text = _text(_section(files["html"].read_text()))
     assert "Shipped with CIERA" in text and "Not shown (no file given):" in text
+    shipped = json.loads(
+        (Path(__file__).resolve().parents[2] / "report/data/validate-sim-measured.json").read_text()
+    )
+    verdicts = shipped["ciera_verdicts"]
+    agreeing = sum(row["same_side"] for row in verdicts)
+    assert f"faster or slower as measured in {agreeing} of {len(verdicts)} pairs" in text
     for command in (
         "ciera validate sim --bundle measured --held-out traces/data/measured.held-out.toml",
         "ciera validate lossless --engine zero3 --json lossless.json",
@@ -385,6 +391,21 @@ def _edit(document: dict[str, Any], path: list[Any], value: Any) -> dict[str, An
             "field 'measurement_noise': missing, expected a JSON object",
         ),
         ("sim", ["passed"], "no", "field 'passed': 'no', expected true or false"),
+        (
+            "sim",
+            ["ciera_verdicts"],
+            [
+                {
+                    "cluster": "c",
+                    "system": "ciera",
+                    "layers": 2,
+                    "measured_speedup": 1.1,
+                    "predicted_speedup": 0.9,
+                    "same_side": "yes",
+                }
+            ],  # fmt: skip
+            "field 'ciera_verdicts[0].same_side': 'yes', expected true or false",
+        ),
     ],
     ids=[
         "schema",
@@ -401,6 +422,7 @@ def _edit(document: dict[str, Any], path: list[Any], value: Any) -> dict[str, An
         "sim-error",
         "sim-noise",
         "sim-passed",
+        "sim-verdict",
     ],
 )
 def test_bad_validation_file_is_one_line_exit_2(monkeypatch, capsys, files, kind, path, value, expected):

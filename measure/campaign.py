@@ -292,25 +292,61 @@ def _finished(directory: Path, kind: str) -> bool:
     return (directory / expected).is_file()
 
 
-def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> None:
-    """Check `plan`, create `out_dir`, and record the plan there — or refuse when it holds another plan."""
+# Plan fields a rerun may grow: a capture extended with more topologies, depths or systems keeps every run it
+# has (each is kept only when its own job is unchanged) and adds the others.
+EXTENSIBLE_PLAN_FIELDS = ("topologies", "layers", "systems")
+
+
+def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> list[str]:
+    """Check `plan`, create `out_dir`, and record the plan there — or refuse when it holds another plan.
+    A plan that only adds topologies, depths or systems to the recorded one extends the capture: the
+    recorded plan is replaced by it, and what it adds is returned (one line per field) for the console."""
     plan.check()
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path = out_dir / "plan.json"
     document = plan.to_json()
-    if plan_path.exists():
-        previous = json.loads(plan_path.read_text())
-        current = json.loads(json.dumps(document))
-        # A plan recorded before a field existed ran with that field's default.
-        defaults = json.loads(json.dumps(CapturePlan().to_json()))
-        changed = sorted(k for k in current if previous.get(k, defaults.get(k)) != current[k])
-        if changed:
-            raise CaptureError(
-                f"--out {out_dir}: holds a capture of another plan (differs in {', '.join(changed)}); "
-                "use a new --out directory or the same options"
-            )
-    else:
+    current = json.loads(json.dumps(document))
+    if not plan_path.exists():
         write_text_atomic(plan_path, json.dumps(document, indent=1))
+        return []
+    try:
+        previous = json.loads(plan_path.read_text())
+    except (OSError, ValueError) as error:
+        raise CaptureError(
+            f"--out {out_dir}: cannot read its plan.json ({error}); use a new --out directory"
+        ) from None
+    if not isinstance(previous, dict):
+        raise CaptureError(
+            f"--out {out_dir}: its plan.json holds {type(previous).__name__}, expected a JSON object"
+        )
+    # A plan recorded before a field existed ran with that field's default.
+    defaults = json.loads(json.dumps(CapturePlan().to_json()))
+    changed = sorted(k for k in current if previous.get(k, defaults.get(k)) != current[k])
+    grown = [
+        key
+        for key in changed
+        if key in EXTENSIBLE_PLAN_FIELDS
+        and all(item in current[key] for item in previous.get(key, defaults[key]))
+    ]
+    if changed != grown:
+        raise CaptureError(
+            f"--out {out_dir}: holds a capture of another plan (differs in {', '.join(changed)}); "
+            "use a new --out directory or the same options (a rerun may only add topologies, layers or systems)"
+        )
+    added = []
+    for key in grown:
+        new_items = [item for item in current[key] if item not in previous.get(key, defaults[key])]
+        names = [_plan_item_name(key, item) for item in new_items]
+        added.append(f"--out {out_dir}: extends the capture there with {key} {', '.join(names)}")
+    if grown:
+        write_text_atomic(plan_path, json.dumps(document, indent=1))
+    return added
+
+
+def _plan_item_name(key: str, item: Any) -> str:
+    if key == "topologies":
+        return Topology(**item).name
+    return str(item)
 
 
 def capture_all(
@@ -325,12 +361,12 @@ def capture_all(
     one emulated cluster, re-shaped between runs (`EmulatedCluster.set_link_rate`), and their runs are
     interleaved (`interleaved_order`): every sweep first, then per depth every rate's systems in turn —
     so slow drift of the machine's speed hits every rate alike, as it hits every system alike."""
-    prepare_out_dir(plan, out_dir)
+    extended = prepare_out_dir(plan, out_dir)
     partial = out_dir / ".partial"
     if partial.exists():
         shutil.rmtree(partial)  # an interrupted run: discarded, redone
     notify = on_step or (lambda event, step, info: None)
-    done = {"captured": [], "kept": [], "links": {}}
+    done = {"captured": [], "kept": [], "links": {}, "extended": extended}
     for group in interleaved_order(plan_steps(plan)):
         todo = []
         for step in group:

@@ -170,7 +170,8 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
     _check_packages(plan)
     if launched is None:
         _check_capacity(plan)
-        prepare_out_dir(plan, out)
+        for line in prepare_out_dir(plan, out):
+            Console(stderr=True).print(f"ciera measure: {line}", markup=False, highlight=False)
     elif launched[0] != 0:
         capture_launched(plan, out)  # the other ranks print nothing; rank 0 reports
         return

@@ -292,14 +292,15 @@ def _finished(directory: Path, kind: str) -> bool:
     return (directory / expected).is_file()
 
 
-# Plan fields a rerun may grow: a capture extended with more topologies, depths or systems keeps every run it
-# has (each is kept only when its own job is unchanged) and adds the others.
-EXTENSIBLE_PLAN_FIELDS = ("topologies", "layers", "systems")
+# Plan fields a rerun may grow: a capture extended with more topologies, depths, systems or kinds of capture
+# (a sweep, then `ciera measure all`) keeps every step it has (each only when its own job is unchanged) and
+# adds the others.
+EXTENSIBLE_PLAN_FIELDS = ("topologies", "layers", "systems", "kinds")
 
 
 def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> list[str]:
     """Check `plan`, create `out_dir`, and record the plan there — or refuse when it holds another plan.
-    A plan that only adds topologies, depths or systems to the recorded one extends the capture: the
+    A plan that only adds topologies, depths, systems or kinds to the recorded one extends the capture: the
     recorded plan is replaced by it, and what it adds is returned (one line per field) for the console."""
     plan.check()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -331,7 +332,8 @@ def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> list[str]:
     if changed != grown:
         raise CaptureError(
             f"--out {out_dir}: holds a capture of another plan (differs in {', '.join(changed)}); "
-            "use a new --out directory or the same options (a rerun may only add topologies, layers or systems)"
+            "use a new --out directory or the same options (a rerun may only add topologies, layers, systems or "
+            "kinds)"
         )
     added = []
     for key in grown:

@@ -244,6 +244,9 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
             raise CaptureError(
                 f"interrupted: finished runs are kept in {out}; the same command goes on from there"
             ) from None
+    if set(plan.kinds) == {"collectives"}:  # sweeps only: nothing a bundle could hold without a run
+        _sweeps_summary(out, done, time.perf_counter() - started_s, json_path, plan)
+        return
     bundle = assemble_bundle(out)
     import traces
 
@@ -262,6 +265,45 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
                 "links": done["links"],
                 "wall_s": wall_s,
                 "runs": _run_summaries(bundle),
+            },
+        )
+
+
+def _sweeps_summary(out: Path, done: dict, wall_s: float, json_path: Path | None, plan: CapturePlan) -> None:
+    """`ciera measure collectives`: the sweeps are the result; a bundle needs a layer or exponent run."""
+    console = Console(stderr=True)
+    sweeps = []
+    for sweep_dir in sorted((out / "collectives").glob("*/")):
+        rows = json.loads((sweep_dir / "collectives.json").read_text())["rows"]
+        ops = sorted({row["op"] for row in rows})
+        sizes = len({row["bytes"] for row in rows})
+        cluster = json.loads((sweep_dir / "topology.json").read_text())["name"]
+        sweeps.append({"cluster": cluster, "path": str(sweep_dir), "ops": ops, "sizes": sizes})
+        console.print(
+            f"collectives sweep of {cluster}: {', '.join(ops)} at {sizes} sizes, in {sweep_dir}",
+            markup=False,
+            highlight=False,
+        )
+    console.print(
+        f"{len(done['captured'])} captured, {len(done['kept'])} kept from before; wall {wall_s:.0f} s; no bundle "
+        "written: a bundle needs a layer or exponent run (`ciera measure all` with the same options and --out "
+        "adds them and keeps these sweeps)",
+        markup=False,
+        highlight=False,
+    )
+    if json_path is not None:
+        write_json(
+            json_path,
+            {
+                "schema": "ciera.measure/1",
+                "bundle": None,
+                "plan": plan.to_json(),
+                "captured": done["captured"],
+                "kept": done["kept"],
+                "links": done["links"],
+                "wall_s": wall_s,
+                "runs": [],
+                "sweeps": sweeps,
             },
         )
 

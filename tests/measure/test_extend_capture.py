@@ -1,4 +1,4 @@
-"""A capture's --out directory records its plan; a rerun may only add topologies, depths or systems to it
+"""A capture's --out directory records its plan; a rerun may only add topologies, depths, systems or kinds to it
 (the capture is extended, and the console says with what), anything else is refused in one line."""
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ def _plan(**changes) -> CapturePlan:
     return dataclasses.replace(
         CapturePlan(layers=(2, 4), systems=("zero3", "ciera"), topologies=(SLOW,)), **changes
     )
+
+
+def test_a_sweep_capture_is_extended_by_the_full_capture(tmp_path: Path) -> None:
+    assert prepare_out_dir(_plan(kinds=("collectives",)), tmp_path) == []
+    lines = prepare_out_dir(_plan(), tmp_path)
+    assert lines == [f"--out {tmp_path}: extends the capture there with kinds layers, exponents"]
 
 
 def test_adding_topologies_depths_and_systems_extends_the_capture(tmp_path: Path) -> None:

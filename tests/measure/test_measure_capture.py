@@ -350,3 +350,19 @@ def test_ciera_rounds_are_counted_at_the_layer_of_the_parameter_they_gather(capt
     # Every bucket row got its raw bytes from its own decode (registration rows carry none).
     events = bundle.events[(bundle.events["run_id"] == run_id) & (bundle.events["stream"] == "allgather")]
     assert (events["raw_bytes"] > 0).sum() >= 0.8 * len(events[events["wire_bytes"] > 1024]), events
+
+
+@pytest.mark.heavy
+def test_a_sweep_alone_ends_with_its_sweep_and_no_bundle(tmp_path: Path) -> None:
+    """`ciera measure collectives`: the sweep is the result (exit 0, its file named); no bundle is written,
+    and the JSON says so. ~15 s."""
+    out, report = tmp_path / "sweep", tmp_path / "sweep.json"
+    done = ciera("measure", "collectives", "--out", str(out), *TINY, "--collectives-max-mib", "1",
+                 "--json", str(report))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = " ".join(done.stderr.split())
+    assert "collectives sweep of local-2: all_gather, all_reduce, reduce_scatter at" in said
+    assert "no bundle written" in said and not (out / "bundle").exists()
+    document = json.loads(report.read_text())
+    assert document["bundle"] is None and document["runs"] == [] and len(document["sweeps"]) == 1
+    assert document["captured"] == ["collectives-local-2"]

@@ -331,7 +331,7 @@ def _rank_main(args) -> None:
                         "round": round_index,
                         "steps": records,
                         "parameter_digest": result.parameter_digest,
-                        "ciera_ciera_call_counts": _ciera_call_counts(result.ciera),
+                        "ciera_call_counts": _ciera_call_counts(result.ciera),
                         "ciera_wire_bytes_by_kind": _wire_bytes_by_kind(result.ciera),
                     }
                 )
@@ -365,7 +365,7 @@ def _ciera_call_counts(stats: dict | None) -> list[int] | None:
         return None
     if "ciera_calls" in stats:  # ZeRO-3
         return [stats["ciera_calls"], stats["ciera_overflow_rounds"], stats["ciera_one_call_calls"]]
-    return [sum(e["calls"] for e in stats["engines"]), sum(e["overflow_rounds"] for e in stats["engines"]), 0]
+    return [sum(e[key] for e in stats["engines"]) for key in ("calls", "overflow_rounds", "one_call_calls")]
 
 
 # --------------------------------------------------------------------------------------------- root side
@@ -431,7 +431,7 @@ def _report(
         losses.setdefault(system, []).append([step["loss_bits"] for step in run0["steps"]])
         entry.setdefault("first_round_losses", [step["loss"] for step in run0["steps"]])
         digests.setdefault(system, set()).update(runs[index]["parameter_digest"] for runs in rank_runs)
-        counted = run0.get("ciera_ciera_call_counts")
+        counted = run0.get("ciera_call_counts")
         if counted is not None:  # the whole run (warm-up steps included), rank 0's
             entry["ciera_calls"] = entry.get("ciera_calls", 0) + counted[0]
             entry["overflow_rounds"] = entry.get("overflow_rounds", 0) + counted[1]

@@ -34,7 +34,7 @@ import torch
 from numba.typed import List
 
 from ciera_runtime import kernels, payload_passes
-from ciera_runtime.codec import _EXP_LAYOUT, SM_CHECKSUM_MISMATCH, DType
+from ciera_runtime.codec import _EXP_LAYOUT, SM_CHECKSUM_MISMATCH, DType, _align8
 
 if TYPE_CHECKING:
     from ciera_runtime.allgather import _ShardState
@@ -43,10 +43,6 @@ if TYPE_CHECKING:
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16, torch.int16)
 # The encoder's planes the compiled call reads and writes, in the order of its typed lists.
 _PLANES = ("_exp_scratch", "_last_exp", "_sent_exp", "_changed", "_header_template")
-
-
-def _align8(n: int) -> int:
-    return (n + 7) & ~7
 
 
 # Buckets of fewer shards take the per-shard loop: the one-call path costs ~90 us more per call at one

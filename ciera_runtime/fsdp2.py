@@ -499,6 +499,8 @@ class CieraFSDP2:
                     "host_s": engine.stats.host_s,  # on the training thread, network waits left out
                     "calls": engine.bucket_stats.calls if engine.bucket_stats else 0,
                     "overflow_rounds": engine.bucket_stats.overflow_rounds if engine.bucket_stats else 0,
+                    # Calls whose shards took the one-call bucket passes (ciera_runtime/bucket_codec.py).
+                    "one_call_calls": engine.bucket_stats.one_call_encodes if engine.bucket_stats else 0,
                     # Where the bucket rows' bytes go: codec payloads, raw messages, headers, padding.
                     "wire_bytes_by_kind": engine.bucket_stats.wire_bytes_by_kind()
                     if engine.bucket_stats

@@ -92,6 +92,18 @@ def _read_json_if_present(path: Path) -> dict[str, Any]:
     return _read_json(path) if path.exists() else {}
 
 
+def finished_sweeps(out_dir: Path) -> list[tuple[Path, str, list[dict[str, Any]]]]:
+    """Each finished collectives sweep in a capture directory: its directory, its cluster's name, its rows."""
+    return [
+        (
+            sweep_dir,
+            _read_json(sweep_dir / "topology.json")["name"],
+            _read_json(sweep_dir / "collectives.json")["rows"],
+        )
+        for sweep_dir in sorted((out_dir / "collectives").glob("*/"))
+    ]
+
+
 def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
     """The bundle of every finished step in `out_dir`."""
     from .campaign import model_label
@@ -171,13 +183,11 @@ def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
         exponents.append(pd.read_parquet(run_dir / "exponents.parquet"))
         shard_changes.append(pd.read_parquet(run_dir / "shard_changes.parquet"))
     collectives = []
-    for sweep_dir in sorted((out_dir / "collectives").glob("*/")):
-        topology = _read_json(sweep_dir / "topology.json")
-        rows = _read_json(sweep_dir / "collectives.json")["rows"]
+    for _, cluster, rows in finished_sweeps(out_dir):
         for row in rows:
             # A sweep written before transport CPU was measured: not measured (NaN), said by the simulator.
             collectives.append(
-                {"cluster": topology["name"], "transport_cpu_s": float("nan"), **row, "source": "measured"}
+                {"cluster": cluster, "transport_cpu_s": float("nan"), **row, "source": "measured"}
             )
     if not runs:
         raise CaptureError(f"{out_dir}: no finished run to assemble (runs/ and exponents/ are empty)")

@@ -271,13 +271,13 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
 
 def _sweeps_summary(out: Path, done: dict, wall_s: float, json_path: Path | None, plan: CapturePlan) -> None:
     """`ciera measure collectives`: the sweeps are the result; a bundle needs a layer or exponent run."""
+    from .assemble import finished_sweeps
+
     console = Console(stderr=True)
     sweeps = []
-    for sweep_dir in sorted((out / "collectives").glob("*/")):
-        rows = json.loads((sweep_dir / "collectives.json").read_text())["rows"]
+    for sweep_dir, cluster, rows in finished_sweeps(out):
         ops = sorted({row["op"] for row in rows})
         sizes = len({row["bytes"] for row in rows})
-        cluster = json.loads((sweep_dir / "topology.json").read_text())["name"]
         sweeps.append({"cluster": cluster, "path": str(sweep_dir), "ops": ops, "sizes": sizes})
         console.print(
             f"collectives sweep of {cluster}: {', '.join(ops)} at {sizes} sizes, in {sweep_dir}",

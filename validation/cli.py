@@ -193,7 +193,7 @@ def verdict_line(verdicts: list[dict]) -> str:
     """Whether the predictions put CIERA on the measured side of its plain engine, and where they do not."""
     if not verdicts:
         return "turning CIERA on: no held-out CIERA run has its plain engine's run beside it"
-    errors = [abs(row["predicted_speedup"] / row["measured_speedup"] - 1.0) for row in verdicts]
+    errors = [abs(row["speedup_error"]) for row in verdicts]
     wrong = [row for row in verdicts if not row["same_side"]]
     text = (
         f"turning CIERA on (its speedup over the plain engine's run of the same cluster and depth): predicted "

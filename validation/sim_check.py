@@ -126,7 +126,7 @@ def ciera_verdicts(held_rows: list[dict], replay_rows: list[dict]) -> list[dict[
         verdicts.append({
             "cluster": row["cluster"], "layers": row["layers"], "system": row["system"], "plain_system": plain,
             "measured_speedup": measured, "predicted_speedup": predicted,
-            "same_side": bool((measured > 1.0) == (predicted > 1.0)),
+            "speedup_error": predicted / measured - 1.0, "same_side": bool((measured > 1.0) == (predicted > 1.0)),
         })  # fmt: skip
     return verdicts
 

@@ -37,6 +37,7 @@ def test_each_ciera_run_is_compared_with_its_own_engine_and_the_side_of_one_is_c
     first, second, third = verdicts
     assert first["measured_speedup"] == pytest.approx(1 / 1.05)
     assert first["predicted_speedup"] == pytest.approx(1.10)
+    assert first["speedup_error"] == pytest.approx(1.10 * 1.05 - 1.0)
     assert not first["same_side"]
     assert second["same_side"] and second["predicted_speedup"] == pytest.approx(2.0 / 1.8)
     assert third["measured_speedup"] == pytest.approx(2.0 / 1.9)

@@ -47,7 +47,8 @@ the plain engine the time spent inside ``all_gather_single`` calls (issuing them
 bookkeeping around them is not counted; FSDP2's all-gathers are synchronous, their time is the
 transfer's: n/a). Both are means of the ranks, medians of the timed steps. Per CIERA system:
 ``ciera_calls``, ``overflow_rounds`` and ``one_call_calls`` (calls that took the one-call bucket passes,
-ciera_runtime/bucket_codec.py; rank 0, every run, warm-up included) and ``overflow_share``;
+ciera_runtime/bucket_codec.py; rank 0, every run, warm-up included), ``gated_calls`` (with ``--select``,
+ZeRO-3's coalesced calls that BSC's per-call gate left whole to DeepSpeed) and ``overflow_share``;
 ``bytes_on_wire_not_above_raw`` checks every timed step.
 
 ``--link netns`` (root, iproute2): the two ranks run in two network namespaces joined by a veth pair with
@@ -360,12 +361,17 @@ def _wire_bytes_by_kind(stats: dict | None) -> dict[str, int] | None:
 
 
 def _ciera_call_counts(stats: dict | None) -> list[int] | None:
-    """[CIERA bucket collectives, overflow rounds, one-call calls] of a run, from either engine's stats."""
+    """[CIERA bucket collectives, overflow rounds, one-call calls, calls the per-call gate left to the
+    engine] of a run, from either engine's stats (FSDP2 has no gate: 0)."""
     if stats is None:
         return None
     if "ciera_calls" in stats:  # ZeRO-3
-        return [stats["ciera_calls"], stats["ciera_overflow_rounds"], stats["ciera_one_call_calls"]]
-    return [sum(e[key] for e in stats["engines"]) for key in ("calls", "overflow_rounds", "one_call_calls")]
+        return [
+            stats["ciera_calls"], stats["ciera_overflow_rounds"], stats["ciera_one_call_calls"],
+            stats["ciera_gated_calls"],
+        ]  # fmt: skip
+    counts = [sum(e[key] for e in stats["engines"]) for key in ("calls", "overflow_rounds", "one_call_calls")]
+    return [*counts, 0]
 
 
 # --------------------------------------------------------------------------------------------- root side
@@ -436,6 +442,7 @@ def _report(
             entry["ciera_calls"] = entry.get("ciera_calls", 0) + counted[0]
             entry["overflow_rounds"] = entry.get("overflow_rounds", 0) + counted[1]
             entry["one_call_calls"] = entry.get("one_call_calls", 0) + counted[2]
+            entry["gated_calls"] = entry.get("gated_calls", 0) + counted[3]
         for kind, n in (run0.get("ciera_wire_bytes_by_kind") or {}).items():
             entry.setdefault("wire_by_kind", {})
             entry["wire_by_kind"][kind] = entry["wire_by_kind"].get(kind, 0) + n
@@ -472,6 +479,8 @@ def _report(
             "ciera_calls": entry.get("ciera_calls"),
             "overflow_rounds": entry.get("overflow_rounds"),
             "one_call_calls": entry.get("one_call_calls"),
+            # coalesced calls BSC's per-call gate left whole to the engine (ZeRO-3 with --select)
+            "gated_calls": entry.get("gated_calls"),
             "overflow_share": round(entry["overflow_rounds"] / entry["ciera_calls"], 4)
             if entry.get("ciera_calls")
             else None,
@@ -867,6 +876,8 @@ def _main(args) -> int:
             line += (
                 f"; {twin_row['one_call_calls']} of {twin_row['ciera_calls']} calls in the one-call passes"
             )
+        if twin_row.get("gated_calls"):
+            line += f"; {twin_row['gated_calls']} calls left to the engine by the per-call gate"
         if not twin_row["bytes_on_wire_not_above_raw"]:
             line += "; MORE BYTES THAN RAW in some step"
         print(line)

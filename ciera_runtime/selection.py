@@ -34,6 +34,26 @@ class CommProfile:
             return float(self.time_s[-1] * payload_bytes / max(self.bytes_per_rank[-1], 1))
         return float(np.exp(np.interp(x, sizes, times)))
 
+    def marginal_s_per_byte(self) -> float:
+        """What one more byte per rank costs in a large gather: the slope between the two largest sizes
+        (the link's rate; the per-collective latency falls out), never negative."""
+        sizes, times = self.bytes_per_rank, self.time_s
+        if len(sizes) < 2:
+            return float(times[-1]) / max(float(sizes[-1]), 1.0)
+        return max(0.0, (float(times[-1]) - float(times[-2])) / max(float(sizes[-1] - sizes[-2]), 1.0))
+
+
+# Before each timed sample the link is kept busy with one gather of this many bytes per rank, so a shaped
+# link's token bucket is empty, as it is in a training step whose gathers follow each other: twice the
+# emulated cluster's tbf bucket (measure/emulated.py: two 64 KB frames). Left full, the bucket let every
+# size below it through at memory speed, and BSC saw no gain in any shard of under ~100 KB on a 200 Mbit
+# link where compressing every shard made the step 1.25x faster.
+DRAIN_BYTES = 1 << 18
+# Each sample times back-to-back gathers of one size, about this many bytes per rank in all (at least one
+# gather, at most MAX_SAMPLE_GATHERS): the cost of a size in a stream of gathers, not of one alone.
+SAMPLE_BYTES = 1 << 19
+MAX_SAMPLE_GATHERS = 16
+
 
 def profile_comm(
     group=None,
@@ -44,29 +64,37 @@ def profile_comm(
     """Time all_gather_single of uint8 tensors of each per-rank size on ``group``.
 
     The sizes are timed in turn, ``repeats`` rounds over all of them (so a burst of contention — the
-    other rank descheduled for a few ms — falls on every size alike rather than on one), and each size's
-    samples are reduced by ``summary``: the fastest by default, what the bytes themselves cost. The
-    profile is then made non-decreasing in size (a running maximum): a larger gather never costs less
-    than a smaller one. Before both, one slow median at a small size made a tiny shard's bytes look
-    worth milliseconds on loopback, and selection compressed it (an extra collective per step for 2 KB)."""
+    other rank descheduled for a few ms — falls on every size alike rather than on one). Each sample is
+    the mean of back-to-back gathers of its size (SAMPLE_BYTES per rank in all, at most
+    MAX_SAMPLE_GATHERS) right after one gather of DRAIN_BYTES: a size's cost in a stream of gathers on a
+    busy link. Each size's samples are reduced by ``summary``: the fastest by default, what the bytes
+    themselves cost. The profile is then made non-decreasing in size (a running maximum): a larger
+    gather never costs less than a smaller one. Before both, one slow median at a small size made a tiny
+    shard's bytes look worth milliseconds on loopback, and selection compressed it (an extra collective
+    per step for 2 KB)."""
     import torch
     import torch.distributed as dist
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     world_size = dist.get_world_size(group)
+    drain_send = torch.zeros(DRAIN_BYTES, dtype=torch.uint8)
+    drain_recv = torch.empty(world_size * DRAIN_BYTES, dtype=torch.uint8)
+    gather(drain_recv, drain_send, group=group)  # warm-up (connection set-up, allocator)
     buffers = []
     for size in sizes_bytes:
         send = torch.zeros(size, dtype=torch.uint8)
         recv = torch.empty(world_size * size, dtype=torch.uint8)
-        gather(recv, send, group=group)  # warm-up (connection set-up, allocator)
-        buffers.append((send, recv))
+        gather(recv, send, group=group)  # warm-up
+        buffers.append((send, recv, max(1, min(MAX_SAMPLE_GATHERS, SAMPLE_BYTES // max(size, 1)))))
     samples: list[list[float]] = [[] for _ in sizes_bytes]
     for _ in range(repeats):
-        for k, (send, recv) in enumerate(buffers):
+        for k, (send, recv, count) in enumerate(buffers):
             dist.barrier(group)
+            gather(drain_recv, drain_send, group=group)
             start_s = time.perf_counter()
-            gather(recv, send, group=group)
-            samples[k].append(time.perf_counter() - start_s)
+            for _ in range(count):
+                gather(recv, send, group=group)
+            samples[k].append((time.perf_counter() - start_s) / count)
     times_s = np.maximum.accumulate([float(summary(values)) for values in samples]).tolist()
     # Ranks measured slightly different times; agree on the slowest so every rank selects the same set.
     agreed = torch.tensor(times_s, dtype=torch.float64)
@@ -151,6 +179,10 @@ class Decision:
     gain_s: float
     memory_bytes: int
     selected: bool
+    # What the gain was weighed from, for the per-call gate (CallGate): the estimated payload of one
+    # gather of this shard and the codec time it charges.
+    payload_bytes: float = 0.0
+    codec_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -185,12 +217,12 @@ def select_shards(
             cost_s += times.hash_s + times.compress_s
         gain_s = comm_s(2.0 * shard.numel) - cost_s
         memory = (world_size - 1) * exp_bytes
-        rows.append([shard, gain_s, memory])
+        rows.append([shard, gain_s, memory, payload_bytes, cost_s - comm_s(payload_bytes)])
     order = sorted(range(len(rows)), key=lambda k: -rows[k][1] / max(rows[k][2], 1))
     used = 0
     selected = set()
     for k in order:
-        shard, gain_s, memory = rows[k]
+        shard, gain_s, memory = rows[k][:3]
         if gain_s <= 0 or world_size < 2:
             continue
         if cache_budget_bytes is not None and used + memory > cache_budget_bytes:
@@ -198,13 +230,27 @@ def select_shards(
         used += memory
         selected.add(k)
     return [
-        Decision(shard.shard_id, shard.category, shard.block_change_rate, gain_s, memory, k in selected)
-        for k, (shard, gain_s, memory) in enumerate(rows)
+        Decision(
+            shard.shard_id,
+            shard.category,
+            shard.block_change_rate,
+            gain_s,
+            memory,
+            k in selected,
+            payload,
+            codec_s,
+        )
+        for k, (shard, gain_s, memory, payload, codec_s) in enumerate(rows)
     ]
 
 
-# Codec timing is measured on at most this many values per distinct shard size and scaled linearly.
-MEASURE_MAX_NUMEL = 1 << 20
+# Codec times are measured once per (dtype, q) on this many values and scaled linearly by a shard's size:
+# in a bucket a shard adds its values' work to one compiled call (ciera_runtime/bucket_codec.py; ~10-20 us
+# more per shard), while a shard timed alone carries a whole call's fixed cost (~50-150 us) — charged once
+# per call by the CallGate instead.
+CODEC_MEASURE_NUMEL = 1 << 18
+# The profile reaches at least this many bytes per rank, so its two largest sizes give the link's rate.
+RATE_PROBE_BYTES = 1 << 20
 
 
 def comm_profile_sizes(max_bytes: int) -> tuple[int, ...]:
@@ -213,6 +259,12 @@ def comm_profile_sizes(max_bytes: int) -> tuple[int, ...]:
     while sizes[-1] < max_bytes:
         sizes.append(sizes[-1] * 4)
     return tuple(sizes if len(sizes) > 1 else [256, 1024])
+
+
+def group_profile_sizes(shards: Sequence[ShardInfo]) -> tuple[int, ...]:
+    """The sizes BSC profiles a group's link at: up to twice its largest shard's raw bytes, and at least
+    RATE_PROBE_BYTES."""
+    return comm_profile_sizes(max(2 * max(shard.numel for shard in shards), RATE_PROBE_BYTES))
 
 
 def select_for_group(
@@ -226,33 +278,43 @@ def select_for_group(
     """BSC for the shards one engine gathers over ``group``: rank 0's decision table, which every rank of
     the group must apply. Collective: every rank calls it at the same point with the same shards.
 
-    Without ``comm_profile`` the link is profiled (:func:`profile_comm`, up to twice the largest shard's
-    raw bytes). Codec times come from :func:`measure_codec_times` once per distinct (numel, dtype, q), on
-    at most MEASURE_MAX_NUMEL values, scaled linearly above that. A compressed shard travels in its
-    bucket's one collective (ciera_runtime.bucket): no round of its own, so only its bytes and its codec
-    work are weighed (the latency term cancels in the gain). ``overlap``: see :func:`select_shards`."""
+    Without ``comm_profile`` the link is profiled (:func:`profile_comm` at :func:`group_profile_sizes`).
+    A compressed shard travels in its engine call's one collective (ciera_runtime/bucket.py), beside the
+    call's other shards: what it saves is its bytes at the link's rate (``marginal_s_per_byte``: no
+    latency of its own), and what it costs is its codec work, measured once per (dtype, q) on
+    CODEC_MEASURE_NUMEL values (:func:`measure_codec_times`) and scaled by its size. The fixed cost of a
+    call is weighed per call by :class:`CallGate`. (Weighing each shard as a gather of its own — the
+    interpolated latency-bound cost of a small size against a codec call's fixed cost — left every shard
+    of under ~100 KB raw on a 200 Mbit link where compressing them all made the step 1.2x faster.)
+    ``overlap``: see :func:`select_shards`."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size(group)
     if comm_profile is None:
-        comm_profile = profile_comm(group, comm_profile_sizes(2 * max(shard.numel for shard in shards)))
+        comm_profile = profile_comm(group, group_profile_sizes(shards))
+    per_byte_s = comm_profile.marginal_s_per_byte()
     measured: dict[tuple, CodecTimes] = {}
 
     def codec_times(shard: ShardInfo) -> CodecTimes:
-        numel = max(1, min(shard.numel, MEASURE_MAX_NUMEL))
-        key = (numel, shard.dtype, shard.block_change_rate)
+        key = (shard.dtype, shard.block_change_rate)
         if key not in measured:
             measured[key] = measure_codec_times(
-                numel, shard.dtype, shard.block_change_rate, config, world_size
+                CODEC_MEASURE_NUMEL, shard.dtype, shard.block_change_rate, config, world_size
             )
         times = measured[key]
-        scale = shard.numel / numel
+        scale = shard.numel / CODEC_MEASURE_NUMEL
         return CodecTimes(
             times.hash_s * scale, times.compress_s * scale, times.decompress_s * scale, times.exponent_bits
         )
 
     table = select_shards(
-        shards, comm_profile.comm_s, world_size, cache_budget_bytes, codec_times, config, overlap=overlap
+        shards,
+        lambda payload_bytes: payload_bytes * per_byte_s,
+        world_size,
+        cache_budget_bytes,
+        codec_times,
+        config,
+        overlap=overlap,
     )
     return broadcast_decisions(table, group)
 
@@ -270,3 +332,96 @@ def broadcast_decisions(decisions: Sequence[Decision], group=None, src: int = 0)
     holder = [[decision.as_dict() for decision in decisions]]
     dist.broadcast_object_list(holder, src=dist.get_global_rank(group, src) if group else src, group=group)
     return [Decision(**row) for row in holder[0]]
+
+
+@dataclass(frozen=True)
+class CallGate:
+    """Whether one engine call (DeepSpeed's coalesced fetch) pays for going through CIERA, weighed per call.
+
+    BSC weighs each shard alone, where the latency of its collective cancels; but CIERA's bucket path also
+    costs the training thread a fixed time per call (header, area sizing, issue, bookkeeping:
+    ``per_call_s``, measured on the group at enable). A module of small parameters (the experts of a
+    fine-grained MoE, gathered module by module) saves a few microseconds of link per call and pays
+    hundreds. A call goes through CIERA when
+
+        comm(Σ payload + rest) + Σ codec + per_call_s  <  comm(Σ raw + rest),
+
+    rest the raw bytes of the call's parameters on DeepSpeed's path (their gather is issued right after
+    CIERA's, and both are in flight together: the saving is weighed at the call's whole size),
+
+    every term from figures every rank agreed at enable (the comm profile is the slowest rank's, the
+    shard figures rank 0's table, ``per_call_s`` the slowest rank's), and the call's sizes, the same on
+    every rank: every rank decides alike. Else the whole call takes DeepSpeed's own gather."""
+
+    comm_profile: CommProfile
+    per_call_s: float
+
+    def __post_init__(self) -> None:
+        import math
+
+        sizes = [math.log(max(float(size), 1.0)) for size in self.comm_profile.bytes_per_rank]
+        times = [math.log(max(float(t), 1e-12)) for t in self.comm_profile.time_s]
+        object.__setattr__(self, "_log_sizes", sizes)
+        object.__setattr__(self, "_log_times", times)
+
+    def comm_s(self, payload_bytes: float) -> float:
+        """CommProfile.comm_s without numpy (it runs at every engine call)."""
+        import bisect
+        import math
+
+        sizes, times = self._log_sizes, self._log_times
+        profile = self.comm_profile
+        if payload_bytes <= 0:
+            return 0.0
+        x = math.log(max(payload_bytes, 1.0))
+        if x >= sizes[-1]:
+            return profile.time_s[-1] * payload_bytes / max(profile.bytes_per_rank[-1], 1)
+        if x <= sizes[0]:
+            return profile.time_s[0]
+        k = bisect.bisect_right(sizes, x)
+        x0, x1, y0, y1 = sizes[k - 1], sizes[k], times[k - 1], times[k]
+        return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0)) if x1 > x0 else math.exp(y1)
+
+    def pays(self, raw_bytes: float, payload_bytes: float, codec_s: float, rest_bytes: float = 0.0) -> bool:
+        """Raw and estimated payload bytes per rank of the call's CIERA parameters, their codec time, and
+        the raw bytes per rank of its parameters on DeepSpeed's path."""
+        # The rest's gather is issued right after CIERA's and both are in flight together: the link
+        # carries the payload and the rest, so the saving is weighed at the call's whole size.
+        through_ciera = self.comm_s(payload_bytes + rest_bytes) + codec_s + self.per_call_s
+        return through_ciera < self.comm_s(raw_bytes + rest_bytes)
+
+    def describe(self) -> str:
+        return f"{self.per_call_s * 1e6:.0f} us of CIERA's thread time per call (measured on the group)"
+
+
+def any_selected(table: Sequence[Decision]) -> bool:
+    return any(row.selected for row in table)
+
+
+def measure_call_overhead_s(group=None, config: CodecConfig | None = None, calls: int = 12) -> float:
+    """CIERA's training-thread time per bucket call beyond its codec's per-byte work: the median
+    ``GatherStats.host_s`` per call of a one-shard bucket of 1,024 BF16 values, gathered ``calls`` times
+    (after 3 unmeasured) on a throwaway engine over ``group``, the slowest rank's. Collective."""
+    import torch
+    import torch.distributed as dist
+
+    from ciera_runtime.allgather import CompressedAllGather
+
+    engine = CompressedAllGather(group, config or CodecConfig())
+    numel = 1024
+    engine.register(0, numel, torch.bfloat16)
+    world_size = dist.get_world_size(group)
+    rng = np.random.default_rng(dist.get_rank(group) if group is not None else dist.get_rank())
+    bits = ((rng.standard_normal(numel) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    samples = []
+    for call in range(3 + calls):
+        bits = perturb_blocks(bits, 0.5, engine.config.block_size, "bf16", rng)
+        shard = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+        output = torch.empty(world_size * numel, dtype=torch.bfloat16)
+        before_s = engine.stats.host_s
+        engine.all_gather_bucket([shard], (0,), [output]).wait()
+        if call >= 3:
+            samples.append(engine.stats.host_s - before_s)
+    agreed = torch.tensor([float(np.median(samples))], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    return float(agreed.item())

@@ -242,6 +242,11 @@ class CieraZero3:
         self._ds_bytes_sent = 0
         self._ds_gathers = 0
         self._pipelined_calls = 0  # coalesced calls cut into several buckets (part_bytes)
+        # With BSC: per engine, the gate that weighs each coalesced call (selection.CallGate), and per
+        # selected parameter (raw bytes, estimated payload bytes, codec seconds) per rank, from the table.
+        self.call_gates: dict[int, Any] = {}  # id(CompressedAllGather) -> CallGate
+        self._gate_figures: dict[int, tuple[float, float, float]] = {}
+        self._gated_calls = 0  # coalesced calls the gate left whole to DeepSpeed
         self.part_budget = PartBudget(part_bytes)  # how many, within a per-step budget of extra calls
         self._module_params_cache: dict[int, tuple[frozenset, tuple[int, ...]]] = {}
         self._active = False
@@ -349,6 +354,8 @@ class CieraZero3:
             "ciera_raw_bytes_equivalent": ciera["raw_bytes_equivalent"],
             "ciera_host_s": host_s,  # on the training thread, network waits left out
             "ciera_pipelined_calls": self._pipelined_calls,
+            # Coalesced calls with CIERA parameters that the call gate left whole to DeepSpeed (BSC).
+            "ciera_gated_calls": self._gated_calls,
             "ciera_part_budget": self.part_budget.describe(),
             "deepspeed_gathers": self._ds_gathers,
             "deepspeed_bytes_sent": self._ds_bytes_sent,
@@ -485,6 +492,9 @@ class CieraZero3:
         params = list(params)
         with self._lock:
             mine = sorted((p for p in params if self._uses_ciera(p, quantize)), key=lambda p: p.ds_id)
+            if mine and self.call_gates and not self._call_pays(mine, params):
+                self._gated_calls += 1
+                mine = []
             chosen = {id(p) for p in mine}
             rest = [p for p in params if id(p) not in chosen]
             for param in mine:  # what DeepSpeed's function checks, before anything starts
@@ -502,6 +512,23 @@ class CieraZero3:
             if not mine:
                 return ds_handle
             return CieraGatherHandle(self, jobs, ds_handle)
+
+    def _call_pays(self, mine: list, params: list) -> bool:
+        """The call gate's verdict on one coalesced call (selection.CallGate); True where no gate applies."""
+        gate = self.call_gates.get(id(self._engine_of[mine[0].ds_id]))
+        if gate is None:
+            return True
+        raw = payload = codec_s = 0.0
+        for param in mine:
+            figures = self._gate_figures.get(param.ds_id)
+            if figures is None:  # not weighed by BSC (select off for its group): no verdict
+                return True
+            raw += figures[0]
+            payload += figures[1]
+            codec_s += figures[2]
+        chosen = {id(p) for p in mine}
+        rest = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params if id(p) not in chosen)
+        return gate.pays(raw, payload, codec_s, rest)
 
     def _any_original_coalesced(self) -> Callable:
         return next(iter(self._original_coalesced.values()))
@@ -791,8 +818,17 @@ def _parts(params: list, count: int) -> list[list]:
 
 
 def _select(routes, candidates, group, config, budget, categories_q, comm_profile):
-    """BSC for one group's candidates: rank 0's decision table, applied by every rank."""
-    from ciera_runtime.selection import ShardInfo, select_for_group
+    """BSC for one group's candidates: rank 0's decision table, applied by every rank, and the gate that
+    weighs each coalesced call (selection.CallGate) from the same comm profile."""
+    from ciera_runtime.selection import (
+        CallGate,
+        ShardInfo,
+        any_selected,
+        group_profile_sizes,
+        measure_call_overhead_s,
+        profile_comm,
+        select_for_group,
+    )
 
     shards = [
         ShardInfo(
@@ -804,8 +840,14 @@ def _select(routes, candidates, group, config, budget, categories_q, comm_profil
         )
         for ds_id in candidates
     ]
+    if comm_profile is None:
+        comm_profile = profile_comm(group, group_profile_sizes(shards))
     # Encode runs when DeepSpeed starts the gather, on its thread: no CCP overlap, so it is charged.
-    return select_for_group(shards, group, config, budget, comm_profile, overlap=False)
+    table = select_for_group(shards, group, config, budget, comm_profile, overlap=False)
+    # (Measured only where BSC selected something: the same table on every rank, so all measure alike.)
+    return table, CallGate(
+        comm_profile, measure_call_overhead_s(group, config) if any_selected(table) else 0.0
+    )
 
 
 def enable_ciera(
@@ -955,7 +997,7 @@ def enable_ciera(
         _agree(_describe(routes, members) + f"|{select}|{sorted(q_by_category.items())}", group, world_size)
         selected = set(candidates)
         if select and candidates:
-            table = _select(
+            table, gate = _select(
                 routes,
                 candidates,
                 group,
@@ -966,6 +1008,17 @@ def enable_ciera(
             )
             integration.decisions.extend(table)
             selected = {row.shard_id for row in table if row.selected}
+            integration.call_gates[id(engine)] = gate
+            for row in table:
+                if row.selected:
+                    raw_bytes = 2.0 * routes[row.shard_id].partition_numel
+                    integration._gate_figures[row.shard_id] = (raw_bytes, row.payload_bytes, row.codec_s)
+            if rank0_log and selected:
+                logger.warning(
+                    "ciera_runtime.zero3: call gate: a coalesced call goes through CIERA only where its bytes "
+                    "saved pay its codec and %s; the others take DeepSpeed's gather whole",
+                    gate.describe(),
+                )
         for ds_id in candidates:
             route = routes[ds_id]
             if ds_id not in selected:

@@ -381,6 +381,41 @@ def count_worker(rank: int, world_size: int, port: int, iterations: int, results
     os._exit(0)
 
 
+def gate_worker(rank: int, world_size: int, port: int, results) -> None:
+    """BSC's per-call gate (selection.CallGate) on a slow link (2 MB/s): with a per-call cost no call's
+    bytes can pay, every coalesced call takes DeepSpeed's gather whole (no CIERA collective); with none,
+    the selected parameters go through CIERA. Both train bit-identically to plain ZeRO-3."""
+    from ciera_runtime import selection
+    from ciera_runtime.selection import CommProfile
+    from ciera_runtime.zero3 import enable_ciera
+
+    init_worker(rank, world_size, port)
+    sizes = tuple(4**k for k in range(4, 12))
+    slow = CommProfile(sizes, tuple(50e-6 + size / 2e6 for size in sizes))
+    engine = make_engine(0)
+    plain = {"losses": [train_step(engine, step, rank) for step in range(3)], "params": full_params(engine)}
+    runs = {}
+    measured = selection.measure_call_overhead_s
+    for label, per_call_s in (("never_pays", 1.0), ("free", 0.0)):
+        selection.measure_call_overhead_s = lambda group=None, config=None, calls=12, s=per_call_s: s
+        try:
+            engine = make_engine(0)
+            ciera = enable_ciera(engine, comm_profile=slow, timeout_s=30.0)
+        finally:
+            selection.measure_call_overhead_s = measured
+        losses = [train_step(engine, step, rank) for step in range(3)]
+        stats = ciera.stats()
+        runs[label] = {
+            "losses": losses,
+            "params_equal": full_params(engine) == plain["params"],
+            "gated_calls": stats["ciera_gated_calls"],
+            "ciera_calls": stats["ciera_calls"],
+            "compressed_params": stats["compressed_params"],
+        }
+    runs["measured_overhead_s"] = measured(None)
+    finish(results, {"rank": rank, "plain_losses": plain["losses"], "runs": runs})
+
+
 def dying_rank_worker(rank: int, world_size: int, port: int, timeout_s: float, results) -> None:
     """Rank 1 exits between two steps; rank 0 must fail within a bounded time, not hang."""
     import torch.distributed as dist

@@ -50,6 +50,8 @@ def test_slow_link_compresses_every_module_bit_identically(selected) -> None:
         }
         assert [row["module"] for row in slow["selection"]] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
         assert all(row["selected"] and row["gain_s"] > 0 for row in slow["selection"])
+        # Each module is one call: the per-call gate weighed its measured fixed cost, and it pays on 2 MB/s.
+        assert all(row["call_pays"] and 1e-5 < row["per_call_s"] < 0.1 for row in slow["selection"])
         assert slow["engines"] == 1 and slow["engine_gathers"] == 8 * SELECT_STEPS
         assert slow["wire_ratio"] < 0.8
     assert selected[0]["slow"]["selection"] == selected[1]["slow"]["selection"]

@@ -176,6 +176,18 @@ def test_gather_counts_match_deepspeed(counted, label: str) -> None:
                 )
 
 
+def test_the_call_gate_leaves_calls_that_do_not_pay_whole_to_deepspeed() -> None:
+    for result in _run(workers.gate_worker):
+        never, free = result["runs"]["never_pays"], result["runs"]["free"]
+        for run in (never, free):
+            assert run["losses"] == result["plain_losses"] and run["params_equal"]
+            assert run["compressed_params"] > 0  # BSC selected them; the gate decides per call
+        assert never["gated_calls"] > 0 and never["ciera_calls"] == 0
+        assert free["gated_calls"] == 0 and free["ciera_calls"] > 0
+        # Measured on the group: CIERA's thread time per call, tens to thousands of microseconds.
+        assert 1e-5 < result["runs"]["measured_overhead_s"] < 0.1
+
+
 def test_bsc_applies_rank_zeros_table(counted) -> None:
     rank0, rank1 = counted
     assert rank0["measured_table"] == rank1["measured_table"]

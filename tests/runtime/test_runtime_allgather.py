@@ -35,7 +35,11 @@ def test_pipelined_gathers_and_selection_table() -> None:
         assert mismatches == 0
         assert report["gathers"] == 8 and report["encode_s"] > 0
         assert [row["shard_id"] for row in table] == [0, 1, 2]
-        assert set(table[0]) == {"shard_id", "category", "q", "gain_s", "memory_bytes", "selected"}
+        assert set(table[0]) == {
+            "shard_id", "category", "q", "gain_s", "memory_bytes", "selected", "payload_bytes", "codec_s",
+        }  # fmt: skip
+        # The per-call gate's figures: a payload below the shard's raw bytes, a positive codec time.
+        assert all(0 < row["payload_bytes"] < 2 * 65536 and row["codec_s"] > 0 for row in table)
         by_id = {row["shard_id"]: row for row in table}
         assert by_id[0]["memory_bytes"] == 65536
         # Budget holds two shards at most; the always-changing attention shard never gains most.

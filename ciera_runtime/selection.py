@@ -34,14 +34,6 @@ class CommProfile:
             return float(self.time_s[-1] * payload_bytes / max(self.bytes_per_rank[-1], 1))
         return float(np.exp(np.interp(x, sizes, times)))
 
-    def marginal_s_per_byte(self) -> float:
-        """What one more byte per rank costs in a large gather: the slope between the two largest sizes
-        (the link's rate; the per-collective latency falls out), never negative."""
-        sizes, times = self.bytes_per_rank, self.time_s
-        if len(sizes) < 2:
-            return float(times[-1]) / max(float(sizes[-1]), 1.0)
-        return max(0.0, (float(times[-1]) - float(times[-2])) / max(float(sizes[-1] - sizes[-2]), 1.0))
-
 
 # Before each timed sample the link is kept busy with one gather of this many bytes per rank, so a shaped
 # link's token bucket is empty, as it is in a training step whose gathers follow each other: twice the
@@ -244,13 +236,8 @@ def select_shards(
     ]
 
 
-# Codec times are measured once per (dtype, q) on this many values and scaled linearly by a shard's size:
-# in a bucket a shard adds its values' work to one compiled call (ciera_runtime/bucket_codec.py; ~10-20 us
-# more per shard), while a shard timed alone carries a whole call's fixed cost (~50-150 us) — charged once
-# per call by the CallGate instead.
-CODEC_MEASURE_NUMEL = 1 << 18
-# The profile reaches at least this many bytes per rank, so its two largest sizes give the link's rate.
-RATE_PROBE_BYTES = 1 << 20
+# Codec timing is measured on at most this many values per distinct shard size and scaled linearly.
+MEASURE_MAX_NUMEL = 1 << 20
 
 
 def comm_profile_sizes(max_bytes: int) -> tuple[int, ...]:
@@ -262,9 +249,8 @@ def comm_profile_sizes(max_bytes: int) -> tuple[int, ...]:
 
 
 def group_profile_sizes(shards: Sequence[ShardInfo]) -> tuple[int, ...]:
-    """The sizes BSC profiles a group's link at: up to twice its largest shard's raw bytes, and at least
-    RATE_PROBE_BYTES."""
-    return comm_profile_sizes(max(2 * max(shard.numel for shard in shards), RATE_PROBE_BYTES))
+    """The sizes BSC profiles a group's link at: up to twice its largest shard's raw bytes."""
+    return comm_profile_sizes(2 * max(shard.numel for shard in shards))
 
 
 def select_for_group(
@@ -279,42 +265,33 @@ def select_for_group(
     the group must apply. Collective: every rank calls it at the same point with the same shards.
 
     Without ``comm_profile`` the link is profiled (:func:`profile_comm` at :func:`group_profile_sizes`).
-    A compressed shard travels in its engine call's one collective (ciera_runtime/bucket.py), beside the
-    call's other shards: what it saves is its bytes at the link's rate (``marginal_s_per_byte``: no
-    latency of its own), and what it costs is its codec work, measured once per (dtype, q) on
-    CODEC_MEASURE_NUMEL values (:func:`measure_codec_times`) and scaled by its size. The fixed cost of a
-    call is weighed per call by :class:`CallGate`. (Weighing each shard as a gather of its own — the
-    interpolated latency-bound cost of a small size against a codec call's fixed cost — left every shard
-    of under ~100 KB raw on a 200 Mbit link where compressing them all made the step 1.2x faster.)
-    ``overlap``: see :func:`select_shards`."""
+    Codec times come from :func:`measure_codec_times` once per distinct (numel, dtype, q), on at most
+    MEASURE_MAX_NUMEL values, scaled linearly above that. A compressed shard travels in its bucket's one
+    collective (ciera_runtime.bucket): no round of its own, so only its bytes and its codec work are
+    weighed (the latency term cancels in the gain); the fixed cost of a call is weighed per call by
+    :class:`CallGate`. ``overlap``: see :func:`select_shards`."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size(group)
     if comm_profile is None:
         comm_profile = profile_comm(group, group_profile_sizes(shards))
-    per_byte_s = comm_profile.marginal_s_per_byte()
     measured: dict[tuple, CodecTimes] = {}
 
     def codec_times(shard: ShardInfo) -> CodecTimes:
-        key = (shard.dtype, shard.block_change_rate)
+        numel = max(1, min(shard.numel, MEASURE_MAX_NUMEL))
+        key = (numel, shard.dtype, shard.block_change_rate)
         if key not in measured:
             measured[key] = measure_codec_times(
-                CODEC_MEASURE_NUMEL, shard.dtype, shard.block_change_rate, config, world_size
+                numel, shard.dtype, shard.block_change_rate, config, world_size
             )
         times = measured[key]
-        scale = shard.numel / CODEC_MEASURE_NUMEL
+        scale = shard.numel / numel
         return CodecTimes(
             times.hash_s * scale, times.compress_s * scale, times.decompress_s * scale, times.exponent_bits
         )
 
     table = select_shards(
-        shards,
-        lambda payload_bytes: payload_bytes * per_byte_s,
-        world_size,
-        cache_budget_bytes,
-        codec_times,
-        config,
-        overlap=overlap,
+        shards, comm_profile.comm_s, world_size, cache_budget_bytes, codec_times, config, overlap=overlap
     )
     return broadcast_decisions(table, group)
 

@@ -10,6 +10,8 @@ Public surface (see docs/runtime.md):
 - ``gather_pipelined``: CCP, encode of gather i+1 overlapped with gather i.
 - ``profile_comm``, ``measure_codec_times``, ``select_shards``, ``broadcast_decisions``: benefit-driven
   selection (BSC); broadcast rank 0's table so every rank compresses the same shards.
+- ``CallGate``, ``measure_call_overhead_s``: BSC's per-call gate (an engine call whose bytes saved do not pay
+  CIERA's measured fixed cost per call stays on the engine's own gather).
 - ``get_backend``, ``available_backends``, ``register_backend``, ``CodecBackend``: codec backends.
 - Errors: ``CieraError``, ``PayloadError``, ``OutOfStepError``, ``StalePayloadError``,
   ``ChecksumMismatchError``, ``BackendUnavailableError``; from a gather, on every rank alike:
@@ -39,11 +41,13 @@ from ciera_runtime.errors import (
     StalePayloadError,
 )
 from ciera_runtime.selection import (
+    CallGate,
     CodecTimes,
     CommProfile,
     Decision,
     ShardInfo,
     broadcast_decisions,
+    measure_call_overhead_s,
     measure_codec_times,
     profile_comm,
     select_shards,
@@ -52,6 +56,7 @@ from ciera_runtime.selection import (
 __all__ = [
     "AllGatherHandle",
     "BackendUnavailableError",
+    "CallGate",
     "ChecksumMismatchError",
     "CieraError",
     "CodecBackend",
@@ -75,6 +80,7 @@ __all__ = [
     "compressed_all_gather",
     "gather_pipelined",
     "get_backend",
+    "measure_call_overhead_s",
     "measure_codec_times",
     "profile_comm",
     "register_backend",

@@ -57,17 +57,7 @@ from ciera_runtime.allgather import CompressedAllGather
 from ciera_runtime.bucket import DEFAULT_PART_BYTES, PartBudget, check_part_bytes
 from ciera_runtime.codec import CodecConfig
 from ciera_runtime.errors import SelectionMismatchError
-from ciera_runtime.selection import (
-    CallGate,
-    CommProfile,
-    Decision,
-    ShardInfo,
-    any_selected,
-    group_profile_sizes,
-    measure_call_overhead_s,
-    profile_comm,
-    select_for_group,
-)
+from ciera_runtime.selection import CommProfile, Decision, ShardInfo, select_with_gate
 from ciera_runtime.zero3 import CATEGORIES, DEFAULT_PRIORS, PRIOR_SOURCE, _agree, category_from_name
 
 logger = logging.getLogger("ciera_runtime")
@@ -649,14 +639,8 @@ def _apply_selection(
             )
             for comm in candidates
         ]
-        profile = comm_profile or profile_comm(group, group_profile_sizes(shards))
-        # The encode runs when FSDP2 issues the gather, on the training thread: no CCP overlap.
-        table = select_for_group(
-            shards, group, ciera.config, ciera.cache_budget_bytes, profile, overlap=False
-        )
+        table, gate = select_with_gate(shards, group, ciera.config, ciera.cache_budget_bytes, comm_profile)
         # Each module is one call: the per-call gate (selection.CallGate) weighs its fixed cost once, here.
-        # (Measured only where BSC selected something: the same table on every rank, so all measure alike.)
-        gate = CallGate(profile, measure_call_overhead_s(group, ciera.config) if any_selected(table) else 0.0)
         for comm, row in zip(candidates, table, strict=True):
             if row.shard_id != comm.stats.shard_id:  # broadcast_decisions kept rank 0's order
                 raise RuntimeError(f"BSC table row {row.shard_id} for shard {comm.stats.shard_id}")

@@ -296,6 +296,25 @@ def select_for_group(
     return broadcast_decisions(table, group)
 
 
+def select_with_gate(
+    shards: Sequence[ShardInfo],
+    group=None,
+    config: CodecConfig | None = None,
+    cache_budget_bytes: int | None = None,
+    comm_profile: CommProfile | None = None,
+) -> tuple[list[Decision], CallGate]:
+    """What both engine plug-ins run at enable: the group's link profiled (unless given), rank 0's BSC
+    table (:func:`select_for_group`, ``overlap=False``: the engines encode on the training thread when
+    they issue the gather) and the :class:`CallGate` from the same profile and CIERA's per-call time
+    measured on the group (only where the table selected something: the same table on every rank, so
+    every rank measures or none). Collective."""
+    if comm_profile is None:
+        comm_profile = profile_comm(group, group_profile_sizes(shards))
+    table = select_for_group(shards, group, config, cache_budget_bytes, comm_profile, overlap=False)
+    per_call_s = measure_call_overhead_s(group, config) if any(row.selected for row in table) else 0.0
+    return table, CallGate(comm_profile, per_call_s)
+
+
 def broadcast_decisions(decisions: Sequence[Decision], group=None, src: int = 0) -> list[Decision]:
     """Make every rank of ``group`` use rank ``src``'s decision table.
 
@@ -369,10 +388,6 @@ class CallGate:
 
     def describe(self) -> str:
         return f"{self.per_call_s * 1e6:.0f} us of CIERA's thread time per call (measured on the group)"
-
-
-def any_selected(table: Sequence[Decision]) -> bool:
-    return any(row.selected for row in table)
 
 
 def measure_call_overhead_s(group=None, config: CodecConfig | None = None, calls: int = 12) -> float:

@@ -820,15 +820,7 @@ def _parts(params: list, count: int) -> list[list]:
 def _select(routes, candidates, group, config, budget, categories_q, comm_profile):
     """BSC for one group's candidates: rank 0's decision table, applied by every rank, and the gate that
     weighs each coalesced call (selection.CallGate) from the same comm profile."""
-    from ciera_runtime.selection import (
-        CallGate,
-        ShardInfo,
-        any_selected,
-        group_profile_sizes,
-        measure_call_overhead_s,
-        profile_comm,
-        select_for_group,
-    )
+    from ciera_runtime.selection import ShardInfo, select_with_gate
 
     shards = [
         ShardInfo(
@@ -840,14 +832,8 @@ def _select(routes, candidates, group, config, budget, categories_q, comm_profil
         )
         for ds_id in candidates
     ]
-    if comm_profile is None:
-        comm_profile = profile_comm(group, group_profile_sizes(shards))
     # Encode runs when DeepSpeed starts the gather, on its thread: no CCP overlap, so it is charged.
-    table = select_for_group(shards, group, config, budget, comm_profile, overlap=False)
-    # (Measured only where BSC selected something: the same table on every rank, so all measure alike.)
-    return table, CallGate(
-        comm_profile, measure_call_overhead_s(group, config) if any_selected(table) else 0.0
-    )
+    return select_with_gate(shards, group, config, budget, comm_profile)
 
 
 def enable_ciera(

@@ -360,9 +360,10 @@ def _wire_bytes_by_kind(stats: dict | None) -> dict[str, int] | None:
     return total
 
 
-def _ciera_call_counts(stats: dict | None) -> list[int] | None:
+def _ciera_call_counts(stats: dict | None) -> list[int | None] | None:
     """[CIERA bucket collectives, overflow rounds, one-call calls, calls the per-call gate left to the
-    engine] of a run, from either engine's stats (FSDP2 has no gate: 0)."""
+    engine] of a run, from either engine's stats (FSDP2's gate acts once, at enable, on whole modules:
+    no calls of its to count, None)."""
     if stats is None:
         return None
     if "ciera_calls" in stats:  # ZeRO-3
@@ -371,7 +372,7 @@ def _ciera_call_counts(stats: dict | None) -> list[int] | None:
             stats["ciera_gated_calls"],
         ]  # fmt: skip
     counts = [sum(e[key] for e in stats["engines"]) for key in ("calls", "overflow_rounds", "one_call_calls")]
-    return [*counts, 0]
+    return [*counts, None]
 
 
 # --------------------------------------------------------------------------------------------- root side
@@ -442,7 +443,8 @@ def _report(
             entry["ciera_calls"] = entry.get("ciera_calls", 0) + counted[0]
             entry["overflow_rounds"] = entry.get("overflow_rounds", 0) + counted[1]
             entry["one_call_calls"] = entry.get("one_call_calls", 0) + counted[2]
-            entry["gated_calls"] = entry.get("gated_calls", 0) + counted[3]
+            if counted[3] is not None:
+                entry["gated_calls"] = entry.get("gated_calls", 0) + counted[3]
         for kind, n in (run0.get("ciera_wire_bytes_by_kind") or {}).items():
             entry.setdefault("wire_by_kind", {})
             entry["wire_by_kind"][kind] = entry["wire_by_kind"].get(kind, 0) + n

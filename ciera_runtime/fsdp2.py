@@ -645,8 +645,8 @@ def _apply_selection(
             if row.shard_id != comm.stats.shard_id:  # broadcast_decisions kept rank 0's order
                 raise RuntimeError(f"BSC table row {row.shard_id} for shard {comm.stats.shard_id}")
             raw_bytes = 2.0 * comm.plan.numel
-            pays = gate.pays(raw_bytes, row.payload_bytes, row.codec_s) if row.selected else False
-            comm.selected = row.selected and pays
+            pays = row.selected and gate.pays(raw_bytes, row.payload_bytes, row.codec_s)
+            comm.selected = pays
             ciera.selection.append(
                 {
                     "module": comm.stats.module,

@@ -9,6 +9,8 @@ blocks, which is what the wire really carries.
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -26,13 +28,21 @@ class CommProfile:
     bytes_per_rank: tuple[int, ...]
     time_s: tuple[float, ...]
 
+    def __post_init__(self) -> None:
+        # The logs, once: comm_s also runs at every engine call (CallGate), in plain Python for that.
+        object.__setattr__(self, "_log_sizes", [math.log(max(float(s), 1.0)) for s in self.bytes_per_rank])
+        object.__setattr__(self, "_log_times", [math.log(max(float(t), 1e-12)) for t in self.time_s])
+
     def comm_s(self, payload_bytes: float) -> float:
-        sizes = np.log(np.maximum(np.asarray(self.bytes_per_rank, dtype=np.float64), 1.0))
-        times = np.log(np.asarray(self.time_s, dtype=np.float64))
-        x = np.log(max(payload_bytes, 1.0))
+        sizes, times = self._log_sizes, self._log_times
+        x = math.log(max(payload_bytes, 1.0))
         if x >= sizes[-1]:  # beyond the sweep: bandwidth-bound, extrapolate linearly in bytes
             return float(self.time_s[-1] * payload_bytes / max(self.bytes_per_rank[-1], 1))
-        return float(np.exp(np.interp(x, sizes, times)))
+        if x <= sizes[0]:
+            return float(self.time_s[0])
+        k = bisect.bisect_right(sizes, x)  # sizes[k - 1] <= x < sizes[k]
+        x0, x1, y0, y1 = sizes[k - 1], sizes[k], times[k - 1], times[k]
+        return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0)) if x1 > x0 else math.exp(y1)
 
 
 # Before each timed sample the link is kept busy with one gather of this many bytes per rank, so a shaped
@@ -352,39 +362,13 @@ class CallGate:
     comm_profile: CommProfile
     per_call_s: float
 
-    def __post_init__(self) -> None:
-        import math
-
-        sizes = [math.log(max(float(size), 1.0)) for size in self.comm_profile.bytes_per_rank]
-        times = [math.log(max(float(t), 1e-12)) for t in self.comm_profile.time_s]
-        object.__setattr__(self, "_log_sizes", sizes)
-        object.__setattr__(self, "_log_times", times)
-
-    def comm_s(self, payload_bytes: float) -> float:
-        """CommProfile.comm_s without numpy (it runs at every engine call)."""
-        import bisect
-        import math
-
-        sizes, times = self._log_sizes, self._log_times
-        profile = self.comm_profile
-        if payload_bytes <= 0:
-            return 0.0
-        x = math.log(max(payload_bytes, 1.0))
-        if x >= sizes[-1]:
-            return profile.time_s[-1] * payload_bytes / max(profile.bytes_per_rank[-1], 1)
-        if x <= sizes[0]:
-            return profile.time_s[0]
-        k = bisect.bisect_right(sizes, x)
-        x0, x1, y0, y1 = sizes[k - 1], sizes[k], times[k - 1], times[k]
-        return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0)) if x1 > x0 else math.exp(y1)
-
     def pays(self, raw_bytes: float, payload_bytes: float, codec_s: float, rest_bytes: float = 0.0) -> bool:
         """Raw and estimated payload bytes per rank of the call's CIERA parameters, their codec time, and
         the raw bytes per rank of its parameters on DeepSpeed's path."""
         # The rest's gather is issued right after CIERA's and both are in flight together: the link
         # carries the payload and the rest, so the saving is weighed at the call's whole size.
-        through_ciera = self.comm_s(payload_bytes + rest_bytes) + codec_s + self.per_call_s
-        return through_ciera < self.comm_s(raw_bytes + rest_bytes)
+        comm_s = self.comm_profile.comm_s
+        return comm_s(payload_bytes + rest_bytes) + codec_s + self.per_call_s < comm_s(raw_bytes + rest_bytes)
 
     def describe(self) -> str:
         return f"{self.per_call_s * 1e6:.0f} us of CIERA's thread time per call (measured on the group)"

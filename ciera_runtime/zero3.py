@@ -514,21 +514,19 @@ class CieraZero3:
             return CieraGatherHandle(self, jobs, ds_handle)
 
     def _call_pays(self, mine: list, params: list) -> bool:
-        """The call gate's verdict on one coalesced call (selection.CallGate); True where no gate applies."""
+        """The call gate's verdict on one coalesced call (selection.CallGate); True where no gate applies.
+        (Every CIERA parameter of a gated engine was selected by BSC, so it has its table figures.)"""
         gate = self.call_gates.get(id(self._engine_of[mine[0].ds_id]))
         if gate is None:
             return True
         raw = payload = codec_s = 0.0
         for param in mine:
-            figures = self._gate_figures.get(param.ds_id)
-            if figures is None:  # not weighed by BSC (select off for its group): no verdict
-                return True
-            raw += figures[0]
-            payload += figures[1]
-            codec_s += figures[2]
-        chosen = {id(p) for p in mine}
-        rest = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params if id(p) not in chosen)
-        return gate.pays(raw, payload, codec_s, rest)
+            param_raw, param_payload, param_codec_s = self._gate_figures[param.ds_id]
+            raw += param_raw
+            payload += param_payload
+            codec_s += param_codec_s
+        total = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params)
+        return gate.pays(raw, payload, codec_s, total - raw)
 
     def _any_original_coalesced(self) -> Callable:
         return next(iter(self._original_coalesced.values()))

@@ -223,17 +223,22 @@ class _Header:
 
 _HEADER_STRUCT = struct.Struct(f"<{len(_HEADER_FIELDS)}q")
 _HEADER_CRC = struct.Struct("<II")
-_NO_REASON = np.frombuffer(protocol._encode_reason(""), dtype=np.uint8)
+_NO_REASON_BYTES = protocol._encode_reason("")
+_NO_REASON = np.frombuffer(_NO_REASON_BYTES, dtype=np.uint8)
 _ENTRY_TABLES: dict[int, struct.Struct] = {}  # shards per bucket → the entry table's layout
+
+
+def _entry_table(n_shards: int) -> struct.Struct:
+    table = _ENTRY_TABLES.get(n_shards)
+    if table is None:
+        table = _ENTRY_TABLES[n_shards] = struct.Struct(f"<{2 * n_shards}q")
+    return table
 
 
 def _pack_header(values: dict, reason: str, entries: list[int], crcs: list[int], out: np.ndarray) -> None:
     """Write the header (fields, reason, entry table, CRC-32 of all that) at the start of ``out``; every
     call of every bucket writes one, so it is packed in place."""
-    n = len(entries)
-    table = _ENTRY_TABLES.get(n)
-    if table is None:
-        table = _ENTRY_TABLES[n] = struct.Struct(f"<{2 * n}q")
+    table = _entry_table(len(entries))
     _HEADER_STRUCT.pack_into(out, 0, BUCKET_MAGIC, *(int(values[name]) for name in _HEADER_FIELDS[1:]))
     out[_HEADER_STRUCT.size : _HEADER_FIXED_BYTES] = (
         np.frombuffer(protocol._encode_reason(reason), dtype=np.uint8) if reason else _NO_REASON
@@ -245,18 +250,21 @@ def _pack_header(values: dict, reason: str, entries: list[int], crcs: list[int],
 
 def _unpack_header(row: np.ndarray, n_shards: int) -> _Header | None:
     """The header of one received row, or None when its CRC or magic is wrong."""
-    size = header_bytes(n_shards)
-    data = row[:size].tobytes()
-    body, (crc, _) = data[:-8], struct.unpack("<II", data[-8:])
-    if zlib.crc32(body) != crc:
+    end = _HEADER_FIXED_BYTES + 16 * n_shards  # header_bytes(n_shards) less its CRC word
+    data = row[: end + _HEADER_CRC.size].tobytes()
+    if zlib.crc32(memoryview(data)[:end]) != _HEADER_CRC.unpack_from(data, end)[0]:
         return None
-    fields = struct.unpack_from(f"<{len(_HEADER_FIELDS)}q", body)
+    fields = _HEADER_STRUCT.unpack_from(data)
     if fields[0] != BUCKET_MAGIC:
         return None
-    reason = protocol._decode_reason(body[8 * len(_HEADER_FIELDS) : _HEADER_FIXED_BYTES])
-    entries = struct.unpack_from(f"<{n_shards}q", body, _HEADER_FIXED_BYTES)
-    crcs = struct.unpack_from(f"<{n_shards}q", body, _HEADER_FIXED_BYTES + 8 * n_shards)
-    return _Header(*fields[1:], reason=reason, entries=entries, crcs=crcs)
+    reason = data[_HEADER_STRUCT.size : _HEADER_FIXED_BYTES]
+    table = _entry_table(n_shards).unpack_from(data, _HEADER_FIXED_BYTES)
+    return _Header(
+        *fields[1:],
+        reason="" if reason == _NO_REASON_BYTES else protocol._decode_reason(reason),
+        entries=table[:n_shards],
+        crcs=table[n_shards:],
+    )
 
 
 @dataclass
@@ -278,6 +286,11 @@ class Bucket:
     _period: int | None = None  # the cycle length capacity_for predicts with
     _period_chosen_at: int = -1
     _in_call_order: bool = True  # every record() so far came with a call number >= the one before
+    # ... and a gather index above the one before: then _recent_history reads the history in place, with
+    # the count of non-full entries in it and each entry by gather index kept as records arrive.
+    _rising: bool = True
+    _steady_entries: int = 0
+    _entry_of: dict = field(default_factory=dict)
     # Its shards encoded and rebuilt in one compiled call each way (bucket_codec), or None: one by one.
     batch_encoder: bucket_codec.BucketEncoder | None = None
     batch_decoder: bucket_codec.BucketDecoder | None = None
@@ -291,55 +304,132 @@ class Bucket:
         backward — and only the first gather after an optimizer step carries changed exponents. The
         prediction for gather ``index`` is the largest of the same-phase gathers one and two cycles back,
         for the cycle length P that would have fitted the recent gathers best, counting each overflow
-        as OVERFLOW_PENALTY_BYTES of padding (P = 0: the largest of the last 8, whatever the phase)."""
+        as OVERFLOW_PENALTY_BYTES of padding (P = 0: the largest of the last 8, whatever the phase).
+
+        Sizes are planned from totals by a non-decreasing rule, so the plan of the largest total is the
+        largest plan. Between two choices of P (every 4 gathers) the steady state reads only the few
+        entries it needs (:meth:`_recent_history`); choosing P reads the whole history."""
+        recent = self._recent_history(call) if self._period is not None else None
+        if recent is not None:
+            lookup, newest, last_window = recent
+            if newest is None:
+                return self.initial_capacity_bytes
+            if newest // 4 == self._period_chosen_at and index > newest:  # P stays: a few entries read
+                period = self._period
+                if period:
+                    largest = max(lookup(index - period), lookup(index - 2 * period))
+                    if largest >= 0:
+                        return self._planned(largest) or self._window_size(last_window())
+                return self._window_size(last_window())
         known, gathers, position = self._finished_history(call)
         if not known:
             return self.initial_capacity_bytes
-
-        floor_bytes, max_bytes = self.floor_bytes, self.max_capacity_bytes
-
-        planned_of: dict[int, int] = {}  # scoring the periods asks for the same totals many times
-
-        def planned(largest: int) -> int:
-            size = planned_of.get(largest)
-            if size is None:
-                above_floor = max(0, largest - floor_bytes)
-                size = planned_of[largest] = min(
-                    max_bytes,
-                    _align8(floor_bytes + int(above_floor * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES),
-                )
-            return size
-
-        def predict(target: int, period: int) -> int | None:
-            if period == 0:  # the last CAPACITY_WINDOW known gathers before target
-                end = position.get(target, len(gathers))
-                window = gathers[max(0, end - CAPACITY_WINDOW) : end]
-                return planned(max(map(known.__getitem__, window))) if window else None
-            # The same-phase gathers one and two cycles back (totals are >= 0: -1 marks one not known).
-            largest = max(known.get(target - period, -1), known.get(target - 2 * period, -1))
-            return planned(largest) if largest >= 0 else None
-
         # The cycle length is re-chosen when the newest known gather index passes a multiple of 4 (the same
         # count on every rank), not at every call: choosing it scores 7 candidates over 12 gathers.
         if self._period is None or gathers[-1] // 4 != self._period_chosen_at:
-            best, best_score = 0, float("inf")
-            scored = gathers[-12:]
-            # Where a period has no history yet, the fallback it would use (period 0's prediction, the same
-            # for every candidate: made once): every candidate is scored on the same gathers (a longer
-            # period must not win by predicting fewer).
-            fallback = [predict(gather, 0) for gather in scored]
-            for period in range(7):
-                overflows, used = 0, 0
-                for gather, other in zip(scored, fallback, strict=True):
-                    size = (predict(gather, period) if period else other) or other
-                    if size is not None:
-                        overflows += known[gather] > size
-                        used += size
-                score = used + overflows * OVERFLOW_PENALTY_BYTES if used else float("inf")
-                if score < best_score:
-                    best, best_score = period, score
-            self._period, self._period_chosen_at = best, gathers[-1] // 4
-        return predict(index, self._period) or predict(index, 0) or self.initial_capacity_bytes
+            self._period = self._best_period(known, gathers)
+            self._period_chosen_at = gathers[-1] // 4
+        period = self._period
+        if period:
+            largest = max(known.get(index - period, -1), known.get(index - 2 * period, -1))
+            if largest >= 0 and (size := self._planned(largest)):
+                return size
+        # Period 0, or no same-phase history: the last CAPACITY_WINDOW known gathers before index.
+        end = position.get(index, len(gathers))
+        return self._window_size([known[gather] for gather in gathers[max(0, end - CAPACITY_WINDOW) : end]])
+
+    def _best_period(self, known: dict[int, int], gathers: list[int]) -> int:
+        """The cycle length (0-6) whose predictions would have fitted the last 12 known gathers best: the
+        least padding, each overflow counted as OVERFLOW_PENALTY_BYTES. Every candidate is scored on the
+        same gathers: where a period has no history yet it is scored by the fallback it would use (period
+        0's prediction, made once), so a longer period cannot win by predicting fewer."""
+        count = len(gathers)
+        # Indices are distinct integers, so every gather a candidate looks back to (at most 12 indices
+        # before the first scored one) and every fallback window (CAPACITY_WINDOW before it) is among the
+        # last 24 known: each of those planned once.
+        tail = gathers[-24:]
+        planned_of: dict[int, int] = {}  # totals repeat from cycle to cycle: each planned once
+        for gather in tail:
+            total = known[gather]
+            if total not in planned_of:
+                planned_of[total] = self._planned(total)
+        tail_sizes = [planned_of[known[gather]] for gather in tail]
+        size_of = dict(zip(tail, tail_sizes, strict=True))
+        scored = gathers[-12:]
+        offset = count - len(tail)  # position in gathers of tail[0]
+        fallback = []
+        for at in range(count - len(scored), count):
+            start = max(0, at - CAPACITY_WINDOW)
+            fallback.append(max(tail_sizes[start - offset : at - offset]) if at > start else None)
+        actual = [known[gather] for gather in scored]
+        best, best_score = 0, float("inf")
+        for period in range(7):
+            overflows, used = 0, 0
+            for gather, other, total in zip(scored, fallback, actual, strict=True):
+                size = other
+                if period:
+                    one, two = size_of.get(gather - period), size_of.get(gather - 2 * period)
+                    same_phase = one if two is None else two if one is None else max(one, two)
+                    size = same_phase or other
+                if size is not None:
+                    overflows += total > size
+                    used += size
+            score = used + overflows * OVERFLOW_PENALTY_BYTES if used else float("inf")
+            if score < best_score:
+                best, best_score = period, score
+        return best
+
+    def _planned(self, largest: int) -> int:
+        """The area planned for a largest message total: the margin above the floor, 8-aligned, capped."""
+        floor_bytes = self.floor_bytes
+        above_floor = largest - floor_bytes if largest > floor_bytes else 0
+        return min(
+            self.max_capacity_bytes,
+            _align8(floor_bytes + int(above_floor * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES),
+        )
+
+    def _window_size(self, window: list[int]) -> int:
+        return (self._planned(max(window)) if window else 0) or self.initial_capacity_bytes
+
+    def _recent_history(self, call: int):
+        """What the steady state reads of the history, without building it: (the total of a known gather
+        index, or -1; the newest known index, or None; a function giving the totals of the last
+        CAPACITY_WINDOW known gathers) — the same entries :meth:`_finished_history` keeps. Only while
+        records came in call order with rising gather indices (None otherwise: the caller builds it)."""
+        if not self._rising:
+            return None
+        totals, limit = self.totals, call - CALL_LAG
+        end = len(totals)
+        steady = self._steady_entries
+        while end and totals[end - 1][0] > limit:  # at most CALL_LAG unfinished entries at the end
+            end -= 1
+            steady -= not totals[end][3]
+        skip_full = steady >= STEADY_HISTORY
+        by_gather = self._entry_of
+
+        def lookup(gather: int) -> int:
+            entry = by_gather.get(gather)
+            if entry is None or entry[0] > limit or (skip_full and entry[3]):
+                return -1
+            return entry[2]
+
+        newest = None
+        for at in range(end - 1, -1, -1):
+            if not (skip_full and totals[at][3]):
+                newest = totals[at][1]
+                break
+
+        def last_window() -> list[int]:
+            window: list[int] = []
+            for at in range(end - 1, -1, -1):
+                entry = totals[at]
+                if not (skip_full and entry[3]):
+                    window.append(entry[2])
+                    if len(window) == CAPACITY_WINDOW:
+                        break
+            return window
+
+        return lookup, newest, last_window
 
     def _finished_history(self, call: int) -> tuple[dict[int, int], list[int], dict[int, int]]:
         """The totals of the gathers among calls 1..call-CALL_LAG, by gather index; the indices sorted;
@@ -362,10 +452,22 @@ class Bucket:
         return known, gathers, {gather: at for at, gather in enumerate(gathers)}
 
     def record(self, call: int, index: int, largest_total_bytes: int, full: bool = False) -> None:
-        # Gathers finish in start order, so calls arrive increasing; _finished_history relies on it when so.
-        if self.totals and call < self.totals[-1][0]:
+        # Gathers finish in start order, so calls and gather indices arrive increasing; the history
+        # readers rely on it while it holds (_in_call_order, _rising).
+        totals = self.totals
+        if totals and call < totals[-1][0]:
             self._in_call_order = False
-        self.totals.append((call, index, largest_total_bytes, full))
+        if totals and (call < totals[-1][0] or index <= totals[-1][1]):
+            self._rising = False
+        if len(totals) == totals.maxlen:  # the oldest entry leaves the window
+            oldest = totals[0]
+            self._steady_entries -= not oldest[3]
+            if self._entry_of.get(oldest[1]) is oldest:
+                del self._entry_of[oldest[1]]
+        entry = (call, index, largest_total_bytes, full)
+        totals.append(entry)
+        self._steady_entries += not full
+        self._entry_of[index] = entry
 
 
 @dataclass
@@ -809,6 +911,9 @@ class BucketGather:
     # ----------------------------------------------------------------- the gather
 
     def _validate(self, shards, shard_ids, outputs) -> str | None:
+        """None when the call's shards and outputs match their registration, else what does not (one line)."""
+        if self._as_registered(shards, shard_ids, outputs):
+            return None
         engine = self.engine
         if len(shards) != len(shard_ids) or (outputs is not None and len(outputs) != len(shards)):
             return f"{len(shards)} shards, {len(shard_ids)} ids, {len(outputs or ())} outputs: expected equal counts"
@@ -840,6 +945,29 @@ class BucketGather:
                         f"world_size x numel = {engine.world_size * shard.numel()}"
                     )
         return None
+
+    def _as_registered(self, shards, shard_ids, outputs) -> bool:
+        """The usual call, checked in one pass: every shard registered, a CPU tensor of its registered
+        dtype and size, every output a CPU tensor of that dtype and world_size times the size. Anything
+        else is named by :meth:`_validate`'s full check."""
+        states, world_size = self.engine._shards, self.engine.world_size
+        if len(shards) != len(shard_ids) or (outputs is not None and len(outputs) != len(shards)):
+            return False
+        tensor = torch.Tensor
+        for index, shard in enumerate(shards):
+            state = states.get(shard_ids[index])
+            if state is None or not isinstance(shard, tensor) or shard.numel() != state.numel:
+                return False
+            dtype = shard.dtype
+            if dtype is not state.torch_dtype or not shard.is_cpu:
+                return False
+            if outputs is not None:
+                output = outputs[index]
+                if not isinstance(output, tensor) or output.dtype is not dtype or not output.is_cpu:
+                    return False
+                if output.numel() != world_size * state.numel:
+                    return False
+        return True
 
     def all_gather(self, shards: list, shard_ids: list[int], outputs: list | None = None) -> BucketHandle:
         """Start gathering every shard of the bucket (one row in flight on return); ``wait()`` on the

@@ -82,3 +82,95 @@ def test_history_is_the_finished_gathers_in_any_record_order() -> None:
             assert known == {gather: total for _, gather, total, _ in chosen}
             assert gathers == sorted(known) and all(gathers[at] == g for g, at in position.items())
         assert bucket._in_call_order is in_order
+
+
+class _ReferencePlan:
+    """The capacity rule as first written (every call builds the whole history and scores periods from
+    it): the oracle the bucket's faster reading of the same history must agree with, size for size."""
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+        self.period: int | None = None
+        self.chosen_at = -1
+
+    def capacity_for(self, call: int, index: int) -> int:
+        from ciera_runtime.bucket import CAPACITY_WINDOW, OVERFLOW_PENALTY_BYTES, _align8
+
+        bucket = self.bucket
+        finished = [entry for entry in bucket.totals if entry[0] <= call - CALL_LAG]
+        steady = [entry for entry in finished if not entry[3]]
+        known = {g: t for _, g, t, _ in (steady if len(steady) >= STEADY_HISTORY else finished)}
+        if not known:
+            return bucket.initial_capacity_bytes
+        gathers = sorted(known)
+        position = {g: at for at, g in enumerate(gathers)}
+
+        def planned(largest: int) -> int:
+            above = max(0, largest - bucket.floor_bytes)
+            return min(
+                bucket.max_capacity_bytes,
+                _align8(bucket.floor_bytes + int(above * (1 + CAPACITY_MARGIN)) + CAPACITY_SLACK_BYTES),
+            )
+
+        def predict(target: int, period: int) -> int | None:
+            if period == 0:
+                end = position.get(target, len(gathers))
+                window = gathers[max(0, end - CAPACITY_WINDOW) : end]
+                return planned(max(known[g] for g in window)) if window else None
+            largest = max(known.get(target - period, -1), known.get(target - 2 * period, -1))
+            return planned(largest) if largest >= 0 else None
+
+        if self.period is None or gathers[-1] // 4 != self.chosen_at:
+            best, best_score = 0, float("inf")
+            scored = gathers[-12:]
+            fallback = [predict(g, 0) for g in scored]
+            for period in range(7):
+                overflows, used = 0, 0
+                for g, other in zip(scored, fallback, strict=True):
+                    size = (predict(g, period) if period else other) or other
+                    if size is not None:
+                        overflows += known[g] > size
+                        used += size
+                score = used + overflows * OVERFLOW_PENALTY_BYTES if used else float("inf")
+                if score < best_score:
+                    best, best_score = period, score
+            self.period, self.chosen_at = best, gathers[-1] // 4
+        return predict(index, self.period) or predict(index, 0) or bucket.initial_capacity_bytes
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    phases=st.integers(1, 4),
+    totals=st.lists(st.integers(FLOOR - 500, 210_000), min_size=1, max_size=150),
+    fulls=st.lists(st.booleans(), min_size=150, max_size=150),
+    lags=st.lists(st.integers(0, 2 * CALL_LAG), min_size=150, max_size=150),
+    shuffled=st.booleans(),
+)
+def test_the_steady_state_reading_gives_the_sizes_of_the_whole_history(
+    phases, totals, fulls, lags, shuffled
+) -> None:
+    """However the totals, full gathers and finishing lags fall (and with records out of order, where the
+    bucket builds the whole history), every planned size equals the reference rule's."""
+    import random
+
+    bucket, reference = _bucket(), None
+    reference = _ReferencePlan(bucket)
+    pending: list[tuple[int, int, int, bool]] = []
+    rng = random.Random(len(totals))
+    for index, total in enumerate(totals):
+        call = index + 1
+        assert bucket.capacity_for(call, index) == reference.capacity_for(call, index), index
+        pending.append((call, index, total + (index % phases) * 37, fulls[index] or index == 0))
+        # Gathers finish some calls later (never more than CALL_LAG behind: starting a call finishes them).
+        while pending and (len(pending) > CALL_LAG or lags[index] == 0):
+            batch = [pending.pop(0)]
+            if shuffled and pending and rng.random() < 0.2:
+                batch.insert(0, pending.pop(0))  # recorded out of order
+            for entry in batch:
+                bucket.record(*entry)
+            if lags[index] != 0:
+                break

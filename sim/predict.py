@@ -123,7 +123,9 @@ def predict_run(
                 world_size=target_cluster.world_size,
                 work_scale=work_scale,
             )
-        costs, notes = rewrite_costs(graph, anchor_cluster, target_cluster, scale, work_scale)
+        costs, notes = rewrite_costs(
+            graph, anchor_cluster, target_cluster, scale, work_scale, engine=str(anchor["engine"])
+        )
         result = evaluate(graph, costs)
         times.append(result.iteration_s)
         simulated += result.events

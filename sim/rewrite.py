@@ -13,8 +13,10 @@ A graph traced on one cluster (the anchor) is moved to a target cluster:
   does not depend on W. Its work is the measured duration times the core share the anchor's rank had
   (ranks sharing a host's cores); on the target it runs on the target's shared cores.
 - **World size**: the target's ranks are copies of the traced ones (rank classes weighing W_t / W_a each
-  on shared cores); gathered and scattered sizes are full sizes, so they do not change with W; the
-  optimizer step updates the rank's 1/W shard, so its work scales by W_a / W_t.
+  on shared cores); gathered and scattered sizes are full sizes, so they do not change with W. The
+  optimizer step follows the engine's partitioning (`OPTIMIZER_WORK`): ZeRO-3 steps its flat partition,
+  1/W of the elements, so its work scales by W_a / W_t; FSDP2 steps every parameter's 1/W slice, one
+  tensor per parameter on every rank, and its traced step's work is kept (docs/simulator.md).
 - **Depth**: `repeat_blocks` (see there).
 """
 
@@ -306,18 +308,42 @@ def _solve_compute_scale(
     return scale
 
 
+# How an engine's optimizer step's work changes with the world size, per rank. ZeRO-3 (DeepSpeed) steps
+# its flat fp32 partition: 1/W of the elements, work ∝ W_a / W_t. FSDP2 steps each parameter's 1/W slice
+# (a DTensor per parameter, the same count on every rank at any W), and on the traced runs that step is
+# per-parameter work: from 2 × 1 to 3 × 1 and 2 × 2 (ranks sharing two cores) its measured time grew
+# 1.33-1.54× and 1.64-2.24× — its work, net of the core sharing, 0.88-1.02× and 0.82-1.12× (ZeRO-3's
+# 0.50-0.74× and 0.35-0.51×, as 1/W says), in the Mixtral and OLMoE bundles alike (docs/simulator.md).
+OPTIMIZER_WORK = {"zero3": "per_element", "fsdp": "per_parameter"}
+
+
+def optimizer_world_factor(engine: str | None, anchor_world_size: int, target_world_size: int) -> float:
+    """The factor on an optimizer step's work traced at W_a when the graph moves to W_t (OPTIMIZER_WORK)."""
+    if anchor_world_size == target_world_size:
+        return 1.0
+    rule = OPTIMIZER_WORK.get(str(engine))
+    if rule is None:
+        raise SimInputError(
+            f"engine {engine!r}: no rule for its optimizer step at another world size "
+            f"(expected one of {', '.join(sorted(OPTIMIZER_WORK))})"
+        )
+    return anchor_world_size / target_world_size if rule == "per_element" else 1.0
+
+
 def rewrite_costs(
     graph: OpGraph,
     anchor: ClusterSpec,
     target: ClusterSpec,
     transport_scale: float = 1.0,
     compute_scale: float = 1.0,
+    engine: str | None = None,
 ) -> tuple[Costs, list[str]]:
     """The costs of `graph` (traced on `anchor`) on `target`; notes say what was assumed. The sweeps'
     transport CPU is multiplied by `transport_scale` (the anchor run's in-run calibration), the main
-    thread's work by `compute_scale` (the anchor's compute calibration, `compute_scale()`)."""
+    thread's work by `compute_scale` (the anchor's compute calibration, `compute_scale()`). `engine` (the
+    anchor run's: zero3, fsdp) sets how its optimizer step moves to another world size; needed only then."""
     notes: list[str] = []
-    world_scale = anchor.world_size / target.world_size
+    world_scale = optimizer_world_factor(engine, anchor.world_size, target.world_size)
     anchor_transport = run_transport_s(graph, anchor, transport_scale)
     target_transport = run_transport_s(graph, target, transport_scale)
     if target.host_cores and (target_transport is None or anchor_transport is None):

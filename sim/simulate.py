@@ -512,7 +512,9 @@ class Simulator:
                 )
                 if plan is None:
                     self._system_graphs[graph_key] = rewritten
-            costs, _ = rewrite_costs(rewritten.graph, anchor_cluster, target, scale, work_scale)
+            costs, _ = rewrite_costs(
+                rewritten.graph, anchor_cluster, target, scale, work_scale, engine=str(anchor["engine"])
+            )
             evaluated.append((rewritten, costs, self.evaluated(rewritten.graph, costs)))
         self.simpy_seconds += time.perf_counter() - started
         times = np.array([result.iteration_s for _, _, result in evaluated])
@@ -571,6 +573,7 @@ class Simulator:
             self.target(world_size),
             self.transport_scale(anchor)[0],
             self.compute_scale(anchor),
+            engine=str(anchor["engine"]),
         )
         return self.evaluated(free.graph, costs).iteration_s
 

@@ -37,6 +37,7 @@ from sim.rewrite import (
     main_work_s,
     mean_concurrency,
     measured_cluster,
+    optimizer_world_factor,
     projected_cluster,
     rewrite_costs,
     run_transport_s,
@@ -264,7 +265,31 @@ def test_a_faster_link_and_a_larger_world_move_the_iteration_the_right_way(
     quick = evaluate(graph, rewrite_costs(graph, spec, faster)[0]).iteration_s
     assert quick < base
     wide: ClusterSpec = projected_cluster([spec], 16, 1, "16x1")
-    assert evaluate(graph, rewrite_costs(graph, spec, wide)[0]).iteration_s > base
+    assert evaluate(graph, rewrite_costs(graph, spec, wide, engine="zero3")[0]).iteration_s > base
+
+
+def test_the_optimizer_step_moves_to_another_world_size_by_its_engines_partitioning(
+    measured: traces.TraceBundle,
+) -> None:
+    """ZeRO-3 steps its flat partition (work ∝ 1/W); FSDP2 steps every parameter's slice, per-parameter
+    work that the rewrite keeps (sim/rewrite.py OPTIMIZER_WORK, measured there). Anything else, at another
+    W, is refused in one line; at the traced W no rule is needed."""
+    assert optimizer_world_factor("zero3", 2, 16) == pytest.approx(2 / 16)
+    assert optimizer_world_factor("fsdp", 2, 16) == 1.0
+    assert optimizer_world_factor(None, 4, 4) == 1.0
+    with pytest.raises(SimInputError, match="engine 'megatron'.*expected one of fsdp, zero3"):
+        optimizer_world_factor("megatron", 2, 4)
+    with pytest.raises(SimInputError, match="engine None"):
+        optimizer_world_factor(None, 2, 4)
+    for system, factor in (("zero3", 2 / 16), ("fsdp", 1.0)):
+        run = _run(measured, system, 2, CLUSTER)
+        graph = build_graph(_iteration(measured, run.run_id))
+        spec = measured_cluster(measured.collectives, run)
+        wide = projected_cluster([spec], 16, 1, "16x1")
+        optim = graph.stream == "optim"
+        at_home = rewrite_costs(graph, spec, spec, engine=system)[0].work_s[optim]
+        moved = rewrite_costs(graph, spec, wide, engine=system)[0].work_s[optim]
+        assert optim.any() and moved == pytest.approx(at_home * factor)
 
 
 def test_zero3s_one_gradient_bucket_grows_with_depth_and_fsdps_root_reduction_does_not(

@@ -10,7 +10,7 @@ cores, optimizer by the partitioning rule) — and evaluated; the prediction is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -36,6 +36,11 @@ class Prediction:
     # factor on its compute work at which it re-costed onto its own cluster spends its measured time.
     transport_scale: float = 1.0
     compute_scale: float = 1.0
+    # Where the predicted main thread's time goes: per main-thread stream (compute, optim, codec_send,
+    # codec_recv), seconds per rank and iteration (the mean over ranks and iterations, as
+    # traces.stream_summaries gives a measured run's) — to hold each part against the measured run's
+    # (benchmarks/main_thread_split.py).
+    main_thread_s: dict[str, float] = field(default_factory=dict)
 
 
 def parameter_ratio(
@@ -105,6 +110,7 @@ def predict_run(
     )
     events = seen.events[seen.events["run_id"] == anchor_id]
     times, simulated, notes = [], 0, []
+    main_thread: dict[str, list[float]] = {}
     counts: dict[str, int] = {}
     sizes = parameter_sizes(seen, target_layers) if ciera_on is not None else {}
     traced = [build_graph(per_iteration) for _, per_iteration in events.groupby("iteration", sort=True)]
@@ -129,6 +135,9 @@ def predict_run(
         result = evaluate(graph, costs)
         times.append(result.iteration_s)
         simulated += result.events
+        busy_s, ranks = result.end_s - result.start_s, len(np.unique(graph.rank))  # rank classes
+        for stream in np.unique(graph.stream[graph.is_main]).tolist():
+            main_thread.setdefault(stream, []).append(float(busy_s[graph.stream == stream].sum()) / ranks)
     if scale_note:
         notes = [*notes, scale_note]
     basis = f"{anchor_id} ({len(times)} iterations)"
@@ -151,4 +160,13 @@ def predict_run(
                      "op after them that uses them; their decode is left out"]  # fmt: skip
         if counts.get("overflow_rounds"):
             basis += f", {counts['overflow_rounds'] // max(len(times), 1)} overflow rounds per iteration"
-    return Prediction(float(np.median(times)), basis, anchor_id, simulated, tuple(notes), scale, work_scale)
+    return Prediction(
+        float(np.median(times)),
+        basis,
+        anchor_id,
+        simulated,
+        tuple(notes),
+        scale,
+        work_scale,
+        {stream: float(np.mean(values)) for stream, values in main_thread.items()},
+    )

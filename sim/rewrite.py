@@ -344,6 +344,12 @@ def rewrite_costs(
     anchor run's: zero3, fsdp) sets how its optimizer step moves to another world size; needed only then."""
     notes: list[str] = []
     world_scale = optimizer_world_factor(engine, anchor.world_size, target.world_size)
+    if anchor.world_size != target.world_size:
+        notes.append(
+            f"optimizer step at another world size: {engine}'s is per-element work, × W_traced / W"
+            if OPTIMIZER_WORK[str(engine)] == "per_element"
+            else f"optimizer step at another world size: {engine}'s is per-parameter work, kept as traced"
+        )
     anchor_transport = run_transport_s(graph, anchor, transport_scale)
     target_transport = run_transport_s(graph, target, transport_scale)
     if target.host_cores and (target_transport is None or anchor_transport is None):

@@ -178,7 +178,21 @@ def codec_figures(
     return figures
 
 
-def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Split:
+    """A bundle's measured runs as a held-out file divides them: what the simulator sees and what it
+    predicts (codec runs are neither: their codec events are fitted, their times not predicted)."""
+
+    seen: traces.TraceBundle  # the bundle with only the seen runs
+    measured_runs: pd.DataFrame  # every measured run with events
+    seen_runs: pd.DataFrame
+    codec_runs: pd.DataFrame
+    target_runs: pd.DataFrame
+
+
+def split_runs(bundle: traces.TraceBundle, held_out: HeldOut) -> Split:
+    """The seen and the held-out runs of `bundle` by `held_out`; one-line errors for a file that does not
+    fit the bundle."""
     with_events = bundle.runs_with_events()
     measured_runs = with_events[with_events["source"] == "measured"]
     if measured_runs.empty:
@@ -201,7 +215,23 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
     seen_runs, target_runs = measured_runs[is_seen], measured_runs[~is_seen & ~is_codec]
     if target_runs.empty:
         raise ValidationInputError(f"{held_out.origin}: every measured run is seen; nothing is held out")
-    seen = bundle.with_runs(set(seen_runs["run_id"]))
+    return Split(
+        bundle.with_runs(set(seen_runs["run_id"])),
+        measured_runs,
+        seen_runs,
+        measured_runs[is_codec],
+        target_runs,
+    )
+
+
+def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float) -> dict[str, Any]:
+    split = split_runs(bundle, held_out)
+    seen, measured_runs, seen_runs, target_runs = (
+        split.seen,
+        split.measured_runs,
+        split.seen_runs,
+        split.target_runs,
+    )
     measured_s = bundle.iterations.groupby("run_id")["iteration_s"].median()
 
     replay_rows = []
@@ -244,7 +274,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
     # sample (their codec events set the figures), so what is left is the rewrite's own bias — reported
     # beside the held-out errors, never counted in them.
     codec_rows = []
-    for run in measured_runs[is_codec].sort_values(["cluster", "layers", "system"]).itertuples():
+    for run in split.codec_runs.sort_values(["cluster", "layers", "system"]).itertuples():
         row = pd.Series(run._asdict())
         if figures.get(run.system) is None or seen_runs["system"].eq(run.system).any():
             continue

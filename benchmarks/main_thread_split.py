@@ -1,0 +1,115 @@
+"""Where held-out runs' predicted main-thread time goes, stream by stream, against the measured runs — and
+what the optimizer step comes to under each world-size rule (`sim.rewrite.OPTIMIZER_WORK`).
+
+    python benchmarks/main_thread_split.py [--bundle measured] [--held-out FILE] [--systems zero3,fsdp]
+        [--json F]
+
+For every held-out run of the given plain systems whose world size differs from its anchor's (the
+topology category of `ciera validate sim`; the same seen set, the same `sim.predict_run` call):
+
+- measured: the median iteration, and per rank and iteration each main-thread stream's time (compute,
+  optim; `traces.stream_summaries`, the mean over ranks and iterations);
+- ``as_built``: the prediction, with the same parts (`Prediction.main_thread_s`);
+- ``per_element``: the same prediction with every engine's optimizer step scaled by W_a / W_t (the rule
+  for all engines before 2026-12-05), for comparison.
+
+Reads the bundle only; no rank is started.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on sys.path as a script)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RULES = ("as_built", "per_element")
+MAIN_STREAMS = ("compute", "optim")
+
+
+def split(bundle_name: str, held_out_path: Path | None, systems: list[str]) -> dict:
+    import sim.rewrite
+    import traces
+    from sim import predict_run
+    from sim.rewrite import measured_cluster
+    from validation.sim_check import default_held_out_path, load_held_out, split_runs
+
+    bundle = traces.read_bundle(traces.resolve_bundle(bundle_name))
+    path = held_out_path or default_held_out_path(bundle_name)
+    if path is None:
+        raise ValueError(f"--bundle {bundle_name}: no held-out file beside it; give --held-out FILE")
+    runs = split_runs(bundle, load_held_out(path))
+    seen_sizes = set(runs.seen_runs["world_size"].astype(int))
+    streams = traces.stream_summaries(bundle).set_index(["run_id", "stream"])["seconds"]
+    iteration_s = bundle.iterations.groupby("run_id")["iteration_s"].median()
+    targets = runs.target_runs[
+        runs.target_runs["system"].isin(systems)
+        & ~runs.target_runs["world_size"].astype(int).isin(seen_sizes)
+    ].sort_values(["system", "cluster", "layers"])
+    built = dict(sim.rewrite.OPTIMIZER_WORK)
+    rows = []
+    for target in targets.itertuples():
+        row = traces_row_series(target._asdict())
+        cluster = measured_cluster(bundle.collectives, row)
+        record = {
+            "run_id": target.run_id,
+            "system": target.system,
+            "cluster": target.cluster,
+            "layers": int(target.layers),
+            "measured": {
+                "iteration_s": float(iteration_s[target.run_id]),
+                **{f"{s}_s": float(streams.get((target.run_id, s), 0.0)) for s in MAIN_STREAMS},
+            },
+        }
+        for rule in RULES:
+            sim.rewrite.OPTIMIZER_WORK.update(
+                built if rule == "as_built" else dict.fromkeys(built, "per_element")
+            )
+            try:
+                prediction = predict_run(runs.seen, row, cluster, bundle.collectives)
+            finally:
+                sim.rewrite.OPTIMIZER_WORK.update(built)
+            record[rule] = {
+                "iteration_s": prediction.iteration_s,
+                **{f"{s}_s": prediction.main_thread_s.get(s, 0.0) for s in MAIN_STREAMS},
+            }
+        rows.append(record)
+    return {"benchmark": "main_thread_split", "bundle": bundle_name, "held_out": str(path),
+            "per": "rank and iteration", "rules": list(RULES), "runs": rows}  # fmt: skip
+
+
+def traces_row_series(row: dict):
+    import pandas as pd
+
+    return pd.Series({key: value for key, value in row.items() if key != "Index"})
+
+
+def main() -> None:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", default="measured", help="measured, measured-olmoe or a bundle directory")
+    parser.add_argument("--held-out", type=Path, help="default: the file shipped beside a shipped bundle")
+    parser.add_argument("--systems", default="zero3,fsdp", help="plain systems to show (comma-separated)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    import traces
+    from sim import SimInputError
+    from validation.sim_check import ValidationInputError
+
+    try:
+        result = split(args.bundle, args.held_out, [s for s in args.systems.split(",") if s])
+    except (traces.TraceError, SimInputError, ValidationInputError, OSError, ValueError) as error:
+        parser.exit(2, f"main_thread_split.py: {error}\n")
+    print("ms per rank and iteration: iteration / compute / optim — measured, as built, optimizer by 1/W")
+    for run in result["runs"]:
+        parts = [
+            " / ".join(f"{1e3 * run[key][f'{name}_s']:6.0f}" for name in ("iteration", *MAIN_STREAMS))
+            for key in ("measured", *RULES)
+        ]
+        print(f"{run['system']:6s} {run['cluster']:22s} L={run['layers']}:  " + "  |  ".join(parts))
+    emit_json(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,7 @@
 what the optimizer step comes to under each world-size rule (`sim.rewrite.OPTIMIZER_WORK`).
 
     python benchmarks/main_thread_split.py [--bundle measured] [--held-out FILE] [--systems zero3,fsdp]
-        [--json F]
+        [--without-transport-cpu] [--json F]
 
 For every held-out run of the given plain systems whose world size differs from its anchor's (the
 topology category of `ciera validate sim`; the same seen set, the same `sim.predict_run` call):
@@ -12,6 +12,10 @@ topology category of `ciera validate sim`; the same seen set, the same `sim.pred
 - ``as_built``: the prediction, with the same parts (`Prediction.main_thread_s`);
 - ``per_element``: the same prediction with every engine's optimizer step scaled by W_a / W_t (the rule
   for all engines before 2026-12-05), for comparison.
+
+``--without-transport-cpu``: both predictions with the collectives' transport CPU left out of the model
+(anchor and target; `sim.rewrite.run_transport_s` answering "not measured"), to see how much of the
+predicted compute is that load on the shared cores. A what-if, not the simulator as built.
 
 Reads the bundle only; no rank is started.
 """
@@ -29,7 +33,9 @@ RULES = ("as_built", "per_element")
 MAIN_STREAMS = ("compute", "optim")
 
 
-def split(bundle_name: str, held_out_path: Path | None, systems: list[str]) -> dict:
+def split(
+    bundle_name: str, held_out_path: Path | None, systems: list[str], without_transport_cpu: bool = False
+) -> dict:
     import sim.rewrite
     import traces
     from sim import predict_run
@@ -49,6 +55,7 @@ def split(bundle_name: str, held_out_path: Path | None, systems: list[str]) -> d
         & ~runs.target_runs["world_size"].astype(int).isin(seen_sizes)
     ].sort_values(["system", "cluster", "layers"])
     built = dict(sim.rewrite.OPTIMIZER_WORK)
+    transport_s = sim.rewrite.run_transport_s
     rows = []
     for target in targets.itertuples():
         row = traces_row_series(target._asdict())
@@ -67,17 +74,25 @@ def split(bundle_name: str, held_out_path: Path | None, systems: list[str]) -> d
             sim.rewrite.OPTIMIZER_WORK.update(
                 built if rule == "as_built" else dict.fromkeys(built, "per_element")
             )
+            if without_transport_cpu:
+                sim.rewrite.run_transport_s = _not_measured
             try:
                 prediction = predict_run(runs.seen, row, cluster, bundle.collectives)
             finally:
                 sim.rewrite.OPTIMIZER_WORK.update(built)
+                sim.rewrite.run_transport_s = transport_s
             record[rule] = {
                 "iteration_s": prediction.iteration_s,
                 **{f"{s}_s": prediction.main_thread_s.get(s, 0.0) for s in MAIN_STREAMS},
             }
         rows.append(record)
     return {"benchmark": "main_thread_split", "bundle": bundle_name, "held_out": str(path),
-            "per": "rank and iteration", "rules": list(RULES), "runs": rows}  # fmt: skip
+            "per": "rank and iteration", "rules": list(RULES), "without_transport_cpu": without_transport_cpu,
+            "runs": rows}  # fmt: skip
+
+
+def _not_measured(*_args, **_kwargs) -> None:
+    return None
 
 
 def traces_row_series(row: dict):
@@ -91,6 +106,11 @@ def main() -> None:
     parser.add_argument("--bundle", default="measured", help="measured, measured-olmoe or a bundle directory")
     parser.add_argument("--held-out", type=Path, help="default: the file shipped beside a shipped bundle")
     parser.add_argument("--systems", default="zero3,fsdp", help="plain systems to show (comma-separated)")
+    parser.add_argument(
+        "--without-transport-cpu",
+        action="store_true",
+        help="what-if: the collectives' transport CPU left out",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     import traces
@@ -98,10 +118,19 @@ def main() -> None:
     from validation.sim_check import ValidationInputError
 
     try:
-        result = split(args.bundle, args.held_out, [s for s in args.systems.split(",") if s])
+        result = split(
+            args.bundle, args.held_out, [s for s in args.systems.split(",") if s], args.without_transport_cpu
+        )
     except (traces.TraceError, SimInputError, ValidationInputError, OSError, ValueError) as error:
         parser.exit(2, f"main_thread_split.py: {error}\n")
-    print("ms per rank and iteration: iteration / compute / optim — measured, as built, optimizer by 1/W")
+    print(
+        "ms per rank and iteration: iteration / compute / optim — measured, as built, optimizer by 1/W"
+        + (
+            "; both predicted without the collectives' transport CPU (a what-if)"
+            if args.without_transport_cpu
+            else ""
+        )
+    )
     for run in result["runs"]:
         parts = [
             " / ".join(f"{1e3 * run[key][f'{name}_s']:6.0f}" for name in ("iteration", *MAIN_STREAMS))

@@ -42,6 +42,22 @@ def test_fsdp_s_optimizer_step_as_built_is_the_measured_one_and_the_iteration_is
     assert closer >= len(rows) - 1
 
 
+def test_without_the_transport_cpu_only_that_load_leaves_the_prediction() -> None:
+    """~10 s. The what-if leaves the collectives' transport CPU out of anchor and target: ZeRO-3's
+    predicted compute on the shared cores changes, the measured side does not, and the simulator's own
+    function is restored afterwards."""
+    import sim.rewrite
+
+    bench = load_benchmark("main_thread_split")
+    before = sim.rewrite.run_transport_s
+    built = bench.split("measured", None, ["zero3"])
+    without = bench.split("measured", None, ["zero3"], without_transport_cpu=True)
+    assert sim.rewrite.run_transport_s is before and without["without_transport_cpu"]
+    pairs = list(zip(built["runs"], without["runs"], strict=True))
+    assert pairs and all(a["measured"] == b["measured"] for a, b in pairs)
+    assert any(a["as_built"]["compute_s"] != b["as_built"]["compute_s"] for a, b in pairs)
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [

@@ -310,33 +310,36 @@ class Bucket:
         largest plan. Between two choices of P (every 4 gathers) the steady state reads only the few
         entries it needs (:meth:`_recent_history`); choosing P reads the whole history."""
         recent = self._recent_history(call) if self._period is not None else None
+        steady = False  # P stays: the few entries the size needs are read in place
         if recent is not None:
             lookup, newest, last_window = recent
             if newest is None:
                 return self.initial_capacity_bytes
-            if newest // 4 == self._period_chosen_at and index > newest:  # P stays: a few entries read
-                period = self._period
-                if period:
-                    largest = max(lookup(index - period), lookup(index - 2 * period))
-                    if largest >= 0:
-                        return self._planned(largest) or self._window_size(last_window())
-                return self._window_size(last_window())
-        known, gathers, position = self._finished_history(call)
-        if not known:
-            return self.initial_capacity_bytes
-        # The cycle length is re-chosen when the newest known gather index passes a multiple of 4 (the same
-        # count on every rank), not at every call: choosing it scores 7 candidates over 12 gathers.
-        if self._period is None or gathers[-1] // 4 != self._period_chosen_at:
-            self._period = self._best_period(known, gathers)
-            self._period_chosen_at = gathers[-1] // 4
+            steady = newest // 4 == self._period_chosen_at and index > newest
+        if not steady:
+            known, gathers, position = self._finished_history(call)
+            if not known:
+                return self.initial_capacity_bytes
+            # The cycle length is re-chosen when the newest known gather index passes a multiple of 4 (the
+            # same count on every rank), not at every call: choosing it scores 7 candidates over 12 gathers.
+            if self._period is None or gathers[-1] // 4 != self._period_chosen_at:
+                self._period = self._best_period(known, gathers)
+                self._period_chosen_at = gathers[-1] // 4
+            end = position.get(index, len(gathers))
+
+            def lookup(gather: int) -> int:
+                return known.get(gather, -1)
+
+            def last_window() -> list[int]:
+                return [known[gather] for gather in gathers[max(0, end - CAPACITY_WINDOW) : end]]
+
         period = self._period
         if period:
-            largest = max(known.get(index - period, -1), known.get(index - 2 * period, -1))
+            largest = max(lookup(index - period), lookup(index - 2 * period))
             if largest >= 0 and (size := self._planned(largest)):
                 return size
         # Period 0, or no same-phase history: the last CAPACITY_WINDOW known gathers before index.
-        end = position.get(index, len(gathers))
-        return self._window_size([known[gather] for gather in gathers[max(0, end - CAPACITY_WINDOW) : end]])
+        return self._window_size(last_window())
 
     def _best_period(self, known: dict[int, int], gathers: list[int]) -> int:
         """The cycle length (0-6) whose predictions would have fitted the last 12 known gathers best: the
@@ -455,10 +458,12 @@ class Bucket:
         # Gathers finish in start order, so calls and gather indices arrive increasing; the history
         # readers rely on it while it holds (_in_call_order, _rising).
         totals = self.totals
-        if totals and call < totals[-1][0]:
-            self._in_call_order = False
-        if totals and (call < totals[-1][0] or index <= totals[-1][1]):
-            self._rising = False
+        if totals:
+            last_call, last_index = totals[-1][:2]
+            if call < last_call:
+                self._in_call_order = self._rising = False
+            elif index <= last_index:
+                self._rising = False
         if len(totals) == totals.maxlen:  # the oldest entry leaves the window
             oldest = totals[0]
             self._steady_entries -= not oldest[3]

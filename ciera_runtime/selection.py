@@ -112,6 +112,14 @@ class CodecTimes:
     exponent_bits: float  # measured rANS bits per changed exponent
 
 
+def synthetic_bits(numel: int, dtype: DType, rng: np.random.Generator) -> np.ndarray:
+    """The 16-bit patterns of ``numel`` N(0, 0.02) weights: the shard the codec and per-call timings use."""
+    weights = (rng.standard_normal(numel) * 0.02).astype(np.float32)
+    if dtype == DType.BF16:
+        return (weights.view(np.uint32) >> 16).astype(np.uint16)
+    return weights.astype(np.float16).view(np.uint16)
+
+
 def measure_codec_times(
     numel: int, dtype, q: float, config: CodecConfig | None = None, world_size: int = 2, seed: int = 0
 ) -> CodecTimes:
@@ -120,11 +128,7 @@ def measure_codec_times(
     config = config or CodecConfig()
     dtype = dtype_from_name(dtype)
     rng = np.random.default_rng(seed)
-    weights = (rng.standard_normal(numel) * 0.02).astype(np.float32)
-    if dtype == DType.BF16:
-        bits = (weights.view(np.uint32) >> 16).astype(np.uint16)
-    else:
-        bits = weights.astype(np.float16).view(np.uint16)
+    bits = synthetic_bits(numel, dtype, rng)
     encoder = ShardEncoder(0, numel, dtype, 1, config)
     decoder = ShardDecoder(0, 1, numel, dtype, config)
     decoder.decode(encoder.encode(bits))
@@ -364,9 +368,7 @@ class CallGate:
 
     def pays(self, raw_bytes: float, payload_bytes: float, codec_s: float, rest_bytes: float = 0.0) -> bool:
         """Raw and estimated payload bytes per rank of the call's CIERA parameters, their codec time, and
-        the raw bytes per rank of its parameters on DeepSpeed's path."""
-        # The rest's gather is issued right after CIERA's and both are in flight together: the link
-        # carries the payload and the rest, so the saving is weighed at the call's whole size.
+        the raw bytes per rank of its parameters on DeepSpeed's path (weighed together: see the class)."""
         comm_s = self.comm_profile.comm_s
         return comm_s(payload_bytes + rest_bytes) + codec_s + self.per_call_s < comm_s(raw_bytes + rest_bytes)
 
@@ -388,7 +390,7 @@ def measure_call_overhead_s(group=None, config: CodecConfig | None = None, calls
     engine.register(0, numel, torch.bfloat16)
     world_size = dist.get_world_size(group)
     rng = np.random.default_rng(dist.get_rank(group) if group is not None else dist.get_rank())
-    bits = ((rng.standard_normal(numel) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    bits = synthetic_bits(numel, DType.BF16, rng)
     samples = []
     for call in range(3 + calls):
         bits = perturb_blocks(bits, 0.5, engine.config.block_size, "bf16", rng)

@@ -57,17 +57,16 @@ def split(
     built = dict(sim.rewrite.OPTIMIZER_WORK)
     transport_s = sim.rewrite.run_transport_s
     rows = []
-    for target in targets.itertuples():
-        row = traces_row_series(target._asdict())
-        cluster = measured_cluster(bundle.collectives, row)
+    for _, target in targets.iterrows():
+        cluster = measured_cluster(bundle.collectives, target)
         record = {
-            "run_id": target.run_id,
-            "system": target.system,
-            "cluster": target.cluster,
-            "layers": int(target.layers),
+            "run_id": target["run_id"],
+            "system": target["system"],
+            "cluster": target["cluster"],
+            "layers": int(target["layers"]),
             "measured": {
-                "iteration_s": float(iteration_s[target.run_id]),
-                **{f"{s}_s": float(streams.get((target.run_id, s), 0.0)) for s in MAIN_STREAMS},
+                "iteration_s": float(iteration_s[target["run_id"]]),
+                **{f"{s}_s": float(streams.get((target["run_id"], s), 0.0)) for s in MAIN_STREAMS},
             },
         }
         for rule in RULES:
@@ -77,7 +76,7 @@ def split(
             if without_transport_cpu:
                 sim.rewrite.run_transport_s = _not_measured
             try:
-                prediction = predict_run(runs.seen, row, cluster, bundle.collectives)
+                prediction = predict_run(runs.seen, target, cluster, bundle.collectives)
             finally:
                 sim.rewrite.OPTIMIZER_WORK.update(built)
                 sim.rewrite.run_transport_s = transport_s
@@ -93,12 +92,6 @@ def split(
 
 def _not_measured(*_args, **_kwargs) -> None:
     return None
-
-
-def traces_row_series(row: dict):
-    import pandas as pd
-
-    return pd.Series({key: value for key, value in row.items() if key != "Index"})
 
 
 def main() -> None:

@@ -311,9 +311,8 @@ def _solve_compute_scale(
 # How an engine's optimizer step's work changes with the world size, per rank. ZeRO-3 (DeepSpeed) steps
 # its flat fp32 partition: 1/W of the elements, work ∝ W_a / W_t. FSDP2 steps each parameter's 1/W slice
 # (a DTensor per parameter, the same count on every rank at any W), and on the traced runs that step is
-# per-parameter work: from 2 × 1 to 3 × 1 and 2 × 2 (ranks sharing two cores) its measured time grew
-# 1.33-1.54× and 1.64-2.24× — its work, net of the core sharing, 0.88-1.02× and 0.82-1.12× (ZeRO-3's
-# 0.50-0.74× and 0.35-0.51×, as 1/W says), in the Mixtral and OLMoE bundles alike (docs/simulator.md).
+# per-parameter work: scaled by 1/W it came out short on every held-out run of another W, kept it is the
+# nearer (`python benchmarks/main_thread_split.py`, docs/simulator.md "The optimizer step").
 OPTIMIZER_WORK = {"zero3": "per_element", "fsdp": "per_parameter"}
 
 

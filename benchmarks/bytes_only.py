@@ -11,6 +11,13 @@ cluster rewrite: the anchor is the run itself), by `sim.predict_run`:
 - ``bytes_only_s``: the CIERA rewrite with the codec figures' costs set to zero — each gather carries
   CIERA's bytes (the payload ratios, per-shard headers and overflow rounds of the fitted figures) and
   nothing else changes: no encode, no decode, no host time beyond the engine's own;
+- ``kernel_floor_s``: the CIERA rewrite with the bytes plus the codec's compiled calls and nothing else —
+  encode and decode timed here, on this machine, in one thread with the shard hot in cache (the
+  `ShardEncoder`/`ShardDecoder` calls the runtime makes: the first gather after a step with a share q of
+  blocks changed, q the figures' block change rate, and the repeat gathers with none), at the median
+  per-rank shard of the system's codec runs, charged per byte (``kernel_ns_per_byte``). No per-call or
+  per-shard cost, no host path, no glue: what a runtime with no overhead around its kernels would pay
+  (a floor, not a prediction: the bundle's ranks ran its kernels with cold caches on shared cores);
 - ``ciera_s``: the CIERA rewrite with the figures as fitted (what `ciera validate sim` predicts).
 
 ``bytes_only_speedup`` = plain_s / bytes_only_s: the most a runtime sending these bytes gains on that
@@ -20,7 +27,8 @@ step, nor a simulate record's `bound_speedup`, which assumes perfect overlap. Be
 speedup (the plain run's median over the CIERA twin's), the rewrite's predicted one, and
 ``codec_cost_s`` = ciera_s − bytes_only_s: what the codec and its host work cost the iteration in the
 rewrite. Where the bytes-only speedup is near 1 no runtime can pay: the gathers are not what the
-iteration waits for.
+iteration waits for; where ``kernel_floor_speedup`` < 1, no CPU runtime with this codec can, however
+little it spends around its kernels.
 
 The codec figures are fitted as `ciera validate sim` fits them: to the held-out file's codec runs
 (default: the bundle's own held-out file).
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +71,74 @@ def bytes_only(figures: CodecFigures) -> CodecFigures:
     )
 
 
+# Gathers of one parameter per cycle of the engine: ZeRO-3 gathers it for forward, recompute and backward,
+# FSDP2 for forward and backward; only the first after the optimizer step carries changed exponents.
+GATHERS_PER_CYCLE = {"zero3": 3, "fsdp": 2}
+KERNEL_SAMPLES = 60
+
+
+def kernel_seconds(numel: int, block_size: int, q: float, samples: int = KERNEL_SAMPLES) -> dict[str, float]:
+    """Median seconds of the codec's own calls on one BF16 shard of `numel` values, hot, in this thread:
+    the first gather after a step (a share `q` of blocks changed) and a repeat gather (none), each side."""
+    import numba
+
+    from ciera_runtime import CodecConfig
+    from ciera_runtime.codec import DType, ShardDecoder, ShardEncoder
+    from ciera_runtime.selection import perturb_blocks, synthetic_bits
+
+    config = CodecConfig(block_size=block_size)
+    rng = np.random.default_rng(0)
+    bits = synthetic_bits(numel, DType.BF16, rng)
+    encoder = ShardEncoder(0, numel, "bfloat16", 0, config)
+    decoder = ShardDecoder(0, 0, numel, "bfloat16", config)
+    out = np.empty(numel, dtype=np.uint16)
+    buffer = np.empty(encoder.layout.max_payload_bytes, dtype=np.uint8)
+    times: dict[str, list[float]] = {"encode_first": [], "decode_first": [], "encode_repeat": [],
+                                     "decode_repeat": []}  # fmt: skip
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)  # a rank's codec thread (`ciera measure` gives each rank one)
+    try:
+        decoder.decode(encoder.encode(bits, buffer), out)  # the full first payload; every kernel compiled
+        for _ in range(samples):
+            bits = perturb_blocks(bits, q, block_size, "bfloat16", rng)
+            for phase in ("first", "repeat"):
+                start_s = time.perf_counter()
+                payload = encoder.encode(bits, buffer)
+                middle_s = time.perf_counter()
+                decoder.decode(payload, out)
+                times[f"encode_{phase}"].append(middle_s - start_s)
+                times[f"decode_{phase}"].append(time.perf_counter() - middle_s)
+            if not np.array_equal(out, bits):
+                raise RuntimeError("kernel timing: the decoded shard differs from the encoded one")
+    finally:
+        numba.set_num_threads(threads)
+    return {name: float(np.median(values)) for name, values in times.items()}
+
+
+def kernel_floor(figures: CodecFigures, engine: str, numel: int, seconds: dict[str, float]) -> CodecFigures:
+    """`figures` whose only costs are the codec's calls `seconds` (kernel_seconds), averaged over the
+    engine's cycle of gathers and charged per byte (of the rank's own shard to encode, of each source's
+    shard to decode): the bytes and the kernels, nothing else."""
+    cycle = GATHERS_PER_CYCLE[engine]
+    shard_bytes = 2.0 * numel
+    per_byte = {
+        side: (seconds[f"{side}_first"] + (cycle - 1) * seconds[f"{side}_repeat"]) / cycle / shard_bytes
+        for side in ("encode", "decode")
+    }
+    return dataclasses.replace(
+        bytes_only(figures), encode_s=(0.0, 0.0, per_byte["encode"]), decode_s=(0.0, 0.0, per_byte["decode"])
+    )
+
+
+def median_shard_values(bundle: traces.TraceBundle, run_ids: tuple[str, ...]) -> int:
+    """The median per-rank shard (values) of the CIERA calls of `run_ids`."""
+    runs = bundle.runs.set_index("run_id")
+    events = bundle.events[bundle.events["run_id"].isin(run_ids)]
+    calls = events[(events["stream"] == "allgather") & (events["raw_bytes"] > 0)]
+    world = calls["run_id"].map(runs["world_size"]).to_numpy(dtype=float)
+    return max(1, int(np.median(calls["raw_bytes"].to_numpy(dtype=float) / world / 2)))
+
+
 def speedups(bundle: traces.TraceBundle, held_out: HeldOut, runs_containing: str = "") -> list[dict]:
     runs = bundle.runs_with_events()
     measured = runs[runs["source"] == "measured"]
@@ -74,9 +151,20 @@ def speedups(bundle: traces.TraceBundle, held_out: HeldOut, runs_containing: str
         figures = fitted.get(system)
         if figures is None:
             continue
+        codec_runs = tuple(r for r in held_out.codec_runs if r in set(figures.runs))
+        numel = median_shard_values(bundle, codec_runs)
+        block_size = int(bundle.runs.set_index("run_id").loc[codec_runs[0], "block_size"])
+        seconds = kernel_seconds(numel, block_size, figures.block_change_rate)
+        floor = kernel_floor(figures, engine, numel, seconds)
+        kernels = {
+            "shard_values": numel, "block_size": block_size, "q": figures.block_change_rate,
+            **{f"{name}_us": 1e6 * value for name, value in seconds.items()},
+            "encode_ns_per_byte": 1e9 * floor.encode_s[2], "decode_ns_per_byte": 1e9 * floor.decode_s[2],
+        }  # fmt: skip
         variants = {
             "ciera": CieraOn(figures, engine, engine),
             "bytes_only": CieraOn(bytes_only(figures), engine, engine),
+            "kernel_floor": CieraOn(floor, engine, engine),
         }
         for (cluster, layers), pair in measured.groupby(["cluster", "layers"], sort=True):
             plain, codec = pair[pair["system"] == engine], pair[pair["system"] == system]
@@ -103,6 +191,8 @@ def speedups(bundle: traces.TraceBundle, held_out: HeldOut, runs_containing: str
                 "measured_speedup": measured_plain / measured_codec,
                 "plain_s": plain_s, "bytes_only_s": predicted["bytes_only"], "ciera_s": predicted["ciera"],
                 "bytes_only_speedup": plain_s / predicted["bytes_only"],
+                "kernel_floor_s": predicted["kernel_floor"],
+                "kernel_floor_speedup": plain_s / predicted["kernel_floor"], "kernels": kernels,
                 "predicted_speedup": plain_s / predicted["ciera"],
                 "codec_cost_s": predicted["ciera"] - predicted["bytes_only"],
             })  # fmt: skip
@@ -134,7 +224,8 @@ def main() -> None:
         )
     for row in rows:
         print(
-            f"{row['codec_run']}: bytes only {row['bytes_only_speedup']:.3f}x, measured {row['measured_speedup']:.3f}x, "
+            f"{row['codec_run']}: bytes only {row['bytes_only_speedup']:.3f}x, kernels only "
+            f"{row['kernel_floor_speedup']:.3f}x, measured {row['measured_speedup']:.3f}x, "
             f"predicted {row['predicted_speedup']:.3f}x; codec and host work {1e3 * row['codec_cost_s']:+.0f} ms "
             f"of {1e3 * row['plain_s']:.0f} ms",
             file=sys.stderr,
@@ -144,6 +235,8 @@ def main() -> None:
         chosen = [row for row in rows if row["system"] == system]
         by_system[system] = {
             "bytes_only_speedup_median": float(np.median([row["bytes_only_speedup"] for row in chosen])),
+            "kernel_floor_speedup_median": float(np.median([row["kernel_floor_speedup"] for row in chosen])),
+            "runs_kernel_floor_faster": sum(row["kernel_floor_speedup"] > 1.0 for row in chosen),
             "measured_speedup_median": float(np.median([row["measured_speedup"] for row in chosen])),
             "runs_measured_faster": sum(row["measured_speedup"] > 1.0 for row in chosen),
             "runs": len(chosen),

@@ -63,7 +63,7 @@ class CodecFigures:
     # per call, per shard and source rank (the runtime rebuilds each source's part of each shard), per byte
     # received ((W − 1)/W · S)
     decode_s: tuple[float, float, float]
-    glue_s_per_gather: float  # main-thread time beyond the codec per call, CIERA minus plain (signed)
+    glue_s_per_gather: float  # main-thread time beyond the codec per call (work and lag), CIERA minus plain
     shard_overhead_bytes: float  # h: per shard and source rank of a call's row
     first_ratio: float  # ρ of a first gather after the optimizer step
     repeat_ratio: float  # ρ of a repeat gather (recompute, backward)
@@ -91,7 +91,7 @@ class CodecFigures:
                 f"the engine's gather path replaced by CIERA's, {self.gather_host_s_per_call * 1e3:.2f} ms per call "
                 "(measured)"
                 if self.gather_host_s_per_call is not None
-                else f"glue {self.glue_s_per_gather * 1e3:+.2f} ms per call (compute minus the plain run's)"
+                else f"glue {self.glue_s_per_gather * 1e3:+.2f} ms per call (compute and lag minus the plain run's)"
             )
             + f", payload ratio {self.first_ratio:.3f} "
             f"(first) / {self.repeat_ratio:.3f} (repeat) + {self.shard_overhead_bytes:.0f} B per shard and "
@@ -197,10 +197,15 @@ def fit_codec_figures(
             plain_run = bundle.runs[bundle.runs["run_id"] == plain_id].iloc[0]
             plain = bundle.events[bundle.events["run_id"] == plain_id]
             plain = plain.assign(work_s=main_thread_work_s(bundle, plain_run))
-            # Compute and optimizer segments: the work outside the codec (and outside a recorded gather path).
+            # Compute and optimizer segments: the work outside the codec (and outside a recorded gather path),
+            # and the main thread's time between its segments that no collective held it for (Python
+            # between hooks: the graph's lag), which CIERA's calls add to as well.
             glue.append(
-                (_work_s(events, COMPUTE_STREAMS) - _work_s(plain, COMPUTE_STREAMS)) / max(calls, 1.0)
-            )
+                (
+                    _work_s(events, COMPUTE_STREAMS) + main_thread_lag_s(events)
+                    - _work_s(plain, COMPUTE_STREAMS) - main_thread_lag_s(plain)
+                ) / max(calls, 1.0)
+            )  # fmt: skip
             plain_paths.append(bool((plain["stream"] == "gather_host").any()))
     if not encode_rows:
         raise SimInputError("codec runs: no CIERA gathers to fit the codec figures to")
@@ -269,6 +274,16 @@ def _work_s(frame: pd.DataFrame, streams: tuple[str, ...]) -> float:
     """Main-thread work on `streams` per rank and iteration (`work_s`, at a full core)."""
     chosen = frame[frame["stream"].isin(streams)]
     return float(chosen["work_s"].sum()) / max(frame.groupby(["iteration", "rank"]).ngroups, 1)
+
+
+def main_thread_lag_s(events: pd.DataFrame) -> float:
+    """The main thread's lag per rank and iteration (`OpGraph.lag_s` of its ops): time between its
+    recorded segments that no collective's end explains."""
+    total = 0.0
+    for _, rows in events.groupby("iteration"):
+        graph = build_graph(rows)
+        total += float(graph.lag_s[graph.is_main].sum())
+    return total / max(events.groupby(["iteration", "rank"]).ngroups, 1)
 
 
 def main_thread_work_s(bundle: traces.TraceBundle, run: pd.Series) -> pd.Series:

@@ -18,6 +18,7 @@ from sim.ciera_rewrite import (
     ParameterLayout,
     ciera_graph,
     fit_codec_figures,
+    main_thread_lag_s,
     main_thread_work_s,
     mean_block_change_rate,
     parameter_sizes,
@@ -530,6 +531,33 @@ def test_a_recorded_engine_gather_path_replaces_the_plain_one_with_cieras_measur
     assert decode == pytest.approx(expected, rel=1e-6)
     # End to end through the depth rewrite and the evaluator: in sample, near the codec run's time.
     assert abs(_in_sample_error(bundle, figures, codec, plain)) < 0.05
+
+
+def test_the_glue_by_difference_counts_the_main_threads_time_between_its_segments(
+    measured: traces.TraceBundle,
+) -> None:
+    codec, plain = _run(measured, "ciera", 2, CLUSTER), _run(measured, "zero3", 2, CLUSTER)
+    figures = fit_codec_figures(
+        measured, [codec.run_id], {codec.run_id: plain.run_id}, {codec.run_id: parameter_sizes(measured, 2)},
+        mean_block_change_rate(measured, int(codec.block_size)),
+    )  # fmt: skip
+    per_run = {}
+    for run in (codec, plain):
+        events = measured.events[measured.events["run_id"] == run.run_id]
+        work = main_thread_work_s(measured, run)
+        rank_iterations = events.groupby(["iteration", "rank"]).ngroups
+        main = work[events["stream"].isin(["compute", "optim"])].sum() / rank_iterations
+        lag = main_thread_lag_s(events)
+        # The lag is the graph's: what the idle time between the main thread's ops left after the
+        # collective that held it, summed per rank and iteration.
+        graphs = [build_graph(rows) for _, rows in events.groupby("iteration")]
+        assert lag == pytest.approx(sum(g.lag_s[g.is_main].sum() for g in graphs) / rank_iterations)
+        assert lag >= 0
+        per_run[run.system] = (main + lag, rank_iterations)
+    events = measured.events[measured.events["run_id"] == codec.run_id]
+    calls = ((events["stream"] == "allgather") & (events["raw_bytes"] > 0)).sum() / per_run["ciera"][1]
+    expected = (per_run["ciera"][0] - per_run["zero3"][0]) / calls
+    assert figures.glue_s_per_gather == pytest.approx(expected, rel=1e-9)
 
 
 def test_without_the_plain_runs_gather_path_the_glue_is_read_by_difference(

@@ -14,12 +14,17 @@ from _bench_script import load_benchmark, run_benchmark  # noqa: E402
 from sim.ciera_rewrite import CodecFigures  # noqa: E402
 
 
-def test_bytes_only_keeps_the_bytes_and_drops_every_cost() -> None:
-    figures = CodecFigures(
+def _figures() -> CodecFigures:
+    """Codec figures with every cost nonzero."""
+    return CodecFigures(
         encode_s=(1e-4, 2e-5, 1e-9), decode_s=(5e-5, 1e-5, 2e-9), glue_s_per_gather=3e-4,
         shard_overhead_bytes=40.0, first_ratio=0.55, repeat_ratio=0.5, block_change_rate=0.4,
         overflow_rate=0.02, overflow_s=4e-3, runs=("a",), gather_host_s_per_call=6e-4,
     )  # fmt: skip
+
+
+def test_bytes_only_keeps_the_bytes_and_drops_every_cost() -> None:
+    figures = _figures()
     free = load_benchmark("bytes_only").bytes_only(figures)
     assert (free.encode_s, free.decode_s, free.glue_s_per_gather, free.gather_host_s_per_call) == (
         (0.0, 0.0, 0.0), (0.0, 0.0, 0.0), 0.0, None,
@@ -30,11 +35,7 @@ def test_bytes_only_keeps_the_bytes_and_drops_every_cost() -> None:
 
 
 def test_the_kernel_floor_charges_the_codec_calls_per_byte_over_the_engines_cycle() -> None:
-    figures = CodecFigures(
-        encode_s=(1e-4, 2e-5, 1e-9), decode_s=(5e-5, 1e-5, 2e-9), glue_s_per_gather=3e-4,
-        shard_overhead_bytes=40.0, first_ratio=0.55, repeat_ratio=0.5, block_change_rate=0.4,
-        overflow_rate=0.02, overflow_s=4e-3, runs=("a",), gather_host_s_per_call=6e-4,
-    )  # fmt: skip
+    figures = _figures()
     bench = load_benchmark("bytes_only")
     seconds = {"encode_first": 90e-6, "encode_repeat": 30e-6, "decode_first": 40e-6, "decode_repeat": 10e-6}
     numel = 1000  # 2,000 bytes

@@ -73,7 +73,8 @@ class CodecFigures:
     runs: tuple[str, ...] = field(default=())
     # Measured directly where the runs record the engine's gather path (the `gather_host` stream): CIERA's
     # host time per call inside the engine's gather calls, beyond the codec. The rewrite then replaces the
-    # plain run's own gather path by it and glue_s_per_gather is 0. None: not recorded (glue by difference).
+    # plain run's own gather path by it and glue_s_per_gather is only the lag's difference (see the fit).
+    # None: not recorded (glue by difference).
     gather_host_s_per_call: float | None = None
 
     @property
@@ -89,7 +90,7 @@ class CodecFigures:
             f"decode {decode[0] * 1e3:.2f} ms + {decode[1] * 1e3:.3f} ms/shard/source + {decode[2] * 1e9:.1f} ns/B, "
             + (
                 f"the engine's gather path replaced by CIERA's, {self.gather_host_s_per_call * 1e3:.2f} ms per call "
-                "(measured)"
+                f"(measured), lag {self.glue_s_per_gather * 1e3:+.2f} ms per call (minus the plain run's)"
                 if self.gather_host_s_per_call is not None
                 else f"glue {self.glue_s_per_gather * 1e3:+.2f} ms per call (compute and lag minus the plain run's)"
             )
@@ -156,7 +157,7 @@ def fit_codec_figures(
     """Fit the figures to `codec_runs` (CIERA runs of one engine); `plain_runs` maps each to the plain
     engine's run of the same configuration (the glue is measured against its main-thread time);
     `parameters` gives each run's parameter sizes per layer (`parameter_sizes`)."""
-    encode_rows, decode_rows, wire_rows, glue, gather_host = [], [], [], [], []
+    encode_rows, decode_rows, wire_rows, glue, lag_glue, gather_host = [], [], [], [], [], []
     plain_paths: list[bool] = []  # per plain twin: whether it records the engine's gather path
     first_calls, overflows, overflow_s = 0, 0, []
     for run_id in codec_runs:
@@ -200,12 +201,9 @@ def fit_codec_figures(
             # Compute and optimizer segments: the work outside the codec (and outside a recorded gather path),
             # and the main thread's time between its segments that no collective held it for (Python
             # between hooks: the graph's lag), which CIERA's calls add to as well.
-            glue.append(
-                (
-                    _work_s(events, COMPUTE_STREAMS) + main_thread_lag_s(events)
-                    - _work_s(plain, COMPUTE_STREAMS) - main_thread_lag_s(plain)
-                ) / max(calls, 1.0)
-            )  # fmt: skip
+            work = _work_s(events, COMPUTE_STREAMS) - _work_s(plain, COMPUTE_STREAMS)
+            lag_glue.append((main_thread_lag_s(events) - main_thread_lag_s(plain)) / max(calls, 1.0))
+            glue.append(work / max(calls, 1.0) + lag_glue[-1])
             plain_paths.append(bool((plain["stream"] == "gather_host").any()))
     if not encode_rows:
         raise SimInputError("codec runs: no CIERA gathers to fit the codec figures to")
@@ -223,7 +221,9 @@ def fit_codec_figures(
     return CodecFigures(
         encode_s=tuple(_nonnegative_fit([encode[:, k] for k in range(3)], encode[:, 3])),
         decode_s=tuple(_nonnegative_fit([decode[:, k] for k in range(3)], decode[:, 3])),
-        glue_s_per_gather=0.0 if measured_path else (float(np.median(glue)) if glue else 0.0),
+        # With the path measured, the glue is the lag alone: CIERA's calls leave the main thread idle
+        # between its segments longer than the engine's own do.
+        glue_s_per_gather=float(np.median(lag_glue if measured_path else glue)) if glue else 0.0,
         gather_host_s_per_call=float(np.median(gather_host)) if measured_path else None,
         shard_overhead_bytes=overhead,
         first_ratio=max(first_ratio, repeat_ratio),
@@ -447,8 +447,9 @@ def _rewrite_rank(
     replace_path = figures.gather_host_s_per_call is not None
     if replace_path:
         # The engine's own gather path (recorded as gather_host) is what CIERA replaces: the plain run's
-        # is dropped, and CIERA's, measured per call, runs half with the encode and half with the decode.
-        glue = figures.gather_host_s_per_call / 2
+        # is dropped, and CIERA's, measured per call, and its extra lag run half with the encode and half
+        # with the decode.
+        glue = (figures.gather_host_s_per_call + figures.glue_s_per_gather) / 2
         replaced = 0
         for op in ops:
             if op.stream == "gather_host":

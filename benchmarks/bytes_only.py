@@ -151,9 +151,8 @@ def speedups(bundle: traces.TraceBundle, held_out: HeldOut, runs_containing: str
         figures = fitted.get(system)
         if figures is None:
             continue
-        codec_runs = tuple(r for r in held_out.codec_runs if r in set(figures.runs))
-        numel = median_shard_values(bundle, codec_runs)
-        block_size = int(bundle.runs.set_index("run_id").loc[codec_runs[0], "block_size"])
+        numel = median_shard_values(bundle, figures.runs)  # the figures' own codec runs
+        block_size = int(bundle.runs.set_index("run_id").loc[figures.runs[0], "block_size"])
         seconds = kernel_seconds(numel, block_size, figures.block_change_rate)
         floor = kernel_floor(figures, engine, numel, seconds)
         kernels = {

@@ -21,7 +21,9 @@ from tests.ranks import free_port, read_until_done, start_ranks  # noqa: E402
 MAX_BYTES = 64 << 10
 SIZES = [1024 << k for k in range(7)]  # 1 KiB … 64 KiB
 REPETITIONS = 3
-MIN_TIME_S = 0.01  # each size timed ~10 ms: more repetitions of the small ones, at most MAX_REPETITIONS
+# each size timed ~100 ms, so even on a loaded host (4 ranks on 2 cores, collectives of several ms) the
+# small ones get more repetitions than the fixed count; at most MAX_REPETITIONS (the usual case: 12).
+MIN_TIME_S = 0.1
 MAX_REPETITIONS = 12
 TIMEOUT_S = 3.0  # the group's timeout for the missing-rank check
 

@@ -1,0 +1,152 @@
+"""How this host's cores are shared when more threads want them than it has, and how that shows in a
+bundle's runs — the figures behind "Ranks sharing cores: time slices, not even sharing"
+(docs/validation.md). The simulator's evaluator shares a host's cores evenly moment by moment
+(processor sharing: three ranks on two cores each at 2/3 speed); this measures what the kernel does.
+
+    python benchmarks/core_slices.py [--processes 2,3,4] [--seconds 4] [--bundle measured] [--json F]
+
+- **Host** (``host``): for each count k of ``--processes``, k processes spin for ``--seconds``, each
+  reading the clock in a tight loop. A jump of more than 50 µs between two readings is time the process
+  was not running (``descheduled_ms``: quantiles of those gaps), and the time between two jumps is how long
+  it ran in one go (``ran_ms``); ``descheduled_share``: the share of its time it did not run.
+- **Bundle** (``runs``, with ``--bundle``): for each system and depth with a run on a 2 × 1 cluster and
+  on a cluster whose ranks share the host's cores more (3 × 1, 2 × 2) at the same link rate, each main
+  thread ``compute`` segment of the shared-cores run against the median of the same segment (same rank's
+  k-th segment of an iteration) in the 2 × 1 run: the quantiles of that ratio (``segment_ratio``), and the
+  ratio of their sums (``sum_ratio``). Even sharing would stretch every segment alike.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on sys.path as a script)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GAP_S = 50e-6  # a clock jump longer than this: the process was not running
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+SHARED_TOPOLOGIES = ("3x1", "2x2")
+
+
+def _spin(seconds: float, results) -> None:
+    gaps, runs = [], []
+    start = last = run_start = time.perf_counter()
+    while last - start < seconds:
+        now = time.perf_counter()
+        if now - last > GAP_S:
+            gaps.append(now - last)
+            runs.append(last - run_start)
+            run_start = now
+        last = now
+    results.put((gaps, runs[1:], last - start))
+
+
+def _quantiles_ms(values: list[float]) -> list[float] | None:
+    return [round(1e3 * float(q), 3) for q in np.quantile(values, QUANTILES)] if values else None
+
+
+def host_slices(counts: list[int], seconds: float) -> list[dict]:
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    for count in counts:
+        results = context.SimpleQueue()
+        processes = [context.Process(target=_spin, args=(seconds, results)) for _ in range(count)]
+        for process in processes:
+            process.start()
+        measured = [results.get() for _ in processes]
+        for process in processes:
+            process.join()
+        gaps = [gap for done in measured for gap in done[0]]
+        runs = [run for done in measured for run in done[1]]
+        rows.append({
+            "processes": count,
+            "descheduled_ms": _quantiles_ms(gaps),
+            "ran_ms": _quantiles_ms(runs),
+            "descheduled_share": sum(gaps) / sum(done[2] for done in measured),
+        })  # fmt: skip
+    return rows
+
+
+def _segments(events: pd.DataFrame) -> pd.DataFrame:
+
+    compute = events[events["stream"] == "compute"].sort_values(["iteration", "rank", "start_s"])
+    return pd.DataFrame({
+        "rank": compute["rank"].to_numpy(),
+        "k": compute.groupby(["iteration", "rank"]).cumcount().to_numpy(),
+        "duration_s": (compute["end_s"] - compute["start_s"]).to_numpy(),
+        "iteration": compute["iteration"].to_numpy(),
+    })  # fmt: skip
+
+
+def _per_rank_iteration_s(segments: pd.DataFrame) -> float:
+    return float(segments["duration_s"].sum()) / segments.groupby(["iteration", "rank"]).ngroups
+
+
+def segment_stretch(bundle) -> list[dict]:
+    runs = bundle.runs_with_events()
+    rows = []
+    for (system, layers), chosen in runs.groupby(["system", "layers"], sort=True):
+        shapes = {
+            f"{int(run.nodes)}x{int(run.world_size) // int(run.nodes)}": run for run in chosen.itertuples()
+        }
+        for shared in SHARED_TOPOLOGIES:
+            if shared not in shapes or "2x1" not in shapes:
+                continue
+            base, other = shapes["2x1"], shapes[shared]
+            if base.link_rate_Bps != other.link_rate_Bps:
+                continue
+            reference = _segments(bundle.events[bundle.events["run_id"] == base.run_id])
+            medians = reference.groupby("k")["duration_s"].median()
+            segments = _segments(bundle.events[bundle.events["run_id"] == other.run_id])
+            baseline = medians.reindex(segments["k"]).to_numpy()
+            known = np.isfinite(baseline) & (baseline > 0)
+            ratio = segments["duration_s"].to_numpy()[known] / baseline[known]
+            rows.append({
+                "system": str(system), "layers": int(layers),
+                "base_run": str(base.run_id), "shared_run": str(other.run_id),
+                "segment_ratio": [round(float(q), 3) for q in np.quantile(ratio, QUANTILES)],
+                "sum_ratio": _per_rank_iteration_s(segments) / _per_rank_iteration_s(reference),
+            })  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", default="2,3,4", help="spinning process counts (default 2,3,4)")
+    parser.add_argument("--seconds", type=float, default=4.0, help="how long each count spins (default 4)")
+    parser.add_argument("--bundle", default=None, help="also read this bundle's runs (name or directory)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    try:
+        counts = [int(part) for part in args.processes.split(",")]
+    except ValueError:
+        parser.error(f"--processes {args.processes!r}: expected comma-separated counts")
+    if not counts or min(counts) < 1 or not 0 < args.seconds <= 600:
+        parser.error(
+            f"--processes {args.processes!r} / --seconds {args.seconds}: expected counts >= 1, (0, 600] s"
+        )
+    result: dict = {
+        "benchmark": "core_slices",
+        "seconds": args.seconds,
+        "host": host_slices(counts, args.seconds),
+    }
+    if args.bundle is not None:
+        import traces
+
+        try:
+            bundle = traces.read_bundle(traces.resolve_bundle(args.bundle))
+        except (traces.TraceError, OSError) as error:  # one line, no traceback
+            parser.exit(2, f"core_slices.py: {error}\n")
+        result["bundle"] = args.bundle
+        result["runs"] = segment_stretch(bundle)
+    emit_json(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

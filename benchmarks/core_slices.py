@@ -29,6 +29,8 @@ from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on s
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import traces  # noqa: E402
+
 GAP_S = 50e-6  # a clock jump longer than this: the process was not running
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 SHARED_TOPOLOGIES = ("3x1", "2x2")
@@ -74,7 +76,6 @@ def host_slices(counts: list[int], seconds: float) -> list[dict]:
 
 
 def _segments(events: pd.DataFrame) -> pd.DataFrame:
-
     compute = events[events["stream"] == "compute"].sort_values(["iteration", "rank", "start_s"])
     return pd.DataFrame({
         "rank": compute["rank"].to_numpy(),
@@ -88,7 +89,8 @@ def _per_rank_iteration_s(segments: pd.DataFrame) -> float:
     return float(segments["duration_s"].sum()) / segments.groupby(["iteration", "rank"]).ngroups
 
 
-def segment_stretch(bundle) -> list[dict]:
+def segment_stretch(bundle: traces.TraceBundle) -> list[dict]:
+    """Per (system, depth) and shared-cores topology with a 2 × 1 twin at its link rate: `runs` rows."""
     runs = bundle.runs_with_events()
     rows = []
     for (system, layers), chosen in runs.groupby(["system", "layers"], sort=True):
@@ -137,8 +139,6 @@ def main() -> None:
         "host": host_slices(counts, args.seconds),
     }
     if args.bundle is not None:
-        import traces
-
         try:
             bundle = traces.read_bundle(traces.resolve_bundle(args.bundle))
         except (traces.TraceError, OSError) as error:  # one line, no traceback

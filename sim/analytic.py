@@ -40,7 +40,7 @@ from .cluster import ClusterPreset, load_cluster
 from .collectives import CollectiveModel
 from .errors import SimInputError
 from .evaluate import Costs, evaluate
-from .model_config import ModelConfig, forward_flops, layer_parameters, load_model_config
+from .model_config import forward_flops, layer_parameters, load_model_config
 from .opgraph import OpGraph
 
 GENERATOR_VERSION = "analytic/3"  # 2: change-rate spread no longer clips to 1; 3: events from the evaluator
@@ -227,7 +227,7 @@ def _schedule_events(steps: list[_Step], prefetch: int) -> pd.DataFrame:
 
 
 def _run_tables(
-    model: ModelConfig,
+    model: traces.ModelShape,
     dtype: str,
     traced_layers: int,
     world_size: int,

@@ -4,38 +4,13 @@ analytic trace generator needs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import traces
 
 from .errors import SimInputError
 
 CATEGORIES = traces.CATEGORIES
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    key: str  # file stem, e.g. "olmoe-1b-7b"
-    name: str  # display name, e.g. "OLMoE-1B-7B"
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    qk_norm: bool
-    attention_bias: bool
-    num_experts: int
-    experts_per_token: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
-    dense_blocks: int
-    dense_intermediate_size: int
-    optimizer: str | None
-    block_change_rate_prior: dict[str, float]
-    prior_source: str
-    qk_norm_scope: str = "full"  # "head": one norm of head_dim per q and k (Qwen3)
 
 
 @dataclass(frozen=True)
@@ -53,7 +28,7 @@ def list_models() -> list[str]:
     return traces.model_keys()
 
 
-def load_model_config(name_or_path: str) -> ModelConfig:
+def load_model_config(name_or_path: str) -> traces.ModelShape:
     """Load a model by key ("mixtral-8x7b"), alias ("mixtral"), display name ("Mixtral-8x7B") or TOML path."""
     try:
         shape = traces.load_model_shape(name_or_path)
@@ -65,32 +40,11 @@ def load_model_config(name_or_path: str) -> ModelConfig:
             raise SimInputError(
                 f"{shape.path}: field 'block_change_rate_prior.{category}' is {rate!r}, expected a rate in [0, 1]"
             )
-    return ModelConfig(
-        key=shape.key,
-        name=shape.name,
-        hidden_size=shape.hidden_size,
-        num_layers=shape.num_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        vocab_size=shape.vocab_size,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        qk_norm=shape.qk_norm,
-        attention_bias=shape.attention_bias,
-        num_experts=shape.num_experts,
-        experts_per_token=shape.experts_per_token,
-        moe_intermediate_size=shape.moe_intermediate_size,
-        shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
-        dense_blocks=shape.dense_blocks,
-        dense_intermediate_size=shape.dense_intermediate_size,
-        optimizer=shape.optimizer,
-        block_change_rate_prior={c: float(r) for c, r in rates.items()},
-        prior_source=shape.prior_source,
-        qk_norm_scope=shape.qk_norm_scope,
-    )
+    # The shape as the data file gives it; the priors checked and complete (the generator reads every one).
+    return replace(shape, block_change_rate_prior={c: float(r) for c, r in rates.items()})
 
 
-def layer_parameters(model: ModelConfig, layer: int, traced_layers: int) -> list[ParameterSpec]:
+def layer_parameters(model: traces.ModelShape, layer: int, traced_layers: int) -> list[ParameterSpec]:
     """Parameters of layer `layer` in a model cut to `traced_layers` blocks: 0 = embedding,
     1..L = blocks, L+1 = head (final norm + LM head; a tied head is gathered again, so it counts)."""
     h = model.hidden_size
@@ -133,7 +87,7 @@ def layer_parameters(model: ModelConfig, layer: int, traced_layers: int) -> list
     return params
 
 
-def forward_flops(model: ModelConfig, params: list[ParameterSpec], seq_len: int, tokens: int) -> float:
+def forward_flops(model: traces.ModelShape, params: list[ParameterSpec], seq_len: int, tokens: int) -> float:
     """Forward FLOPs of one layer for `tokens` tokens: 2 per multiply-accumulate over the active
     weights, plus causal attention scores and values (2·2·seq/2·q_width per token)."""
     matmul = sum(2.0 * p.numel * p.active_fraction for p in params if p.category != "norm")

@@ -3,12 +3,18 @@ bundle's runs — the figures behind "Ranks sharing cores: time slices, not even
 (docs/validation.md). The simulator's evaluator shares a host's cores evenly moment by moment
 (processor sharing: three ranks on two cores each at 2/3 speed); this measures what the kernel does.
 
-    python benchmarks/core_slices.py [--processes 2,3,4] [--seconds 4] [--bundle measured] [--json F]
+    python benchmarks/core_slices.py [--processes 2,3,4] [--seconds 4] [--segments-ms 0.5,2,8]
+        [--bundle measured] [--json F]
 
 - **Host** (``host``): for each count k of ``--processes``, k processes spin for ``--seconds``, each
   reading the clock in a tight loop. A jump of more than 50 µs between two readings is time the process
   was not running (``descheduled_ms``: quantiles of those gaps), and the time between two jumps is how long
   it ran in one go (``ran_ms``); ``descheduled_share``: the share of its time it did not run.
+- **Coupled** (``coupled``): ranks that wait for each other, as a collective makes them. For each segment
+  length of ``--segments-ms`` and each count k (and 1), k processes each run rounds of the same fixed CPU
+  work (a loop calibrated to the segment on one idle core), every round ending at a barrier of all k.
+  ``round_ms``: the slowest process's time per round; ``over_one``: that over one process's;
+  ``even_sharing``: what even sharing of the host's cores gives, max(1, k / cores).
 - **Bundle** (``runs``, with ``--bundle``): for each system and depth with a run on a 2 × 1 cluster and
   on a cluster whose ranks share the host's cores more (3 × 1, 2 × 2) at the same link rate, each main
   thread ``compute`` segment of the shared-cores run against the median of the same segment (same rank's
@@ -19,6 +25,7 @@ bundle's runs — the figures behind "Ranks sharing cores: time slices, not even
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +54,53 @@ def _spin(seconds: float, results) -> None:
             run_start = now
         last = now
     results.put((gaps, runs[1:], last - start))
+
+
+def _loop(iterations: int) -> int:
+    total = 0
+    for step in range(iterations):
+        total += step
+    return total
+
+
+def _coupled(iterations: int, rounds: int, barrier, results) -> None:
+    barrier.wait()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        _loop(iterations)
+        barrier.wait()
+    results.put(time.perf_counter() - start)
+
+
+def coupled_rounds(counts: list[int], segments_s: list[float], seconds_each: float = 0.75) -> list[dict]:
+    context = multiprocessing.get_context("spawn")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    start = time.perf_counter()
+    _loop(2_000_000)
+    per_iteration_s = (time.perf_counter() - start) / 2_000_000
+    rows = []
+    for segment_s in segments_s:
+        rounds = max(int(seconds_each / segment_s), 10)
+        alone = None
+        for count in sorted({1, *counts}):
+            barrier, results = context.Barrier(count), context.SimpleQueue()
+            processes = [
+                context.Process(
+                    target=_coupled, args=(int(segment_s / per_iteration_s), rounds, barrier, results)
+                )
+                for _ in range(count)
+            ]
+            for process in processes:
+                process.start()
+            round_s = max(results.get() for _ in processes) / rounds
+            for process in processes:
+                process.join()
+            alone = round_s if count == 1 else alone
+            rows.append({
+                "segment_ms": 1e3 * segment_s, "processes": count, "round_ms": 1e3 * round_s,
+                "over_one": round_s / alone, "even_sharing": max(1.0, count / cores),
+            })  # fmt: skip
+    return rows
 
 
 def _quantiles_ms(values: list[float]) -> list[float] | None:
@@ -122,6 +176,9 @@ def main() -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", default="2,3,4", help="spinning process counts (default 2,3,4)")
     parser.add_argument("--seconds", type=float, default=4.0, help="how long each count spins (default 4)")
+    parser.add_argument(
+        "--segments-ms", default="0.5,2,8", help="coupled rounds' segment lengths, ms (default 0.5,2,8)"
+    )
     parser.add_argument("--bundle", default=None, help="also read this bundle's runs (name or directory)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -133,16 +190,25 @@ def main() -> None:
         parser.error(
             f"--processes {args.processes!r} / --seconds {args.seconds}: expected counts >= 1, (0, 600] s"
         )
-    result: dict = {
-        "benchmark": "core_slices",
-        "seconds": args.seconds,
-        "host": host_slices(counts, args.seconds),
-    }
-    if args.bundle is not None:
+    try:
+        segments_s = [float(part) / 1e3 for part in args.segments_ms.split(",")]
+    except ValueError:
+        parser.error(f"--segments-ms {args.segments_ms!r}: expected comma-separated lengths in ms")
+    if not segments_s or not all(0 < value <= 1.0 for value in segments_s):
+        parser.error(f"--segments-ms {args.segments_ms!r}: expected lengths in (0, 1000] ms")
+    bundle = None
+    if args.bundle is not None:  # read first: a bad path fails before a minute of measuring
         try:
             bundle = traces.read_bundle(traces.resolve_bundle(args.bundle))
         except (traces.TraceError, OSError) as error:  # one line, no traceback
             parser.exit(2, f"core_slices.py: {error}\n")
+    result: dict = {
+        "benchmark": "core_slices",
+        "seconds": args.seconds,
+        "host": host_slices(counts, args.seconds),
+        "coupled": coupled_rounds(counts, segments_s),
+    }
+    if bundle is not None:
         result["bundle"] = args.bundle
         result["runs"] = segment_stretch(bundle)
     emit_json(result, args.json)

@@ -61,16 +61,29 @@ def test_runs_at_another_link_rate_or_without_a_2x1_twin_are_not_compared() -> N
     assert load_benchmark("core_slices").segment_stretch(bundle) == []
 
 
-def test_one_spinning_process_is_seldom_off_its_core(tmp_path: Path) -> None:
+def test_one_spinning_process_is_seldom_off_its_core_and_coupled_rounds_are_timed_against_one(
+    tmp_path: Path,
+) -> None:
     done = run_benchmark(
-        "core_slices.py", "--processes", "1", "--seconds", "0.3", "--json", str(tmp_path / "r.json")
-    )
+        "core_slices.py", "--processes", "1", "--seconds", "0.3", "--segments-ms", "5",
+        "--json", str(tmp_path / "r.json"),
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    (row,) = json.loads((tmp_path / "r.json").read_text())["host"]
+    result = json.loads((tmp_path / "r.json").read_text())
+    (row,) = result["host"]
     assert row["processes"] == 1
     assert 0.0 <= row["descheduled_share"] < 0.5
     for key in ("descheduled_ms", "ran_ms"):
         assert row[key] is None or (len(row[key]) == 5 and np.all(np.diff(row[key]) >= 0))
+    # One process alone: the baseline of its own rounds, about the segment it was calibrated to.
+    (alone,) = result["coupled"]
+    assert (alone["processes"], alone["segment_ms"], alone["over_one"], alone["even_sharing"]) == (
+        1,
+        5.0,
+        1.0,
+        1.0,
+    )
+    assert 1.0 < alone["round_ms"] < 50.0
 
 
 @pytest.mark.parametrize(
@@ -80,6 +93,8 @@ def test_one_spinning_process_is_seldom_off_its_core(tmp_path: Path) -> None:
         (["--processes", "0"], "expected counts >= 1"),
         (["--seconds", "-1"], "expected counts >= 1"),
         (["--processes", "1", "--seconds", "0.1", "--bundle", "/nonexistent-bundle"], "not a trace bundle"),
+        (["--segments-ms", "x"], "expected comma-separated lengths in ms"),
+        (["--segments-ms", "0,2"], "expected lengths in (0, 1000] ms"),
         (["--nope"], "unrecognized arguments"),
     ],
 )

@@ -161,6 +161,8 @@ def sim_command(
             f"during any of the {recorded} runs"
         )
     console.print(verdict_line(document["ciera_verdicts"]))
+    for line in over_max_lines(document, 2 * tolerance):
+        console.print(line)
     per_category = []
     for name, count in document["held_out_not_predicted_by_category"].items():
         if name in document["held_out_mean_abs_error_by_category"]:
@@ -187,6 +189,27 @@ def sim_command(
         write_json_atomic(document, json_path, "--json")
     if not document["passed"]:
         raise typer.Exit(1)
+
+
+def over_max_lines(document: dict, max_error: float) -> list[str]:
+    """One line per held-out run predicted beyond `max_error`, with how far that run lies off the line
+    through its own (cluster, system)'s measured depths — no model involved — so a miss the measurements
+    themselves make is told from one the model makes."""
+    lines = []
+    for row in document["held_out"]:
+        if row["error"] is None or abs(row["error"]) <= max_error:
+            continue
+        miss = row.get("own_depth_line_miss")
+        floor = (
+            f"the line through its own measured depths misses it by {miss * 100:.1f} % with no model involved"
+            if miss is not None
+            else "fewer than three depths of it were measured: no line to hold it against"
+        )
+        lines.append(
+            f"over the max target ({max_error * 100:.0f} %): {row['system']} on {row['cluster']}, L = {row['layers']}, "
+            f"{row['error'] * 100:+.1f} % ({row['category']}); {floor}"
+        )
+    return lines
 
 
 def verdict_line(verdicts: list[dict]) -> str:

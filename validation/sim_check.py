@@ -141,13 +141,15 @@ def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -
     per_run = times.groupby("run_id")["iteration_s"].agg(["median", "min", "max", "size"])
     spread = (per_run["max"] - per_run["min"]) / per_run["median"]
     timed = measured_runs.join(per_run, on="run_id", how="inner")
-    residuals: list[float] = []
+    by_run: dict[str, float] = {}
     for _, group in timed.groupby(["cluster", "system"]):
         if group["layers"].nunique() < 3:  # a line through two points has no residual to speak of
             continue
         depths, medians = group["layers"].to_numpy(dtype=float), group["median"].to_numpy()
         slope, intercept = np.polyfit(depths, medians, 1)
-        residuals += list(np.abs((intercept + slope * depths) / medians - 1.0))
+        misses = np.abs((intercept + slope * depths) / medians - 1.0)
+        by_run.update(zip(group["run_id"].astype(str), misses.astype(float).tolist(), strict=True))
+    residuals = list(by_run.values())
     summaries = traces.run_summaries(bundle)
     host = traces.busy_host_summary(summaries[summaries["run_id"].isin(measured_runs["run_id"])])
     return {
@@ -159,6 +161,9 @@ def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -
         "iteration_spread_max": float(spread.max()) if len(spread) else 0.0,
         "depth_line_residual_mean": float(np.mean(residuals)) if residuals else None,
         "depth_line_residual_max": float(np.max(residuals)) if residuals else None,
+        # Per run: how far the line through its (cluster, system)'s measured depths misses it (runs of a
+        # pair with fewer than three depths have none).
+        "depth_line_residual_by_run": by_run,
     }
 
 
@@ -308,6 +313,10 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
             "error": None if value is None else value / measured - 1.0,
             "speedup_error": speedup_error, "basis": basis, "notes": list(notes),
         })  # fmt: skip
+    noise = measurement_noise(bundle, measured_runs)
+    for row in held_rows:
+        # The same run's miss with no model involved: the floor its own prediction error stands on.
+        row["own_depth_line_miss"] = noise["depth_line_residual_by_run"].get(str(row["run_id"]))
     verdicts = ciera_verdicts(held_rows, replay_rows)
     replay_errors = np.abs([row["error"] for row in replay_rows])
     predicted_rows = [row for row in held_rows if row["error"] is not None]
@@ -373,7 +382,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
             }
             for system, f in figures.items()
         },
-        "measurement_noise": measurement_noise(bundle, measured_runs),
+        "measurement_noise": noise,
         "ciera_verdicts": verdicts,
         "ciera_verdicts_on_the_measured_side": sum(row["same_side"] for row in verdicts),
     }

@@ -214,6 +214,20 @@ def test_measurement_noise_is_computed_from_the_measurements_alone(bundle: trace
     assert noise["timed_iterations_per_run"] == 2
     assert noise["iteration_spread_mean"] == pytest.approx(0.2 / 1.1)
     assert noise["depth_line_residual_max"] == pytest.approx(0.0, abs=1e-9)
+    assert set(noise["depth_line_residual_by_run"]) == set(runs["run_id"])
+    # One depth 20 % above the line the others make: it lies well off the fitted line, and the per-run
+    # misses are what the summary's mean and max are taken over.
+    off = runs["run_id"].iloc[1]
+    bent = iterations.assign(
+        iteration_s=np.where(
+            iterations["run_id"] == off, iterations["iteration_s"] * 1.2, iterations["iteration_s"]
+        )
+    )
+    bent_noise = measurement_noise(dataclasses.replace(bundle, runs=unrecorded, iterations=bent), runs)
+    by_run = bent_noise["depth_line_residual_by_run"]
+    assert by_run[off] > 0.05
+    assert max(by_run.values()) == pytest.approx(bent_noise["depth_line_residual_max"])
+    assert np.mean(list(by_run.values())) == pytest.approx(bent_noise["depth_line_residual_mean"])
     # Runs without the record: none counted, none guessed.
     assert noise["runs_with_host_cpu_recorded"] == 0 and noise["other_cpu_share_max"] is None
     # Two runs that recorded it, one on a busy host; a garbled record counts as not recorded.
@@ -259,6 +273,14 @@ def test_the_shipped_check_writes_its_json_exits_by_the_verdict_and_matches_the_
     ] == [(r["run_id"], r["predicted_s"]) for r in written["codec_runs_in_sample"]]
     assert done.returncode == (0 if written["passed"] else 1), done.stderr[-2000:]
     assert ("PASSED" if written["passed"] else "FAILED") in done.stdout
+    # Each run over the max target is named, with its own depth line's miss (the noise beneath it).
+    over = [
+        r
+        for r in written["held_out"]
+        if r["error"] is not None and abs(r["error"]) > 2 * written["tolerance"]
+    ]
+    assert done.stdout.count("over the max target") == len(over) > 0
+    assert all(r["own_depth_line_miss"] is not None for r in over)
     assert written["replay_max_abs_error"] <= 0.01
     assert {row["category"] for row in written["held_out"]} == {"depth", "link", "topology", "system"}
     held = load_held_out(default_held_out_path())
@@ -300,3 +322,19 @@ def test_codec_runs_of_two_block_sizes_are_refused_in_one_line(bundle: traces.Tr
         ValidationInputError, match=r"two-sizes.toml: the codec runs of ciera use block sizes \[64, 512\]"
     ):
         validate_sim(dataclasses.replace(small, runs=runs), held, 0.04)
+
+
+def test_a_run_over_the_max_target_is_named_with_its_own_miss_without_a_model() -> None:
+    from validation.cli import over_max_lines
+
+    row = {"system": "ciera", "cluster": "c", "layers": 4, "category": "system"}
+    document = {"held_out": [
+        {**row, "error": -0.106, "own_depth_line_miss": 0.077},
+        {**row, "layers": 2, "error": 0.09, "own_depth_line_miss": None},
+        {**row, "layers": 6, "error": 0.05, "own_depth_line_miss": 0.001},
+        {**row, "layers": 8, "error": None, "own_depth_line_miss": 0.2},
+    ]}  # fmt: skip
+    lines = over_max_lines(document, 0.08)
+    assert len(lines) == 2
+    assert "L = 4, -10.6 % (system)" in lines[0] and "misses it by 7.7 % with no model involved" in lines[0]
+    assert "L = 2, +9.0 %" in lines[1] and "fewer than three depths" in lines[1]

@@ -801,6 +801,7 @@ def _sim_block(index: int, result: ValidationFile) -> str:
         f"{noise['iteration_spread_mean'] * 100:.1f} % on average and up to "
         f"{noise['iteration_spread_max'] * 100:.1f} % (max − min over median).{depth_line}</p>"
         + _verdicts_caption(d.get("ciera_verdicts"))
+        + _over_max_caption(d)
         + _command_line(result)
         + (
             ""
@@ -808,6 +809,34 @@ def _sim_block(index: int, result: ValidationFile) -> str:
             else '<p class="caption">The file does not record which bundle was checked; without '
             "<code>--bundle</code> it is the shipped measured bundle.</p>"
         )
+    )
+
+
+def _over_max_caption(d: dict) -> str:
+    """The held-out runs over the max target, each with how far its own measured depths' line misses it
+    (files before 2026-12-06 do not record that: nothing is said)."""
+    limit = 2 * d["tolerance"]
+    over = [
+        row
+        for row in d["held_out"]
+        if "own_depth_line_miss" in row and row["error"] is not None and abs(row["error"]) > limit
+    ]
+    if not over:
+        return ""
+    runs = "; ".join(
+        f"{html.escape(row['system'])} on {html.escape(row['cluster'])}, L = {row['layers']}, "
+        f"{row['error'] * 100:+.1f} % — "
+        + (
+            "fewer than three depths measured, no line"
+            if row["own_depth_line_miss"] is None
+            else f"its own line misses it by {row['own_depth_line_miss'] * 100:.1f} %"
+        )
+        for row in over
+    )
+    return (
+        f'<p class="caption">Over the max target ({limit * 100:g} %), each against the line a + b·L through its '
+        f"own (cluster, system)'s measured depths, no model involved — a run far off its own line is a "
+        f"miss of the measurement's before it is one of the model's: {runs}.</p>"
     )
 
 

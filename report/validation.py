@@ -266,6 +266,8 @@ def _check_sim(document: Mapping[str, Any], fields: _Fields) -> None:
         fields.number(row, "predicted_s", where, low=0, nullable=True)  # null: not predicted (basis says why)
         fields.number(row, "error", where, nullable=True)
         fields.number(row, "speedup_error", where, nullable=True)
+        if "own_depth_line_miss" in row:  # from 2026-12-06 on
+            fields.number(row, "own_depth_line_miss", where, low=0, nullable=True)
     for key in ("replay_mean_abs_error", "replay_max_abs_error"):
         fields.number(document, key, low=0, nullable=True)
     for key in ("held_out_mean_abs_error", "held_out_max_abs_error"):

@@ -232,6 +232,15 @@ def test_without_validation_files_the_section_shows_the_shipped_sim_check(monkey
     verdicts = shipped["ciera_verdicts"]
     agreeing = sum(row["same_side"] for row in verdicts)
     assert f"faster or slower as measured in {agreeing} of {len(verdicts)} pairs" in text
+    # The runs over the max target, each beside its own depth line's miss (no model involved).
+    over = [
+        r
+        for r in shipped["held_out"]
+        if r["error"] is not None and abs(r["error"]) > 2 * shipped["tolerance"]
+    ]
+    assert over and "Over the max target" in text
+    for row in over:
+        assert f"L = {row['layers']}, {row['error'] * 100:+.1f} % — its own line misses it by" in text
     for command in (
         "ciera validate sim --bundle measured --held-out traces/data/measured.held-out.toml",
         "ciera validate lossless --engine zero3 --json lossless.json",
@@ -393,6 +402,12 @@ def _edit(document: dict[str, Any], path: list[Any], value: Any) -> dict[str, An
         ("sim", ["passed"], "no", "field 'passed': 'no', expected true or false"),
         (
             "sim",
+            ["held_out", 2, "own_depth_line_miss"],
+            -0.1,
+            "field 'held_out[2].own_depth_line_miss': -0.1, expected a finite number >= 0 or null",
+        ),
+        (
+            "sim",
             ["ciera_verdicts"],
             [
                 {
@@ -422,6 +437,7 @@ def _edit(document: dict[str, Any], path: list[Any], value: Any) -> dict[str, An
         "sim-error",
         "sim-noise",
         "sim-passed",
+        "sim-own-line",
         "sim-verdict",
     ],
 )

@@ -17,9 +17,10 @@ bundle's runs — the figures behind "Ranks sharing cores: time slices, not even
   ``even_sharing``: what even sharing of the host's cores gives, max(1, k / cores).
 - **Bundle** (``runs``, with ``--bundle``): for each system and depth with a run on a 2 × 1 cluster and
   on a cluster whose ranks share the host's cores more (3 × 1, 2 × 2) at the same link rate, each main
-  thread ``compute`` segment of the shared-cores run against the median of the same segment (same rank's
-  k-th segment of an iteration) in the 2 × 1 run: the quantiles of that ratio (``segment_ratio``), and the
-  ratio of their sums (``sum_ratio``). Even sharing would stretch every segment alike.
+  thread ``compute`` segment of the shared-cores run against the median of the same segment (the k-th of
+  its rank's iteration) over the 2 × 1 run's ranks and iterations: the quantiles of that ratio
+  (``segment_ratio``), and the ratio of their sums per rank and iteration (``sum_ratio``). Even sharing
+  would stretch every segment alike.
 """
 
 from __future__ import annotations
@@ -56,6 +57,18 @@ def _spin(seconds: float, results) -> None:
     results.put((gaps, runs[1:], last - start))
 
 
+def _in_processes(context, count: int, target, *args) -> list:
+    """Run `target(*args, results)` in `count` processes at once; what each put on `results`."""
+    results = context.SimpleQueue()
+    processes = [context.Process(target=target, args=(*args, results)) for _ in range(count)]
+    for process in processes:
+        process.start()
+    done = [results.get() for _ in processes]
+    for process in processes:
+        process.join()
+    return done
+
+
 def _loop(iterations: int) -> int:
     total = 0
     for step in range(iterations):
@@ -83,18 +96,9 @@ def coupled_rounds(counts: list[int], segments_s: list[float], seconds_each: flo
         rounds = max(int(seconds_each / segment_s), 10)
         alone = None
         for count in sorted({1, *counts}):
-            barrier, results = context.Barrier(count), context.SimpleQueue()
-            processes = [
-                context.Process(
-                    target=_coupled, args=(int(segment_s / per_iteration_s), rounds, barrier, results)
-                )
-                for _ in range(count)
-            ]
-            for process in processes:
-                process.start()
-            round_s = max(results.get() for _ in processes) / rounds
-            for process in processes:
-                process.join()
+            barrier = context.Barrier(count)
+            iterations = int(segment_s / per_iteration_s)
+            round_s = max(_in_processes(context, count, _coupled, iterations, rounds, barrier)) / rounds
             alone = round_s if count == 1 else alone
             rows.append({
                 "segment_ms": 1e3 * segment_s, "processes": count, "round_ms": 1e3 * round_s,
@@ -111,13 +115,7 @@ def host_slices(counts: list[int], seconds: float) -> list[dict]:
     context = multiprocessing.get_context("spawn")
     rows = []
     for count in counts:
-        results = context.SimpleQueue()
-        processes = [context.Process(target=_spin, args=(seconds, results)) for _ in range(count)]
-        for process in processes:
-            process.start()
-        measured = [results.get() for _ in processes]
-        for process in processes:
-            process.join()
+        measured = _in_processes(context, count, _spin, seconds)
         gaps = [gap for done in measured for gap in done[0]]
         runs = [run for done in measured for run in done[1]]
         rows.append({
@@ -133,7 +131,7 @@ def _segments(events: pd.DataFrame) -> pd.DataFrame:
     compute = events[events["stream"] == "compute"].sort_values(["iteration", "rank", "start_s"])
     return pd.DataFrame({
         "rank": compute["rank"].to_numpy(),
-        "k": compute.groupby(["iteration", "rank"]).cumcount().to_numpy(),
+        "k": compute.groupby(["iteration", "rank"]).cumcount().to_numpy(),  # its place in its rank's iteration
         "duration_s": (compute["end_s"] - compute["start_s"]).to_numpy(),
         "iteration": compute["iteration"].to_numpy(),
     })  # fmt: skip
@@ -149,13 +147,12 @@ def segment_stretch(bundle: traces.TraceBundle) -> list[dict]:
     rows = []
     for (system, layers), chosen in runs.groupby(["system", "layers"], sort=True):
         shapes = {
-            f"{int(run.nodes)}x{int(run.world_size) // int(run.nodes)}": run for run in chosen.itertuples()
+            (f"{int(run.nodes)}x{int(run.world_size) // int(run.nodes)}", float(run.link_rate_Bps)): run
+            for run in chosen.itertuples()
         }
-        for shared in SHARED_TOPOLOGIES:
-            if shared not in shapes or "2x1" not in shapes:
-                continue
-            base, other = shapes["2x1"], shapes[shared]
-            if base.link_rate_Bps != other.link_rate_Bps:
+        for (shape, rate), other in sorted(shapes.items()):
+            base = shapes.get(("2x1", rate))
+            if shape not in SHARED_TOPOLOGIES or base is None:
                 continue
             reference = _segments(bundle.events[bundle.events["run_id"] == base.run_id])
             medians = reference.groupby("k")["duration_s"].median()

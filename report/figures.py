@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from sim import BREAKDOWN_LABELS
+
 from .inputs import BREAKDOWN_KEYS, SYSTEMS, is_measured_point, provenance_label
 
 if TYPE_CHECKING:  # sensitivity imports this module for system labels
@@ -40,13 +42,6 @@ SYSTEM_LABELS = {
     "ciera-er": "CIERA-ER",
     "ciera-er-bsc": "CIERA-ER+BSC",
     "ciera": "CIERA (ER+BSC+CCP)",
-}
-BREAKDOWN_LABELS = {
-    "compute": "compute",
-    "exposed_allgather": "exposed Allgather",
-    "exposed_reduce_scatter": "exposed ReduceScatter",
-    "codec_critical": "codec on critical path",
-    "other": "other",
 }
 BREAKDOWN_COLOURS = {
     "compute": "#4c78a8",

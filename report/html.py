@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import traces
+from sim import BREAKDOWN_LABELS
 from traces import NAMED_BUNDLES, TraceBundle
 
 from .figures import (
@@ -802,6 +803,7 @@ def _sim_block(index: int, result: ValidationFile) -> str:
         f"{noise['iteration_spread_max'] * 100:.1f} % (max − min over median).{depth_line}</p>"
         + _verdicts_caption(d.get("ciera_verdicts"))
         + _over_max_caption(d)
+        + _path_miss_caption(d.get("held_out_path_miss_by_category"))
         + _command_line(result)
         + (
             ""
@@ -831,12 +833,48 @@ def _over_max_caption(d: dict) -> str:
             if row["own_depth_line_miss"] is None
             else f"its own line misses it by {row['own_depth_line_miss'] * 100:.1f} %"
         )
+        + _path_parts_text(row.get("critical_path_s"))
         for row in over
     )
     return (
         f'<p class="caption">Over the max target ({limit * 100:g} %), each against the line a + b·L through its '
         f"own (cluster, system)'s measured depths, no model involved — a run far off its own line is a "
         f"miss of the measurement's before it is one of the model's: {runs}.</p>"
+    )
+
+
+def _path_parts_text(paths: dict | None) -> str:
+    """A run's middle iteration's critical path, measured → predicted per part (files before 2026-12-06:
+    nothing)."""
+    if not paths:
+        return ""
+    measured, predicted = paths["measured"], paths["predicted"]
+    parts = ", ".join(
+        f"{label} {measured[key] * 1e3:.0f} → {predicted[key] * 1e3:.0f}"
+        for key, label in BREAKDOWN_LABELS.items()
+        if measured[key] >= 0.0005 or predicted[key] >= 0.0005
+    )
+    return f"; critical path, measured → predicted (ms): {parts}"
+
+
+def _path_miss_caption(by_category: dict | None) -> str:
+    """Which part of the iteration each category's predictions get wrong (files before 2026-12-06:
+    nothing)."""
+    if not by_category:
+        return ""
+    texts = "; ".join(
+        f"{html.escape(name)}: "
+        + ", ".join(
+            f"{BREAKDOWN_LABELS[key]} {value * 100:+.1f} %"
+            for key, value in parts.items()
+            if abs(value) >= 0.0005
+        )
+        for name, parts in by_category.items()
+    )
+    return (
+        '<p class="caption">Where the predictions miss: the critical path of the middle iteration, predicted − '
+        "measured per part over the measured iteration, the mean over each category's runs (parts of work "
+        f"that overlap trade places on the path; the parts sum to the iteration): {texts}.</p>"
     )
 
 

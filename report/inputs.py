@@ -14,7 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sim import DTYPES, SYSTEMS  # the simulator's vocabulary (data flows sim -> report)
+from sim import (  # the simulator's vocabulary (data flows sim -> report)
+    BREAKDOWN_KEYS,
+    DTYPES,
+    SYSTEMS,
+)
 
 from .errors import ReportInputError
 
@@ -22,7 +26,6 @@ RECORDS_SCHEMA = "ciera.simulate/1"
 # Where the record's traces came from; `mixed` when a model's traces mix measured and analytic runs.
 SOURCES = ("measured", "analytic", "mixed")
 PERCENTILE_KEYS = ("p5", "p50", "p95")
-BREAKDOWN_KEYS = ("compute", "exposed_allgather", "exposed_reduce_scatter", "codec_critical", "other")
 # Numbers a record may leave null: ZeRO++ exists for FP16 only, bounds only where the sim states them.
 OPTIONAL_NUMBER_FIELDS = (
     "speedup_vs_zeropp",

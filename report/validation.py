@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from sim import BREAKDOWN_KEYS as PATH_PARTS  # a critical path's parts (sim.evaluate.critical_path)
+
 from .errors import ReportInputError
 from .inputs import read_json
 
@@ -268,6 +270,12 @@ def _check_sim(document: Mapping[str, Any], fields: _Fields) -> None:
         fields.number(row, "speedup_error", where, nullable=True)
         if "own_depth_line_miss" in row:  # from 2026-12-06 on
             fields.number(row, "own_depth_line_miss", where, low=0, nullable=True)
+        if row.get("critical_path_s") is not None:  # from 2026-12-06 on (null: not predicted)
+            paths = fields.mapping(row, "critical_path_s", where)
+            for side in ("measured", "predicted"):
+                parts = fields.mapping(paths, side, f"{where}.critical_path_s")
+                for key in PATH_PARTS:
+                    fields.number(parts, key, f"{where}.critical_path_s.{side}", low=0)
     for key in ("replay_mean_abs_error", "replay_max_abs_error"):
         fields.number(document, key, low=0, nullable=True)
     for key in ("held_out_mean_abs_error", "held_out_max_abs_error"):
@@ -282,6 +290,12 @@ def _check_sim(document: Mapping[str, Any], fields: _Fields) -> None:
         fields.number(noise, key, "measurement_noise", low=0)
     for key in ("depth_line_residual_mean", "depth_line_residual_max"):
         fields.number(noise, key, "measurement_noise", low=0, nullable=True)
+    if "held_out_path_miss_by_category" in document:  # from 2026-12-06 on
+        misses = fields.mapping(document, "held_out_path_miss_by_category")
+        for category in sorted(misses):
+            parts = fields.mapping(misses, category, "held_out_path_miss_by_category")
+            for key in PATH_PARTS:
+                fields.number(parts, key, f"held_out_path_miss_by_category.{category}")
     if "ciera_verdicts" in document:  # from 2026-12-05 on
         verdicts = fields.array(document, "ciera_verdicts", non_empty=False)
         for where, row in fields.items(verdicts, "ciera_verdicts"):

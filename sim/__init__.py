@@ -29,7 +29,7 @@ from .cluster import ClusterPreset, list_clusters, load_cluster, parse_overrides
 from .collectives import CollectiveModel, algbw_Bps, busbw_Bps, busbw_factor
 from .curves import SweepCurve, sweep_curves
 from .errors import SimInputError
-from .evaluate import Costs, evaluate
+from .evaluate import BREAKDOWN_KEYS, BREAKDOWN_LABELS, Costs, evaluate
 from .measured_cluster import simulate_measured_cluster
 from .memory import MemoryEstimate, fit_text
 from .opgraph import OpGraph, build_graph, iteration_graphs
@@ -72,6 +72,8 @@ from .verdict import (
 )
 
 __all__ = [
+    "BREAKDOWN_KEYS",
+    "BREAKDOWN_LABELS",
     "LOSSY_SYSTEMS",
     "MemoryEstimate",
     "PAYS_ABOVE",

@@ -403,8 +403,23 @@ def evaluate(graph: OpGraph, costs: Costs | None = None) -> Evaluation:
 
 # What an op's time is when it lies on the critical path (`critical_path`).
 BREAKDOWN_KEYS = ("compute", "exposed_allgather", "exposed_reduce_scatter", "codec_critical", "other")
+# Each part in words, as the console, the report's captions and its figures name it.
+BREAKDOWN_LABELS = {
+    "compute": "compute",
+    "exposed_allgather": "exposed all-gather",
+    "exposed_reduce_scatter": "exposed reduce-scatter",
+    "codec_critical": "codec",
+    "other": "other",
+}
 _GATHER_STREAMS = ("allgather", "allgather_intra")
 _CODEC_STREAMS = ("codec_send", "codec_recv", "ccp_send", "ccp_recv")
+
+
+def middle_index(iteration_s: list[float] | np.ndarray) -> int:
+    """Which of several iterations is the middle one: the median of an odd count, the upper of the two
+    middle ones of an even count. The iteration whose critical path stands for a run (measured or
+    predicted) in `ciera validate sim`."""
+    return int(np.argsort(np.asarray(iteration_s, dtype=float), kind="stable")[len(iteration_s) // 2])
 
 
 def critical_path(

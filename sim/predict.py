@@ -20,7 +20,7 @@ import traces
 from .ciera_rewrite import CodecFigures, ciera_graph, parameter_sizes
 from .depth import block_map, repeat_blocks
 from .errors import SimInputError
-from .evaluate import evaluate
+from .evaluate import critical_path, evaluate, middle_index
 from .opgraph import build_graph
 from .rewrite import ClusterSpec, compute_scale, rewrite_costs, traced_cluster, transport_scale
 
@@ -41,6 +41,9 @@ class Prediction:
     # traces.stream_summaries gives a measured run's) — to hold each part against the measured run's
     # (benchmarks/main_thread_split.py).
     main_thread_s: dict[str, float] = field(default_factory=dict)
+    # The critical path (`sim.evaluate.critical_path`, seconds per part) of the rewritten iteration in the
+    # middle (`middle_index`), the same attribution a measured run's replayed middle iteration gets.
+    critical_path_s: dict[str, float] = field(default_factory=dict)
 
 
 def parameter_ratio(
@@ -110,6 +113,7 @@ def predict_run(
     )
     events = seen.events[seen.events["run_id"] == anchor_id]
     times, simulated, notes = [], 0, []
+    evaluated = []  # (graph, evaluation) per iteration, for the middle one's critical path
     main_thread: dict[str, list[float]] = {}
     counts: dict[str, int] = {}
     sizes = parameter_sizes(seen, target_layers) if ciera_on is not None else {}
@@ -134,6 +138,7 @@ def predict_run(
         )
         result = evaluate(graph, costs)
         times.append(result.iteration_s)
+        evaluated.append((graph, result))
         simulated += result.events
         busy_s, ranks = result.end_s - result.start_s, len(np.unique(graph.rank))  # rank classes
         for stream in np.unique(graph.stream[graph.is_main]).tolist():
@@ -169,4 +174,5 @@ def predict_run(
         scale,
         work_scale,
         {stream: float(np.mean(values)) for stream, values in main_thread.items()},
+        critical_path(*evaluated[middle_index(times)]) if evaluated else {},
     )

@@ -10,7 +10,7 @@ import pandas as pd
 import traces
 
 from .errors import SimInputError
-from .evaluate import evaluate
+from .evaluate import critical_path, evaluate, middle_index
 from .opgraph import iteration_graphs
 
 
@@ -60,3 +60,19 @@ def replay_bundle(bundle: traces.TraceBundle) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
+
+
+def measured_critical_path(bundle: traces.TraceBundle, run_id: str) -> dict[str, float]:
+    """The critical path (`sim.evaluate.critical_path`, seconds per part) of `run_id`'s middle iteration
+    (`middle_index` of its measured times), replayed at its measured durations — replay is exact, so the
+    parts sum to that iteration's measured time. What a prediction's own parts are held against."""
+    events = bundle.events[bundle.events["run_id"] == run_id]
+    if events.empty:
+        raise SimInputError(f"bundle: run {run_id!r} has no events to replay (an analytic or statistics run)")
+    measured = bundle.iterations[bundle.iterations["run_id"] == run_id].set_index("iteration")["iteration_s"]
+    iterations = sorted(set(events["iteration"].tolist()) & set(measured.index.tolist()))
+    if not iterations:
+        raise SimInputError(f"bundle: run {run_id!r} has no iteration with both events and a measured time")
+    chosen = iterations[middle_index([float(measured[i]) for i in iterations])]
+    graph = iteration_graphs(events[events["iteration"] == chosen])[chosen]
+    return critical_path(graph, evaluate(graph))

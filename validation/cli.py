@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 import traces
-from sim import merged_notes
+from sim import BREAKDOWN_LABELS, merged_notes
 
 from .sim_check import ValidationInputError, default_held_out_path, load_held_out, validate_sim
 
@@ -161,6 +161,9 @@ def sim_command(
             f"during any of the {recorded} runs"
         )
     console.print(verdict_line(document["ciera_verdicts"]))
+    miss_line = path_miss_line(document)
+    if miss_line is not None:
+        console.print(miss_line)
     for line in over_max_lines(document, 2 * tolerance):
         console.print(line)
     per_category = []
@@ -207,9 +210,44 @@ def over_max_lines(document: dict, max_error: float) -> list[str]:
         )
         lines.append(
             f"over the max target ({max_error * 100:.0f} %): {row['system']} on {row['cluster']}, L = {row['layers']}, "
-            f"{row['error'] * 100:+.1f} % ({row['category']}); {floor}"
+            f"{row['error'] * 100:+.1f} % ({row['category']}); {floor}{path_text(row)}"
         )
     return lines
+
+
+def path_text(row: dict) -> str:
+    """A held-out run's critical path, measured → predicted per part (ms), where it has one."""
+    paths = row.get("critical_path_s")
+    if not paths:
+        return ""
+    measured, predicted = paths["measured"], paths["predicted"]
+    parts = [
+        f"{name} {measured.get(key, 0.0) * 1e3:.0f} → {predicted.get(key, 0.0) * 1e3:.0f}"
+        for key, name in BREAKDOWN_LABELS.items()
+        if measured.get(key, 0.0) >= 0.0005 or predicted.get(key, 0.0) >= 0.0005
+    ]
+    return "; its middle iteration's critical path, measured → predicted (ms): " + ", ".join(parts)
+
+
+def path_miss_line(document: dict) -> str | None:
+    """Which part of the iteration each category's predictions get wrong: the mean over its runs of
+    predicted − measured critical-path time per part, as a share of the measured iteration."""
+    by_category = document.get("held_out_path_miss_by_category") or {}
+    if not by_category:
+        return None
+    texts = []
+    for name, parts in by_category.items():
+        shown = [
+            f"{BREAKDOWN_LABELS.get(key, key)} {value * 100:+.1f} %"
+            for key, value in parts.items()
+            if abs(value) >= 0.0005
+        ]
+        texts.append(f"{name}: {', '.join(shown) if shown else 'every part within 0.05 %'}")
+    return (
+        "where the predictions miss (critical path of the middle iteration, predicted − measured per part over "
+        "the measured iteration, mean over each category's runs; parts of work that overlap trade places on "
+        "the path, the parts sum to the iteration; per run in the JSON): " + "; ".join(texts)
+    )
 
 
 def verdict_line(verdicts: list[dict]) -> str:

@@ -22,8 +22,9 @@ import pandas as pd
 import traces
 from sim.ciera_rewrite import PLAIN_ENGINE, CodecFigures, fit_system_figures
 from sim.errors import SimInputError
+from sim.evaluate import BREAKDOWN_KEYS
 from sim.predict import CieraOn, predict_run
-from sim.replay import replay_run
+from sim.replay import measured_critical_path, replay_run
 from sim.rewrite import measured_cluster
 
 SCHEMA = "ciera.validate.sim/1"
@@ -229,6 +230,31 @@ def split_runs(bundle: traces.TraceBundle, held_out: HeldOut) -> Split:
     )
 
 
+def path_miss(row: dict[str, Any]) -> dict[str, float] | None:
+    """Where one held-out prediction misses: per critical-path part (`sim.evaluate.critical_path`),
+    predicted minus measured seconds over the measured middle iteration (whose parts sum to it)."""
+    paths = row.get("critical_path_s")
+    if not paths:
+        return None
+    measured, predicted = paths["measured"], paths["predicted"]
+    total = sum(measured.values())
+    if total <= 0:
+        return None
+    return {part: (predicted.get(part, 0.0) - measured.get(part, 0.0)) / total for part in BREAKDOWN_KEYS}
+
+
+def path_miss_by_category(held_rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per category, the mean over its predicted runs of `path_miss`: which part of the iteration the
+    predictions of that kind of change get wrong, and in which direction (signed, so a part predicted
+    short in some runs and long in others averages out — the per-run values are in each row)."""
+    result: dict[str, dict[str, float]] = {}
+    for name in CATEGORIES:
+        misses = [miss for row in held_rows if row["category"] == name and (miss := path_miss(row))]
+        if misses:
+            result[name] = {part: float(np.mean([miss[part] for miss in misses])) for part in BREAKDOWN_KEYS}
+    return result
+
+
 def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float) -> dict[str, Any]:
     split = split_runs(bundle, held_out)
     seen, measured_runs, seen_runs, target_runs = (
@@ -252,6 +278,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
 
     figures = codec_figures(bundle, seen, held_out, seen_runs)
     predicted: dict[str, tuple[float | None, str]] = {}
+    paths: dict[str, dict[str, float]] = {}  # run → its prediction's critical path (middle iteration)
     anchors: dict[str, dict[str, Any]] = {}  # each anchor's in-sample calibration, as predictions used it
     simulated_events = 0
     for run in target_runs.itertuples():
@@ -269,6 +296,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
             ciera_on = CieraOn(figures[run.system], PLAIN_ENGINE[run.system], PLAIN_ENGINE[run.system])
         prediction = predict_run(seen, row, target_cluster, bundle.collectives, ciera_on)
         predicted[run.run_id] = (prediction.iteration_s, prediction.basis, prediction.notes)
+        paths[run.run_id] = prediction.critical_path_s
         simulated_events += prediction.events
         anchors[prediction.anchor_run] = {
             "anchor_run": prediction.anchor_run,
@@ -312,6 +340,9 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
             "measured_s": measured, "predicted_s": value,
             "error": None if value is None else value / measured - 1.0,
             "speedup_error": speedup_error, "basis": basis, "notes": list(notes),
+            "critical_path_s": None if value is None else {
+                "measured": measured_critical_path(bundle, run.run_id), "predicted": paths[run.run_id],
+            },
         })  # fmt: skip
     noise = measurement_noise(bundle, measured_runs)
     for row in held_rows:
@@ -332,6 +363,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
         if errors:
             by_category[name], max_by_category[name] = float(np.mean(errors)), float(np.max(errors))
         unpredicted[name] = sum(row["error"] is None for row in rows)
+    path_miss = path_miss_by_category(held_rows)
     calibration = []
     for cluster in sorted(set(measured_runs["cluster"])):
         run = measured_runs[measured_runs["cluster"] == cluster].iloc[0]
@@ -370,6 +402,7 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
         "held_out_mean_abs_error_by_category": by_category,
         "held_out_max_abs_error_by_category": max_by_category,
         "held_out_not_predicted_by_category": unpredicted,
+        "held_out_path_miss_by_category": path_miss,
         "simulated_events": simulated_events,
         "codec_figures": {
             system: None

@@ -30,6 +30,14 @@ from report.validation import (
 
 DATA = Path(__file__).parent / "data"
 SAMPLES = {kind: DATA / f"validate-{kind}.json" for kind in ("lossless", "divergence", "sim")}
+# A critical path's parts (sim.evaluate.critical_path), as `ciera validate sim` writes them per run.
+PATH = {
+    "compute": 1.0,
+    "exposed_allgather": 0.5,
+    "exposed_reduce_scatter": 0.2,
+    "codec_critical": 0.1,
+    "other": 0.0,
+}
 
 
 def _sample(kind: str) -> dict[str, Any]:
@@ -241,6 +249,15 @@ def test_without_validation_files_the_section_shows_the_shipped_sim_check(monkey
     assert over and "Over the max target" in text
     for row in over:
         assert f"L = {row['layers']}, {row['error'] * 100:+.1f} % — its own line misses it by" in text
+        # ... and its critical path, measured → predicted, part by part (what the console prints).
+        measured, predicted = (row["critical_path_s"][side] for side in ("measured", "predicted"))
+        assert (
+            f"exposed all-gather {measured['exposed_allgather'] * 1e3:.0f} → "
+            f"{predicted['exposed_allgather'] * 1e3:.0f}" in text
+        )
+    assert "Where the predictions miss: the critical path of the middle iteration" in text
+    for name in shipped["held_out_path_miss_by_category"]:
+        assert f"{name}: " in text.split("Where the predictions miss")[1]
     for command in (
         "ciera validate sim --bundle measured --held-out traces/data/measured.held-out.toml",
         "ciera validate lossless --engine zero3 --json lossless.json",
@@ -408,6 +425,18 @@ def _edit(document: dict[str, Any], path: list[Any], value: Any) -> dict[str, An
         ),
         (
             "sim",
+            ["held_out", 2, "critical_path_s"],
+            {"measured": dict(PATH, compute=-0.5), "predicted": PATH},
+            "field 'held_out[2].critical_path_s.measured.compute': -0.5, expected a finite number >= 0",
+        ),
+        (
+            "sim",
+            ["held_out_path_miss_by_category"],
+            {"system": dict(PATH, exposed_allgather="x")},
+            "field 'held_out_path_miss_by_category.system.exposed_allgather': 'x', expected a finite number",
+        ),
+        (
+            "sim",
             ["ciera_verdicts"],
             [
                 {
@@ -438,6 +467,8 @@ def _edit(document: dict[str, Any], path: list[Any], value: Any) -> dict[str, An
         "sim-noise",
         "sim-passed",
         "sim-own-line",
+        "sim-path-part",
+        "sim-path-miss",
         "sim-verdict",
     ],
 )

@@ -79,3 +79,28 @@ def test_parts_sum_to_the_iteration_and_no_part_is_below_what_removing_it_saves(
     no_compute = dataclasses.replace(costs, work_s=np.where(graph.stream == "compute", 0.0, costs.work_s))
     saving = result.iteration_s - evaluate(graph, no_compute).iteration_s
     assert saving <= parts["compute"] + 1e-9
+
+
+def test_the_middle_iteration_is_the_median_or_the_upper_of_the_two_middle_ones() -> None:
+    from sim.evaluate import middle_index
+
+    assert middle_index([3.0, 1.0, 2.0]) == 2
+    assert middle_index([4.0, 1.0, 3.0, 2.0]) == 2  # sorted 1, 2, 3, 4: the upper middle is 3.0
+    assert middle_index([5.0]) == 0
+
+
+def test_a_measured_runs_path_is_its_middle_iteration_replayed(shipped_measured_bundle) -> None:  # noqa: ANN001
+    """Replay is exact, so the measured parts sum to the middle iteration's measured time; a run without
+    events is one line."""
+    from sim.errors import SimInputError
+    from sim.replay import measured_critical_path
+
+    bundle = shipped_measured_bundle
+    run_id = "mixtral-8x7b-w32-ciera-L2-emulated-2x1-200mbit"
+    parts = measured_critical_path(bundle, run_id)
+    times = np.sort(bundle.iterations[bundle.iterations["run_id"] == run_id]["iteration_s"].to_numpy())
+    assert sum(parts.values()) == pytest.approx(times[len(times) // 2], rel=1e-9)
+    assert parts["codec_critical"] > 0 and parts["compute"] > 0
+    statistics_run = next(r for r in bundle.runs["run_id"] if r not in set(bundle.events["run_id"]))
+    with pytest.raises(SimInputError, match="has no events to replay"):
+        measured_critical_path(bundle, statistics_run)

@@ -338,3 +338,72 @@ def test_a_run_over_the_max_target_is_named_with_its_own_miss_without_a_model() 
     assert len(lines) == 2
     assert "L = 4, -10.6 % (system)" in lines[0] and "misses it by 7.7 % with no model involved" in lines[0]
     assert "L = 2, +9.0 %" in lines[1] and "fewer than three depths" in lines[1]
+
+
+def test_each_held_out_run_holds_its_measured_and_predicted_critical_paths(
+    small_document: dict, bundle: traces.TraceBundle
+) -> None:
+    """The one attribution (`sim.evaluate.critical_path`) on both sides: the measured parts are the
+    replayed middle iteration's, so they sum to that iteration's measured time; the predicted parts sum to
+    one of the prediction's iterations, within the spread of its median; the category summary is the mean of
+    each run's signed miss per part."""
+    from sim.evaluate import BREAKDOWN_KEYS
+    from validation.sim_check import path_miss
+
+    iterations = bundle.iterations
+    for row in small_document["held_out"]:
+        paths = row["critical_path_s"]
+        assert set(paths["measured"]) == set(paths["predicted"]) == set(BREAKDOWN_KEYS), row["run_id"]
+        assert all(v >= 0 for side in paths.values() for v in side.values())
+        times = iterations[iterations["run_id"] == row["run_id"]]["iteration_s"].sort_values().to_numpy()
+        middle = times[len(times) // 2]
+        assert sum(paths["measured"].values()) == pytest.approx(middle, rel=1e-6), row["run_id"]
+        assert sum(paths["predicted"].values()) == pytest.approx(row["predicted_s"], rel=0.1), row["run_id"]
+        if row["system"] in ("ciera", "ciera-fsdp"):
+            assert paths["predicted"]["codec_critical"] > 0  # the rewrite's codec ops lie on the path
+    for name, parts in small_document["held_out_path_miss_by_category"].items():
+        rows = [path_miss(r) for r in small_document["held_out"] if r["category"] == name]
+        for part, value in parts.items():
+            assert value == pytest.approx(np.mean([miss[part] for miss in rows]))
+    # The signed misses of one run sum to its middle iterations' difference over the measured one.
+    row = small_document["held_out"][0]
+    miss = path_miss(row)
+    measured = sum(row["critical_path_s"]["measured"].values())
+    assert sum(miss.values()) == pytest.approx(
+        sum(row["critical_path_s"]["predicted"].values()) / measured - 1
+    )
+
+
+def test_the_console_names_where_the_predictions_miss() -> None:
+    from validation.cli import over_max_lines, path_miss_line
+
+    parts = {"compute": 2.281, "exposed_allgather": 0.983, "exposed_reduce_scatter": 1.265,
+             "codec_critical": 0.147, "other": 0.023}  # fmt: skip
+    predicted = {**parts, "exposed_allgather": 0.616, "codec_critical": 0.214}
+    row = {"system": "ciera", "cluster": "c", "layers": 8, "category": "system", "error": -0.092,
+           "own_depth_line_miss": 0.006, "critical_path_s": {"measured": parts, "predicted": predicted}}  # fmt: skip
+    document = {
+        "held_out": [row, {**row, "layers": 2, "error": 0.09, "critical_path_s": None}],
+        "held_out_path_miss_by_category": {
+            "system": {
+                "compute": 0.0,
+                "exposed_allgather": -0.078,
+                "exposed_reduce_scatter": 0.0,
+                "codec_critical": 0.014,
+                "other": 0.0,
+            },  # fmt: skip
+        },
+    }
+    lines = over_max_lines(document, 0.08)
+    assert (
+        "critical path, measured → predicted (ms): compute 2281 → 2281, exposed all-gather 983 → 616"
+        in lines[0]
+    )
+    assert "codec 147 → 214" in lines[0]
+    assert "critical path" not in lines[1]  # a run with no path says nothing of one
+    line = path_miss_line(document)
+    assert (
+        "system: exposed all-gather -7.8 %, codec +1.4 %" in line
+        and "compute" not in line.split("system:")[1]
+    )
+    assert path_miss_line({"held_out_path_miss_by_category": {}}) is None

@@ -76,6 +76,29 @@ class CodecFigures:
     # plain run's own gather path by it and glue_s_per_gather is only the lag's difference (see the fit).
     # None: not recorded (glue by difference).
     gather_host_s_per_call: float | None = None
+    world_sizes: tuple[int, ...] = ()  # the codec runs' W
+    shards_per_call: int = 1  # the median over the codec runs' calls
+
+    def decode_sources_note(self, world_size: int, shards: int | None = None) -> str | None:
+        """What the rewrite assumes of decode at a W its codec runs did not have (None at theirs, or when
+        they span several). At one W, (W − 1) is a constant: the fit cannot tell a cost per shard and
+        source from one per shard, so how decode's fixed part grows with the sources is the form's
+        assumption (per shard and source, as the runtime rebuilds each source's part of each shard), not
+        a measurement; the bytes received grow with (W − 1)/W either way."""
+        if len(self.world_sizes) != 1 or world_size in self.world_sizes:
+            return None
+        (fitted_world,) = self.world_sizes
+        shards = self.shards_per_call if shards is None else shards
+        per_call, per_item, _ = self.decode_s
+        fitted = per_call + per_item * shards * (fitted_world - 1)  # what the runs measured, at their W
+        growing = fitted * (world_size - 1) / max(fitted_world - 1, 1)
+        used = per_call + per_item * shards * (world_size - 1)
+        return (
+            f"decode at W = {world_size}, fitted at W = {fitted_world} only: how its fixed part grows with the "
+            f"sources is assumed, not measured — a {shards}-shard call's (the codec runs' median) is {fitted * 1e6:.0f} µs at W = "
+            f"{fitted_world}, at W = {world_size} {fitted * 1e6:.0f} µs if it does not grow and "
+            f"{growing * 1e6:.0f} µs if all of it does; the rewrite counts {used * 1e6:.0f} µs (the fit's split)"
+        )
 
     @property
     def changed_exponent_bits(self) -> float:
@@ -158,11 +181,14 @@ def fit_codec_figures(
     engine's run of the same configuration (the glue is measured against its main-thread time);
     `parameters` gives each run's parameter sizes per layer (`parameter_sizes`)."""
     encode_rows, decode_rows, wire_rows, glue, lag_glue, gather_host = [], [], [], [], [], []
+    world_sizes: set[int] = set()
+    decode_worlds: list[np.ndarray] = []  # each decode row's W
     plain_paths: list[bool] = []  # per plain twin: whether it records the engine's gather path
     first_calls, overflows, overflow_s = 0, 0, []
     for run_id in codec_runs:
         run = bundle.runs[bundle.runs["run_id"] == run_id].iloc[0]
         world, engine = int(run["world_size"]), PLAIN_ENGINE[str(run["system"])]
+        world_sizes.add(world)
         layout = ParameterLayout(parameters[run_id])
         events = bundle.events[bundle.events["run_id"] == run_id]
         events = events.assign(work_s=main_thread_work_s(bundle, run))
@@ -183,6 +209,7 @@ def fit_codec_figures(
                                                 encodes["work_s"].to_numpy()]))  # fmt: skip
             decode_rows.append(np.column_stack([np.ones_like(raw), shards * (world - 1), raw * (world - 1) / world,
                                                 decodes["work_s"].to_numpy()]))  # fmt: skip
+            decode_worlds.append(np.full(len(raw), world))
             wire_rows.append(np.column_stack([raw * first, raw * ~first, world * shards,
                                               rows["wire_bytes"].to_numpy(dtype=float)]))  # fmt: skip
             first_calls += int(first.sum())
@@ -208,6 +235,7 @@ def fit_codec_figures(
     if not encode_rows:
         raise SimInputError("codec runs: no CIERA gathers to fit the codec figures to")
     encode, decode, wire = (np.vstack(rows) for rows in (encode_rows, decode_rows, wire_rows))
+    decode_world = np.concatenate(decode_worlds)
     dtype = str(bundle.runs[bundle.runs["run_id"] == codec_runs[0]].iloc[0]["dtype"])
     # Every payload carries the whole sign+mantissa plane: the ratios are fitted as what lies above that
     # floor, so the fit cannot trade a ratio below the format's minimum for a larger per-shard overhead.
@@ -218,6 +246,7 @@ def fit_codec_figures(
     first_ratio, repeat_ratio = floor + first_excess, floor + repeat_excess
     # Every codec run records the engine's gather path, or the glue is read by difference (older bundles).
     measured_path = len(gather_host) == len(codec_runs) and all(plain_paths)
+
     return CodecFigures(
         encode_s=tuple(_nonnegative_fit([encode[:, k] for k in range(3)], encode[:, 3])),
         decode_s=tuple(_nonnegative_fit([decode[:, k] for k in range(3)], decode[:, 3])),
@@ -232,6 +261,8 @@ def fit_codec_figures(
         overflow_rate=overflows / max(first_calls, 1),
         overflow_s=float(np.median(overflow_s)) if overflow_s else 0.0,
         runs=tuple(codec_runs),
+        world_sizes=tuple(sorted(world_sizes)),
+        shards_per_call=max(int(round(float(np.median(decode[:, 1] / np.maximum(decode_world - 1, 1))))), 1),
     )
 
 

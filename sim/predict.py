@@ -163,6 +163,9 @@ def predict_run(
         if counts.get("calls_not_decoded"):
             notes = [*notes, f"{counts['calls_not_decoded'] // max(len(times), 1)} CIERA calls per iteration have no "
                      "op after them that uses them; their decode is left out"]  # fmt: skip
+        split_note = ciera_on.figures.decode_sources_note(target_cluster.world_size)
+        if split_note is not None:
+            notes = [*notes, f"{target['system']}: {split_note}"]
         if counts.get("overflow_rounds"):
             basis += f", {counts['overflow_rounds'] // max(len(times), 1)} overflow rounds per iteration"
     return Prediction(

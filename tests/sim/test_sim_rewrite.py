@@ -465,6 +465,34 @@ def test_ciera_written_in_for_a_larger_world_costs_its_calls_at_that_world(
     assert decode(larger) == pytest.approx(expected[8], rel=1e-6)
 
 
+@pytest.mark.parametrize("system", ["ciera", "ciera-fsdp"])
+def test_decode_at_a_world_size_the_codec_runs_lack_says_its_growth_is_assumed(
+    measured: traces.TraceBundle, system: str
+) -> None:
+    """At one W, (W − 1) is a constant: the fit cannot tell decode's cost per shard and source from one
+    per shard. At another W the note gives the fixed part of a median call both ways and the fit's; at the
+    codec runs' own W, or with runs at several, nothing is said."""
+    figures, codec, _ = _codec_fit(measured, system)
+    assert figures.world_sizes == (int(codec.world_size),) == (2,)
+    assert figures.shards_per_call >= 1
+    assert figures.decode_sources_note(2) is None
+    assert dataclasses.replace(figures, world_sizes=(2, 4)).decode_sources_note(8) is None
+    d, e, _ = figures.decode_s
+    n = figures.shards_per_call
+    note = figures.decode_sources_note(4)
+    fitted, used = d + e * n, d + e * n * 3
+    assert note.startswith("decode at W = 4, fitted at W = 2 only: how its fixed part grows")
+    assert f"a {n}-shard call's (the codec runs' median) is {fitted * 1e6:.0f} µs at W = 2" in note
+    assert f"{fitted * 1e6:.0f} µs if it does not grow and {fitted * 3e6:.0f} µs if all of it does" in note
+    assert f"the rewrite counts {used * 1e6:.0f} µs" in note
+    one = dataclasses.replace(figures, decode_s=(1e-4, 2e-5, 1e-9), shards_per_call=3)
+    assert (
+        "a 3-shard call's (the codec runs' median) is 160 µs at W = 2, at W = 3 160 µs if it does not grow"
+        in (one.decode_sources_note(3))
+    )
+    assert "320 µs if all of it does; the rewrite counts 220 µs" in one.decode_sources_note(3)
+
+
 def test_a_codec_run_of_another_protocol_is_one_line_not_a_wrong_fit(measured: traces.TraceBundle) -> None:
     codec = _run(measured, "ciera", 2, CLUSTER)
     events = measured.events

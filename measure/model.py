@@ -144,6 +144,16 @@ class MoE(nn.Module):
         else:  # sigmoid of the chosen logits (Llama 4; here too the weights scale the expert outputs)
             top_logits, chosen = logits.topk(k, dim=-1)
             weights = top_logits.sigmoid()
+        # The shared expert runs before the routed ones: run after them, an ungated one had its
+        # down-projection re-partitioned by DeepSpeed ZeRO-3 before autograd accumulated that weight's
+        # gradient, and the first backward failed (DeepSeek-MoE, Llama 4). Its output is still added last,
+        # so the forward values and the parameter gradients are as before; the input's gradient sums its
+        # parts in another order (last-bit differences from runs before 2026-12-06).
+        shared = None
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = shared * self.shared_expert_gate(flat).sigmoid()
         slots = chosen.reshape(-1)  # (tokens·k,): slot t·k + j holds token t's j-th expert
         order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots, minlength=self.num_experts)
@@ -157,10 +167,7 @@ class MoE(nn.Module):
         inverse[order] = torch.arange(order.numel(), device=order.device)
         per_slot = torch.cat(outputs).index_select(0, inverse).view(tokens, k, h)
         out = (per_slot * weights.to(x.dtype).unsqueeze(-1)).sum(dim=1)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(flat)
-            if self.shared_expert_gate is not None:
-                shared = shared * self.shared_expert_gate(flat).sigmoid()
+        if shared is not None:
             out = out + shared
         fraction = counts.float() / (tokens * k)
         balance = self.num_experts * (fraction * probs.mean(dim=0)).sum()

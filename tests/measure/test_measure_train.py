@@ -164,3 +164,18 @@ def test_a_hung_run_prints_each_live_ranks_stack_before_it_is_stopped(capfd) -> 
     assert message == "no progress for 360 s; the Python stacks of ranks [0] are printed above"
     assert "in hung_rank" in capfd.readouterr().err
     assert _no_progress([hung], 360.0) == "no progress for 360 s"  # nobody left to ask
+
+
+@pytest.mark.parametrize("model", ["deepseek-moe-16b", "llama-4-scout-17b-16e"])
+def test_plain_zero3_trains_models_with_an_ungated_shared_expert(model: str) -> None:
+    """DeepSpeed ZeRO-3 re-partitioned an ungated shared expert's down-projection before autograd had
+    accumulated its gradient when the expert ran after the routed ones (`RuntimeError: The size of tensor
+    a (0) must match the size of tensor b (...)` in the first backward); it runs first now. Plain and with
+    CIERA, bit-identical."""
+    config = dataclasses.replace(
+        TINY, model=model, layers=2, width_scale=32, steps=2, engine="zero3", ciera=False
+    )
+    plain = train(config)
+    with_ciera = train(dataclasses.replace(config, ciera=True))
+    assert len(_losses(plain)) == 2 and _losses(plain) == _losses(with_ciera)
+    assert plain["parameter_digest"] == with_ciera["parameter_digest"]

@@ -18,6 +18,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
+# Set to 1 and a failing rank also prints its traceback to its stderr (the launcher still reports one
+# line): for a failure inside an engine, where the line alone does not say where it came from.
+TRACEBACK_ENV = "CIERA_TRACEBACK"
+
+
+def failure_text(error: BaseException, environ: Mapping[str, str] = os.environ) -> str:
+    """A rank's failure as the one line its launcher reports (`Type: first line of the message`); with
+    CIERA_TRACEBACK=1 the traceback of the exception being handled goes to stderr first."""
+    if environ.get(TRACEBACK_ENV) == "1":
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+    message = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {message}"
+
 
 def _progress_writer(out_dir: Path):
     path = out_dir / "progress.jsonl"
@@ -65,8 +81,7 @@ def main(argv: list[str]) -> int:
         else:
             raise ValueError(f"job kind {job['kind']!r}: expected layers, collectives or exponents")
     except Exception as error:  # noqa: BLE001 — one line for the launcher, which stops every rank
-        message = str(error).splitlines()[0] if str(error) else ""
-        print(f"rank {rank}: {type(error).__name__}: {message}", file=sys.stderr, flush=True)
+        print(f"rank {rank}: {failure_text(error)}", file=sys.stderr, flush=True)
         return 1
     finally:
         if dist.is_initialized():

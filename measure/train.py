@@ -734,9 +734,9 @@ def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig, queue
         )
         queue.put(("done", rank, dataclasses.asdict(result)))
     except Exception as error:  # noqa: BLE001 — one line to the parent, which stops every rank
-        queue.put(
-            ("error", rank, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-        )
+        from .rank import failure_text
+
+        queue.put(("error", rank, failure_text(error)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import traces
-from sim import BREAKDOWN_LABELS
+from sim import path_change_text, path_shares_text
 from traces import NAMED_BUNDLES, TraceBundle
 
 from .figures import (
@@ -848,13 +848,7 @@ def _path_parts_text(paths: dict | None) -> str:
     nothing)."""
     if not paths:
         return ""
-    measured, predicted = paths["measured"], paths["predicted"]
-    parts = ", ".join(
-        f"{label} {measured[key] * 1e3:.0f} → {predicted[key] * 1e3:.0f}"
-        for key, label in BREAKDOWN_LABELS.items()
-        if measured[key] >= 0.0005 or predicted[key] >= 0.0005
-    )
-    return f"; critical path, measured → predicted (ms): {parts}"
+    return f"; critical path, measured → predicted (ms): {path_change_text(paths['measured'], paths['predicted'])}"
 
 
 def _path_miss_caption(by_category: dict | None) -> str:
@@ -863,13 +857,7 @@ def _path_miss_caption(by_category: dict | None) -> str:
     if not by_category:
         return ""
     texts = "; ".join(
-        f"{html.escape(name)}: "
-        + ", ".join(
-            f"{BREAKDOWN_LABELS[key]} {value * 100:+.1f} %"
-            for key, value in parts.items()
-            if abs(value) >= 0.0005
-        )
-        for name, parts in by_category.items()
+        f"{html.escape(name)}: {path_shares_text(parts)}" for name, parts in by_category.items()
     )
     return (
         '<p class="caption">Where the predictions miss: the critical path of the middle iteration, predicted − '

@@ -22,6 +22,7 @@ from typing import Any
 
 from rich.table import Table
 
+from .evaluate import BREAKDOWN_LABELS
 from .memory import fit_text
 
 PAYS_ABOVE = 1.01
@@ -354,3 +355,27 @@ def merged_notes(notes: Iterable[str]) -> list[str]:
         else:
             lines.append(key[1])
     return lines
+
+
+# A critical-path part shorter than this (seconds, or share of an iteration) is left out of the texts.
+PATH_PART_SHOWN = 0.0005
+
+
+def path_change_text(measured: dict[str, float], predicted: dict[str, float]) -> str:
+    """A run's critical path part by part, measured → predicted in ms (`sim.evaluate.critical_path`'s
+    parts): what `ciera validate sim` prints and the report shows for a run over the max target."""
+    return ", ".join(
+        f"{label} {measured[key] * 1e3:.0f} → {predicted[key] * 1e3:.0f}"
+        for key, label in BREAKDOWN_LABELS.items()
+        if measured[key] >= PATH_PART_SHOWN or predicted[key] >= PATH_PART_SHOWN
+    )
+
+
+def path_shares_text(shares: dict[str, float]) -> str:
+    """Signed shares of an iteration per critical-path part (e.g. "exposed all-gather -2.4 %"); parts
+    within PATH_PART_SHOWN are left out ("" when all are)."""
+    return ", ".join(
+        f"{BREAKDOWN_LABELS[key]} {value * 100:+.1f} %"
+        for key, value in shares.items()
+        if abs(value) >= PATH_PART_SHOWN
+    )

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 import traces
-from sim import BREAKDOWN_LABELS, merged_notes
+from sim import merged_notes, path_change_text, path_shares_text
 
 from .sim_check import ValidationInputError, default_held_out_path, load_held_out, validate_sim
 
@@ -220,13 +220,9 @@ def path_text(row: dict) -> str:
     paths = row.get("critical_path_s")
     if not paths:
         return ""
-    measured, predicted = paths["measured"], paths["predicted"]
-    parts = [
-        f"{name} {measured.get(key, 0.0) * 1e3:.0f} → {predicted.get(key, 0.0) * 1e3:.0f}"
-        for key, name in BREAKDOWN_LABELS.items()
-        if measured.get(key, 0.0) >= 0.0005 or predicted.get(key, 0.0) >= 0.0005
-    ]
-    return "; its middle iteration's critical path, measured → predicted (ms): " + ", ".join(parts)
+    return "; its middle iteration's critical path, measured → predicted (ms): " + path_change_text(
+        paths["measured"], paths["predicted"]
+    )
 
 
 def path_miss_line(document: dict) -> str | None:
@@ -235,14 +231,10 @@ def path_miss_line(document: dict) -> str | None:
     by_category = document.get("held_out_path_miss_by_category") or {}
     if not by_category:
         return None
-    texts = []
-    for name, parts in by_category.items():
-        shown = [
-            f"{BREAKDOWN_LABELS.get(key, key)} {value * 100:+.1f} %"
-            for key, value in parts.items()
-            if abs(value) >= 0.0005
-        ]
-        texts.append(f"{name}: {', '.join(shown) if shown else 'every part within 0.05 %'}")
+    texts = [
+        f"{name}: {path_shares_text(parts) or 'every part within 0.05 %'}"
+        for name, parts in by_category.items()
+    ]
     return (
         "where the predictions miss (critical path of the middle iteration, predicted − measured per part over "
         "the measured iteration, mean over each category's runs; parts of work that overlap trade places on "

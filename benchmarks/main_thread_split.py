@@ -96,7 +96,9 @@ def _not_measured(*_args, **_kwargs) -> None:
 
 def main() -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bundle", default="measured", help="measured, measured-olmoe or a bundle directory")
+    parser.add_argument(
+        "--bundle", default="measured", help="measured, measured-olmoe, measured-w16 or a bundle directory"
+    )
     parser.add_argument("--held-out", type=Path, help="default: the file shipped beside a shipped bundle")
     parser.add_argument("--systems", default="zero3,fsdp", help="plain systems to show (comma-separated)")
     parser.add_argument(

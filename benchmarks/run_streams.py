@@ -56,7 +56,9 @@ def summarise(bundle_name: str, runs_containing: str = "") -> dict:
 
 def main() -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bundle", required=True, help="a bundle directory, or measured / measured-olmoe")
+    parser.add_argument(
+        "--bundle", required=True, help="a bundle directory, or measured / measured-olmoe / measured-w16"
+    )
     parser.add_argument("--runs", default="", help="only runs whose id contains this")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -36,17 +36,26 @@ def measured_olmoe_bundle_path() -> Path:
     return Path(__file__).parent / "data" / "measured-olmoe"
 
 
+def measured_w16_bundle_path() -> Path:
+    """The measured bundle's model at 1/16 width (four times the bytes per engine call): the same clusters,
+    systems and capture command at depths 2, 4, 6 — where ZeRO-3 + CIERA's per-call cost is smaller
+    against what its bytes save (README, "Measured")."""
+    return Path(__file__).parent / "data" / "measured-w16"
+
+
 # Bundles the CLI knows by name (`--bundle measured`); anything else is a directory path.
 NAMED_BUNDLES = {
     "analytic": default_bundle_path,
     "default": default_bundle_path,
     "measured": measured_bundle_path,
     "measured-olmoe": measured_olmoe_bundle_path,
+    "measured-w16": measured_w16_bundle_path,
 }
 
 
 def resolve_bundle(name_or_path: str | os.PathLike[str]) -> Path:
-    """`analytic` / `default` / `measured` / `measured-olmoe`: the shipped bundles; else the path as given."""
+    """`analytic` / `default` / `measured` / `measured-olmoe` / `measured-w16`: the shipped bundles; else the
+    path as given."""
     text = os.fspath(name_or_path)
     if text in NAMED_BUNDLES:
         path = NAMED_BUNDLES[text]()

@@ -30,7 +30,10 @@ def _out() -> Console:
 @app.command("sim")
 def sim_command(
     bundle: Annotated[
-        str, typer.Option("--bundle", help="Measured bundle: a directory, `measured` or `measured-olmoe`.")
+        str,
+        typer.Option(
+            "--bundle", help="Measured bundle: a directory, `measured`, `measured-olmoe` or `measured-w16`."
+        ),
     ] = "measured",
     held_out: Annotated[
         Path | None,
@@ -57,7 +60,7 @@ def sim_command(
         if held_out is None:
             raise ValidationInputError(
                 f"--bundle {bundle}: --held-out FILE is required for a bundle other than the shipped "
-                "`measured` and `measured-olmoe`"
+                "`measured`, `measured-olmoe` and `measured-w16`"
             )
     held = load_held_out(held_out)
     loaded = traces.read_bundle(traces.resolve_bundle(bundle))

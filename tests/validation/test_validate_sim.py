@@ -310,6 +310,51 @@ def test_the_second_bundle_is_checked_with_its_own_held_out_file_and_replays_exa
     assert document["passed"] == (done.returncode == 0)
 
 
+@pytest.mark.slow  # ~30 s on 2 cores: run on purpose with -m slow
+def test_the_wider_bundle_is_checked_with_its_own_held_out_file_and_gets_every_ciera_verdict_right(
+    tmp_path: Path,
+) -> None:
+    """`ciera validate sim --bundle measured-w16`: the measured bundle's model at 1/16 width, its held-out
+    file (fixed before its capture) found beside it; every seen run replays exactly, every held-out run is
+    predicted and categorised, and turning CIERA on is predicted on the measured side of its plain engine in
+    every pair. Its errors are what README and docs/validation.md state; they fail the targets."""
+    out = tmp_path / "w16.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "ciera_cli.main", "validate", "sim", "--bundle", "measured-w16",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr
+    document = json.loads(out.read_text())
+    assert document["held_out_file"].endswith("measured-w16.held-out.toml")
+    assert document["replay_max_abs_error"] <= 1e-6
+    assert set(document["held_out_mean_abs_error_by_category"]) == {"depth", "link", "topology", "system"}
+    assert all(row["predicted_s"] is not None for row in document["held_out"])
+    verdicts = document["ciera_verdicts"]
+    assert len(verdicts) == 22 and document["ciera_verdicts_on_the_measured_side"] == len(verdicts)
+
+
+def test_in_the_wider_bundle_zero3_with_ciera_beats_zero3_on_every_200mbit_run() -> None:
+    """What the README states of `measured-w16`: ZeRO-3 + CIERA's median iteration is shorter than plain
+    ZeRO-3's on every 200 Mbit cluster and depth, sending at most 52 % of its all-gather bytes."""
+    bundle = traces.read_bundle(traces.resolve_bundle("measured-w16"))
+    median_s = bundle.iterations.groupby("run_id")["iteration_s"].median()
+    runs = bundle.runs[bundle.runs["run_id"].isin(median_s.index)].set_index(
+        "run_id"
+    )  # not the statistics run
+    gathers = bundle.events[bundle.events["stream"] == "allgather"].groupby("run_id")
+    wire_ratio = gathers["wire_bytes"].sum() / gathers["raw_bytes"].sum()
+    pairs = 0
+    for (cluster, layers), group in runs.groupby(["cluster", "layers"]):
+        if not cluster.endswith("200mbit"):
+            continue
+        by_system = {system: run_id for run_id, system in group["system"].items()}
+        assert median_s[by_system["ciera"]] < median_s[by_system["zero3"]], (cluster, layers)
+        assert wire_ratio[by_system["ciera"]] <= 0.52
+        pairs += 1
+    assert pairs == 9  # 2 x 1, 2 x 2 and 3 x 1 at depths 2, 4, 6
+
+
 def test_codec_runs_of_two_block_sizes_are_refused_in_one_line(bundle: traces.TraceBundle) -> None:
     # The rewrite's change rate is the exponent statistics' at the codec runs' block size: two sizes
     # for one system have no one rate to give it.

@@ -295,19 +295,25 @@ def test_the_second_bundle_is_checked_with_its_own_held_out_file_and_replays_exa
     """`ciera validate sim --bundle measured-olmoe`: another zoo model on another link, its held-out file
     (fixed before its capture) found beside it; every seen run replays exactly and every held-out run is
     predicted and categorised. Its errors are what docs/validation.md states; they fail the targets."""
-    out = tmp_path / "olmoe.json"
+    document = _validate_shipped_bundle("measured-olmoe", tmp_path)
+    assert set(document["held_out_mean_abs_error_by_category"]) == {"depth", "topology", "system"}
+
+
+def _validate_shipped_bundle(name: str, tmp_path: Path) -> dict:
+    """`ciera validate sim --bundle NAME` as a user runs it: its held-out file found beside the bundle,
+    every seen run replayed exactly, every held-out run predicted; the exit code says whether it passed."""
+    out = tmp_path / f"{name}.json"
     done = subprocess.run(
-        [sys.executable, "-m", "ciera_cli.main", "validate", "sim", "--bundle", "measured-olmoe",
-         "--json", str(out)],
+        [sys.executable, "-m", "ciera_cli.main", "validate", "sim", "--bundle", name, "--json", str(out)],
         capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert done.returncode in (0, 1), done.stderr
     document = json.loads(out.read_text())
-    assert document["held_out_file"].endswith("measured-olmoe.held-out.toml")
+    assert document["held_out_file"].endswith(f"{name}.held-out.toml")
     assert document["replay_max_abs_error"] <= 1e-6
-    assert set(document["held_out_mean_abs_error_by_category"]) == {"depth", "topology", "system"}
     assert all(row["predicted_s"] is not None for row in document["held_out"])
     assert document["passed"] == (done.returncode == 0)
+    return document
 
 
 @pytest.mark.slow  # ~30 s on 2 cores: run on purpose with -m slow
@@ -318,18 +324,8 @@ def test_the_wider_bundle_is_checked_with_its_own_held_out_file_and_gets_every_c
     file (fixed before its capture) found beside it; every seen run replays exactly, every held-out run is
     predicted and categorised, and turning CIERA on is predicted on the measured side of its plain engine in
     every pair. Its errors are what README and docs/validation.md state; they fail the targets."""
-    out = tmp_path / "w16.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "ciera_cli.main", "validate", "sim", "--bundle", "measured-w16",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
-    assert done.returncode in (0, 1), done.stderr
-    document = json.loads(out.read_text())
-    assert document["held_out_file"].endswith("measured-w16.held-out.toml")
-    assert document["replay_max_abs_error"] <= 1e-6
+    document = _validate_shipped_bundle("measured-w16", tmp_path)
     assert set(document["held_out_mean_abs_error_by_category"]) == {"depth", "link", "topology", "system"}
-    assert all(row["predicted_s"] is not None for row in document["held_out"])
     verdicts = document["ciera_verdicts"]
     assert len(verdicts) == 22 and document["ciera_verdicts_on_the_measured_side"] == len(verdicts)
 

@@ -95,9 +95,13 @@ def _not_measured(*_args, **_kwargs) -> None:
 
 
 def main() -> None:
+    import traces
+
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--bundle", default="measured", help="measured, measured-olmoe, measured-w16 or a bundle directory"
+        "--bundle",
+        default="measured",
+        help=f"{', '.join(traces.MEASURED_BUNDLE_NAMES)} or a bundle directory",
     )
     parser.add_argument("--held-out", type=Path, help="default: the file shipped beside a shipped bundle")
     parser.add_argument("--systems", default="zero3,fsdp", help="plain systems to show (comma-separated)")
@@ -108,7 +112,6 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    import traces
     from sim import SimInputError
     from validation.sim_check import ValidationInputError
 

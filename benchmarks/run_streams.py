@@ -55,14 +55,17 @@ def summarise(bundle_name: str, runs_containing: str = "") -> dict:
 
 
 def main() -> None:
+    import traces
+
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--bundle", required=True, help="a bundle directory, or measured / measured-olmoe / measured-w16"
+        "--bundle",
+        required=True,
+        help=f"a bundle directory, or one of {', '.join(traces.MEASURED_BUNDLE_NAMES)}",
     )
     parser.add_argument("--runs", default="", help="only runs whose id contains this")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    import traces
 
     try:
         result = summarise(args.bundle, args.runs)

@@ -39,7 +39,7 @@ def measured_olmoe_bundle_path() -> Path:
 def measured_w16_bundle_path() -> Path:
     """The measured bundle's model at 1/16 width (four times the bytes per engine call): the same clusters,
     systems and capture command at depths 2, 4, 6 — where ZeRO-3 + CIERA's per-call cost is smaller
-    against what its bytes save (README, "Measured")."""
+    against what its bytes save (README, "At 1/16 width")."""
     return Path(__file__).parent / "data" / "measured-w16"
 
 
@@ -51,11 +51,12 @@ NAMED_BUNDLES = {
     "measured-olmoe": measured_olmoe_bundle_path,
     "measured-w16": measured_w16_bundle_path,
 }
+# The shipped bundles of measured runs (what `ciera validate sim` and the benchmarks take by name).
+MEASURED_BUNDLE_NAMES = tuple(name for name in NAMED_BUNDLES if name.startswith("measured"))
 
 
 def resolve_bundle(name_or_path: str | os.PathLike[str]) -> Path:
-    """`analytic` / `default` / `measured` / `measured-olmoe` / `measured-w16`: the shipped bundles; else the
-    path as given."""
+    """A name of NAMED_BUNDLES: that shipped bundle; else the path as given."""
     text = os.fspath(name_or_path)
     if text in NAMED_BUNDLES:
         path = NAMED_BUNDLES[text]()
@@ -81,6 +82,9 @@ __all__ = [
     "default_bundle_path",
     "measured_bundle_path",
     "measured_olmoe_bundle_path",
+    "measured_w16_bundle_path",
+    "MEASURED_BUNDLE_NAMES",
+    "NAMED_BUNDLES",
     "resolve_bundle",
     "derive_layer_tables",
     "run_summaries",

@@ -32,7 +32,8 @@ def sim_command(
     bundle: Annotated[
         str,
         typer.Option(
-            "--bundle", help="Measured bundle: a directory, `measured`, `measured-olmoe` or `measured-w16`."
+            "--bundle",
+            help=f"Measured bundle: a directory or one of {', '.join(traces.MEASURED_BUNDLE_NAMES)}.",
         ),
     ] = "measured",
     held_out: Annotated[
@@ -60,7 +61,7 @@ def sim_command(
         if held_out is None:
             raise ValidationInputError(
                 f"--bundle {bundle}: --held-out FILE is required for a bundle other than the shipped "
-                "`measured`, `measured-olmoe` and `measured-w16`"
+                f"{', '.join(traces.MEASURED_BUNDLE_NAMES)}"
             )
     held = load_held_out(held_out)
     loaded = traces.read_bundle(traces.resolve_bundle(bundle))

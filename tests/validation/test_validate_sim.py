@@ -335,9 +335,8 @@ def test_in_the_wider_bundle_zero3_with_ciera_beats_zero3_on_every_200mbit_run()
     ZeRO-3's on every 200 Mbit cluster and depth, sending at most 52 % of its all-gather bytes."""
     bundle = traces.read_bundle(traces.resolve_bundle("measured-w16"))
     median_s = bundle.iterations.groupby("run_id")["iteration_s"].median()
-    runs = bundle.runs[bundle.runs["run_id"].isin(median_s.index)].set_index(
-        "run_id"
-    )  # not the statistics run
+    timed = bundle.runs["run_id"].isin(median_s.index)  # not the exponent-statistics run
+    runs = bundle.runs[timed].set_index("run_id")
     gathers = bundle.events[bundle.events["stream"] == "allgather"].groupby("run_id")
     wire_ratio = gathers["wire_bytes"].sum() / gathers["raw_bytes"].sum()
     pairs = 0

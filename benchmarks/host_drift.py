@@ -1,0 +1,167 @@
+"""How steady this host's CPU speed is with nothing else running: the noise floor of any capture on it.
+
+    python benchmarks/host_drift.py --json out/host_drift.json [--seconds 120] [--block-s 1.4] [--workers N]
+
+One single-threaded worker process per core (default: every core) times the same fixed block of work
+again and again for ``--seconds``: 256 × 256 float32 matmuls with torch, the kind of work a rank's
+compute is, each block sized at the start to take about ``--block-s`` (a run's iteration is 0.3–6 s
+here). Nothing else should run meanwhile; the host's own counters say what else did: the CPU time of
+other processes and the hypervisor's steal time (Linux ``/proc/stat``), over the whole window.
+
+Per worker: the median block time, the fastest (the baseline, measured in the same
+run), ``spread`` = (slowest − fastest) / median (what a run's timed iterations' spread is measured as
+in `ciera validate sim`'s noise line), ``p90_over_median``, and the longest stretch of consecutive blocks
+at least 5 % slower than the median, in seconds (a slow phase long enough to take a whole run with it);
+over all workers (``all_workers``), the mean and largest spread, the largest p90 / median and slow phase.
+
+A capture of ``ciera measure`` on a host whose blocks of fixed work drift by X % cannot be checked to
+better than about X % per run: `ciera validate sim`'s held-out errors include that drift.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on sys.path as a script)
+
+MATMUL_SIZE = 256
+SLOW_PHASE_FACTOR = 1.05  # a block this much slower than the median counts toward a slow phase
+
+
+def _worker(seconds: float, block_s: float, start_at: float, queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    left = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+    right = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+
+    def block(matmuls: int) -> float:
+        start = time.perf_counter()
+        for _ in range(matmuls):
+            torch.mm(left, right)
+        return time.perf_counter() - start
+
+    block(20)  # warm the kernels
+    probe = 50
+    matmuls = max(int(probe * block_s / max(block(probe), 1e-9)), 1)
+    while time.time() < start_at:  # every worker starts its timed blocks together
+        time.sleep(0.001)
+    blocks = []
+    end = time.time() + seconds
+    while time.time() < end:
+        blocks.append(block(matmuls))
+    queue.put({"matmuls_per_block": matmuls, "blocks_s": blocks})
+
+
+def _proc_stat() -> dict[str, float] | None:
+    """Aggregate CPU times (s) from /proc/stat, or None where there is none."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    values = [int(v) / ticks for v in fields]
+    busy = sum(values[:3]) + sum(values[5:7])  # user, nice, system, irq, softirq
+    return {"busy_s": busy, "steal_s": values[7] if len(values) > 7 else 0.0}
+
+
+def _own_cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
+def summarize(blocks_s: list[float]) -> dict[str, float]:
+    """The figures of one list of block times (see the module docstring)."""
+    import numpy as np
+
+    times = np.asarray(blocks_s, dtype=float)
+    median = float(np.median(times))
+    longest = current = 0.0
+    for value in times:
+        current = current + value if value >= SLOW_PHASE_FACTOR * median else 0.0
+        longest = max(longest, current)
+    return {
+        "blocks": int(times.size),
+        "median_s": median,
+        "fastest_s": float(times.min()),
+        "slowest_s": float(times.max()),
+        "spread": float((times.max() - times.min()) / median),
+        "p90_over_median": float(np.percentile(times, 90) / median),
+        "longest_slow_phase_s": float(longest),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=120.0, help="how long each worker times blocks")
+    parser.add_argument("--block-s", type=float, default=1.4, help="the time one block should take")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not args.seconds > 0:
+        parser.error(f"--seconds {args.seconds}: expected a positive number of seconds")
+    if not 0 < args.block_s <= args.seconds:
+        parser.error(f"--block-s {args.block_s}: expected a positive time no longer than --seconds")
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: expected at least 1")
+
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    start_at = time.time() + 5.0  # time for every worker to import torch and size its block
+    workers = [
+        context.Process(target=_worker, args=(args.seconds, args.block_s, start_at, queue))
+        for _ in range(args.workers)
+    ]
+    for worker in workers:
+        worker.start()
+    while time.time() < start_at:
+        time.sleep(0.01)
+    before, own_before = _proc_stat(), _own_cpu_s([w.pid for w in workers])
+    results = [queue.get(timeout=args.seconds + 120) for _ in workers]
+    after, own_after = _proc_stat(), _own_cpu_s([w.pid for w in workers])
+    for worker in workers:
+        worker.join()
+    window_s = args.seconds
+    host = {"window_s": window_s, "cpus": os.cpu_count()}
+    if before is not None and after is not None:
+        others_s = max((after["busy_s"] - before["busy_s"]) - (own_after - own_before), 0.0)
+        host["other_cpu_share"] = others_s / (window_s * (os.cpu_count() or 1))
+        host["steal_share"] = (after["steal_s"] - before["steal_s"]) / (window_s * (os.cpu_count() or 1))
+    per_worker = [summarize(result["blocks_s"]) for result in results]
+    emit_json(
+        {
+            "benchmark": "host_drift",
+            "matmul_size": MATMUL_SIZE,
+            "block_s_asked": args.block_s,
+            "host": host,
+            # Each worker's block is sized on its own, so their times are summarised apart and only
+            # the relative figures are pooled.
+            "all_workers": {
+                "spread_mean": sum(w["spread"] for w in per_worker) / len(per_worker),
+                "spread_max": max(w["spread"] for w in per_worker),
+                "p90_over_median_max": max(w["p90_over_median"] for w in per_worker),
+                "longest_slow_phase_s": max(w["longest_slow_phase_s"] for w in per_worker),
+            },
+            "workers": [
+                {"matmuls_per_block": result["matmuls_per_block"], **figures, "blocks_s": result["blocks_s"]}
+                for result, figures in zip(results, per_worker, strict=True)
+            ],
+        },
+        args.json,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -117,14 +117,19 @@ def to_graph(ops_by_rank: dict[int, list[EditableOp]], world: int) -> OpGraph:
     per_stream: dict[str, int] = {}  # the most collectives a rank runs on each stream
     base = 0
     for rank in sorted(ops_by_rank):
-        last: dict[str, int] = {}
+        earlier: dict[str, list[int]] = {}  # each stream's collectives so far, in list order
         seen: dict[str, int] = {}
         for k in range(base, base + len(ops_by_rank[rank])):
             if is_main[k]:
                 continue
             name = streams[k]
-            stream_prev[k] = last.get(name, -1)
-            last[name] = k
+            # A stream runs its collectives in list order, except that one never waits for a collective
+            # issued after its own issuer: a trace can hold a pair started against their issue order
+            # (OLMoE's ZeRO-3 gathers with the gather path recorded), and a rewrite that moves issue
+            # points could then close a cycle (a wait for a collective stuck behind one issued later).
+            previous = earlier.setdefault(name, [])
+            stream_prev[k] = next((j for j in reversed(previous) if main_prev[j] <= main_prev[k]), -1)
+            previous.append(k)
             position[k] = seen.get(name, 0)
             seen[name] = position[k] + 1
         for name, runs in seen.items():

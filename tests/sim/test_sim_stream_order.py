@@ -1,0 +1,53 @@
+"""`graph_edit.to_graph` orders each rank's collectives of a stream by the edited list, but never makes one
+wait on a collective issued after its own issuer: a trace can hold two gathers started against their issue
+order, and once a rewrite moves issue points, that edge closed a cycle the evaluator reported as a graph
+bug (a fresh OLMoE capture's depth rewrite deadlocked at 27,523 ops)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.evaluate import evaluate
+from sim.graph_edit import EditableOp, to_graph
+
+
+def _rank(rank: int) -> list[EditableOp]:
+    """Main ops a → b → c → d. Gather `late` (issued by c) is listed on the stream before gather `early`
+    (issued by a), as a trace that started them against their issue order lists them; b waits for
+    `early`."""
+    a = EditableOp(rank, "compute", 1, "fwd", 0.1)
+    early = EditableOp(rank, "allgather", 1, "fwd", 0.05, raw_bytes=1000, wire_bytes=1000, issuer=a)
+    b = EditableOp(rank, "compute", 1, "fwd", 0.1, main_prev=a, blocker=early)
+    c = EditableOp(rank, "compute", 1, "fwd", 0.1, main_prev=b)
+    late = EditableOp(rank, "allgather", 2, "fwd", 0.05, raw_bytes=1000, wire_bytes=1000, issuer=c)
+    d = EditableOp(rank, "compute", 2, "fwd", 0.1, main_prev=c, blocker=late)
+    return [a, late, early, b, c, d]
+
+
+def test_a_collective_never_waits_on_the_stream_for_one_issued_after_it() -> None:
+    graph = to_graph({0: _rank(0), 1: _rank(1)}, world=2)
+    for rank in (0, 1):
+        late, early = (
+            k for k in range(graph.size) if graph.rank[k] == rank and graph.stream[k] == "allgather"
+        )
+        # Listed second, but issued first: it does not wait for `late`, which its own wait would hold back.
+        assert graph.stream_prev[early] == -1
+        # Listed first: nothing before it on the stream either way.
+        assert graph.stream_prev[late] == -1
+    # The same k-th collective on each rank is still one group.
+    gathers = graph.stream == "allgather"
+    assert sorted(graph.group[gathers & (graph.rank == 0)]) == sorted(
+        graph.group[gathers & (graph.rank == 1)]
+    )
+    result = evaluate(graph)  # deadlocked before: b waited for `early`, stuck behind `late`, issued after b
+    assert result.iteration_s == pytest.approx(0.45, abs=0.1)
+
+
+def test_in_issue_order_the_stream_keeps_its_listed_order() -> None:
+    ops = _rank(0)
+    a, late, early = ops[0], ops[1], ops[2]
+    late.issuer = a  # both issued by a: the listed order stands
+    early.issuer = a
+    graph = to_graph({0: ops}, world=1)
+    first, second = (k for k in range(graph.size) if graph.stream[k] == "allgather")
+    assert graph.stream_prev[second] == first

@@ -5,8 +5,9 @@
 One single-threaded worker process per core (default: every core) times the same fixed block of work
 again and again for ``--seconds``: 256 × 256 float32 matmuls with torch, the kind of work a rank's
 compute is, each block sized at the start to take about ``--block-s`` (a run's iteration is 0.3–6 s
-here). Nothing else should run meanwhile; the host's own counters say what else did: the CPU time of
-other processes and the hypervisor's steal time (Linux ``/proc/stat``), over the whole window.
+here). Nothing else should run meanwhile; the host's own counters say what else did, over the whole run
+(`measure.launch.host_cpu_record`, as `ciera measure` records it per run): the CPU share of other
+processes, and the hypervisor's steal time (Linux ``/proc/stat``).
 
 Per worker: the median block time, the fastest (the baseline, measured in the same
 run), ``spread`` = (slowest − fastest) / median (what a run's timed iterations' spread is measured as
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on sys.path as a script)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's packages
 
 MATMUL_SIZE = 256
 SLOW_PHASE_FACTOR = 1.05  # a block this much slower than the median counts toward a slow phase
@@ -55,30 +58,6 @@ def _worker(seconds: float, block_s: float, start_at: float, queue) -> None:
     while time.time() < end:
         blocks.append(block(matmuls))
     queue.put({"matmuls_per_block": matmuls, "blocks_s": blocks})
-
-
-def _proc_stat() -> dict[str, float] | None:
-    """Aggregate CPU times (s) from /proc/stat, or None where there is none."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    values = [int(v) / ticks for v in fields]
-    busy = sum(values[:3]) + sum(values[5:7])  # user, nice, system, irq, softirq
-    return {"busy_s": busy, "steal_s": values[7] if len(values) > 7 else 0.0}
-
-
-def _own_cpu_s(pids: list[int]) -> float:
-    total = 0.0
-    ticks = os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-    return total
 
 
 def summarize(blocks_s: list[float]) -> dict[str, float]:
@@ -116,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         parser.error(f"--workers {args.workers}: expected at least 1")
 
+    from measure.launch import host_cpu_record, host_cpu_sample
+
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     start_at = time.time() + 5.0  # time for every worker to import torch and size its block
@@ -123,21 +104,19 @@ def main(argv: list[str] | None = None) -> int:
         context.Process(target=_worker, args=(args.seconds, args.block_s, start_at, queue))
         for _ in range(args.workers)
     ]
+    # Around the whole run, workers reaped: their CPU is the benchmark's own, the rest is other processes'.
+    before = host_cpu_sample()
     for worker in workers:
         worker.start()
-    while time.time() < start_at:
-        time.sleep(0.01)
-    before, own_before = _proc_stat(), _own_cpu_s([w.pid for w in workers])
     results = [queue.get(timeout=args.seconds + 120) for _ in workers]
-    after, own_after = _proc_stat(), _own_cpu_s([w.pid for w in workers])
     for worker in workers:
         worker.join()
-    window_s = args.seconds
-    host = {"window_s": window_s, "cpus": os.cpu_count()}
+    after = host_cpu_sample()
+    host = {"window_s": args.seconds, **host_cpu_record(before, after)}
     if before is not None and after is not None:
-        others_s = max((after["busy_s"] - before["busy_s"]) - (own_after - own_before), 0.0)
-        host["other_cpu_share"] = others_s / (window_s * (os.cpu_count() or 1))
-        host["steal_share"] = (after["steal_s"] - before["steal_s"]) / (window_s * (os.cpu_count() or 1))
+        host["steal_share"] = (after["host_steal_s"] - before["host_steal_s"]) / (
+            host["wall_s"] * max(1, after["cpus"])
+        )
     per_worker = [summarize(result["blocks_s"]) for result in results]
     emit_json(
         {

@@ -76,7 +76,7 @@ def run_job(
     processes: list[subprocess.Popen] = []
     logs = [job_dir / f"rank{rank}.log" for rank in range(world_size)]
     argv = [sys.executable, "-m", "measure.rank", str(job_dir)]
-    start = _cpu_sample()
+    start = host_cpu_sample()
     try:
         for rank in range(world_size):
             env = os.environ | rank_environment(rank, world_size, ranks_per_node, port)
@@ -88,7 +88,7 @@ def run_job(
                     process = cluster.popen(rank, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
             processes.append(process)
         _watch(processes, logs, job_dir / "progress.jsonl", timeout_s, on_progress)
-        (job_dir / "host_cpu.json").write_text(json.dumps(host_cpu_record(start, _cpu_sample())))
+        (job_dir / "host_cpu.json").write_text(json.dumps(host_cpu_record(start, host_cpu_sample())))
     finally:
         for process in processes:
             if process.poll() is None:
@@ -100,22 +100,26 @@ def run_job(
                 pass
 
 
-def _host_cpus_and_busy_s() -> tuple[int, float] | None:
-    """(CPUs, CPU-seconds in user, nice and system mode since boot) over the whole host, from /proc/stat;
-    None where there is none. Interrupt time is left out: the emulated link's shaping causes it."""
+def _host_cpus_busy_and_steal_s() -> tuple[int, float, float] | None:
+    """(CPUs, CPU-seconds in user, nice and system mode since boot, CPU-seconds the hypervisor stole) over
+    the whole host, from /proc/stat; None where there is none. Interrupt time is left out of busy: the
+    emulated link's shaping causes it."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
-        user, nice, system = (int(value) for value in lines[0].split()[1:4])
+        fields = [int(value) for value in lines[0].split()[1:]]
+        user, nice, system = fields[:3]
     except (OSError, ValueError, IndexError):
         return None
     cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
-    return cpus, (user + nice + system) / os.sysconf("SC_CLK_TCK")
+    ticks = os.sysconf("SC_CLK_TCK")
+    steal = fields[7] if len(fields) > 7 else 0  # absent on old kernels
+    return cpus, (user + nice + system) / ticks, steal / ticks
 
 
-def _cpu_sample() -> dict[str, float] | None:
-    """The host's busy CPU-seconds and this process's own, its finished children's included (the ranks,
-    once reaped, with what they ran themselves)."""
-    host = _host_cpus_and_busy_s()
+def host_cpu_sample() -> dict[str, float] | None:
+    """The host's busy and stolen CPU-seconds and this process's own, its finished children's included (the
+    ranks, once reaped, with what they ran themselves); two samples make a `host_cpu_record`."""
+    host = _host_cpus_busy_and_steal_s()
     if host is None:
         return None
     own = resource.getrusage(resource.RUSAGE_SELF)
@@ -123,6 +127,7 @@ def _cpu_sample() -> dict[str, float] | None:
     return {
         "cpus": host[0],
         "host_busy_s": host[1],
+        "host_steal_s": host[2],
         "own_cpu_s": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,
         "wall_s": time.monotonic(),
     }

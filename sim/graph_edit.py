@@ -117,21 +117,23 @@ def to_graph(ops_by_rank: dict[int, list[EditableOp]], world: int) -> OpGraph:
     per_stream: dict[str, int] = {}  # the most collectives a rank runs on each stream
     base = 0
     for rank in sorted(ops_by_rank):
-        earlier: dict[str, list[int]] = {}  # each stream's collectives so far, in list order
+        listed: dict[str, list[int]] = {}  # each stream's collectives, in list order
         seen: dict[str, int] = {}
         for k in range(base, base + len(ops_by_rank[rank])):
             if is_main[k]:
                 continue
             name = streams[k]
-            # A stream runs its collectives in list order, except that one never waits for a collective
-            # issued after its own issuer: a trace can hold a pair started against their issue order
-            # (OLMoE's ZeRO-3 gathers with the gather path recorded), and a rewrite that moves issue
-            # points could then close a cycle (a wait for a collective stuck behind one issued later).
-            previous = earlier.setdefault(name, [])
-            stream_prev[k] = next((j for j in reversed(previous) if main_prev[j] <= main_prev[k]), -1)
-            previous.append(k)
+            listed.setdefault(name, []).append(k)
             position[k] = seen.get(name, 0)
             seen[name] = position[k] + 1
+        # A stream runs its collectives in issue order (gloo and NCCL run a group's in the order issued),
+        # the listed order among those one op issues: a trace can hold a pair started against their issue
+        # order (OLMoE's ZeRO-3 gathers with the gather path recorded), and a rewrite that moves issue
+        # points would otherwise close a cycle (a wait for a collective stuck behind one issued later).
+        for indices in listed.values():
+            ordered = sorted(indices, key=lambda k: main_prev[k])
+            for before, k in zip([-1, *ordered[:-1]], ordered, strict=True):
+                stream_prev[k] = before
         for name, runs in seen.items():
             per_stream[name] = max(per_stream.get(name, 0), runs)
         base += len(ops_by_rank[rank])

@@ -1,7 +1,7 @@
-"""`graph_edit.to_graph` orders each rank's collectives of a stream by the edited list, but never makes one
-wait on a collective issued after its own issuer: a trace can hold two gathers started against their issue
-order, and once a rewrite moves issue points, that edge closed a cycle the evaluator reported as a graph
-bug (a fresh OLMoE capture's depth rewrite deadlocked at 27,523 ops)."""
+"""`graph_edit.to_graph` runs each rank's collectives of a stream in issue order (the listed order among
+those one op issues), as gloo and NCCL run a group's: a trace can hold two gathers started against their
+issue order, and once a rewrite moved issue points, the listed order closed a cycle the evaluator reported
+as a graph bug (a fresh OLMoE capture's depth rewrite deadlocked at 27,523 ops)."""
 
 from __future__ import annotations
 
@@ -24,16 +24,16 @@ def _rank(rank: int) -> list[EditableOp]:
     return [a, late, early, b, c, d]
 
 
-def test_a_collective_never_waits_on_the_stream_for_one_issued_after_it() -> None:
+def test_a_stream_runs_its_collectives_in_issue_order() -> None:
     graph = to_graph({0: _rank(0), 1: _rank(1)}, world=2)
     for rank in (0, 1):
         late, early = (
             k for k in range(graph.size) if graph.rank[k] == rank and graph.stream[k] == "allgather"
         )
-        # Listed second, but issued first: it does not wait for `late`, which its own wait would hold back.
+        # Listed second, but issued first: it runs first, not behind `late`, which its own wait holds back.
         assert graph.stream_prev[early] == -1
-        # Listed first: nothing before it on the stream either way.
-        assert graph.stream_prev[late] == -1
+        # Listed first, issued second: it runs after `early`.
+        assert graph.stream_prev[late] == early
     # The same k-th collective on each rank is still one group.
     gathers = graph.stream == "allgather"
     assert sorted(graph.group[gathers & (graph.rank == 0)]) == sorted(

@@ -132,6 +132,10 @@ def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
                     "ciera_enabled": SYSTEMS[job.system][1],
                     "ciera_select": bool(job.train.select),
                     "warm_steps": job.warm_steps,
+                    # Each run timed at least this long (0: `iterations` timed), and the warm-up iteration
+                    # the count was read from (measure/capture.py, timed_iterations).
+                    "min_timed_s": job.min_timed_s,
+                    "warmup_iteration_s": run.get("warmup_iteration_s"),
                     # Python's GC, run before each timed iteration outside its time (measure/capture.py)
                     "gc_collect_median_s": _median(run.get("gc_collect_s", [])),
                     # CPU per rank and iteration beside the main thread (transport threads), median; None

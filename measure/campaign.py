@@ -65,6 +65,9 @@ class CapturePlan:
     topologies: tuple[Topology, ...] = (Topology(),)
     iterations: int = 3
     warmup_iterations: int = 2
+    # Each run times at least this long: more iterations where iterations are short, so that the median of
+    # a short run spans the host's seconds-long slow phases as a long run's does (capture.timed_iterations).
+    min_timed_s: float = 0.0
     micro_batch_size: int = 2  # sequences per rank
     seq_len: int = 64
     seed: int = 0
@@ -114,6 +117,13 @@ class CapturePlan:
             raise CaptureError(f"--warm-steps is {self.warm_steps!r}: expected an integer >= 0")
         if self.warmup_iterations < 1:
             raise CaptureError("--warmup must be >= 1 (the first iteration builds the engines' state)")
+        timed_s = self.min_timed_s
+        if (
+            isinstance(timed_s, bool)
+            or not isinstance(timed_s, int | float)
+            or not 0.0 <= timed_s < float("inf")
+        ):
+            raise CaptureError(f"--min-timed-s is {timed_s!r}: expected a number of seconds >= 0")
         if self.exponent_steps and self.exponent_steps <= self.exponent_warmup_steps:
             raise CaptureError(
                 f"--exponent-steps {self.exponent_steps}: must exceed the {self.exponent_warmup_steps} warm-up steps"
@@ -172,6 +182,7 @@ def layer_jobs(plan: CapturePlan) -> list[tuple[Topology, LayersJob]]:
                     warmup_iterations=plan.warmup_iterations,
                     iterations=plan.iterations,
                     warm_steps=plan.warm_steps,
+                    min_timed_s=plan.min_timed_s,
                 )
                 jobs.append((topology, job))
     return jobs

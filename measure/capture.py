@@ -53,6 +53,7 @@ class LayersJob:
     warmup_iterations: int = 2
     iterations: int = 3
     warm_steps: int = 0
+    min_timed_s: float = 0.0  # time at least this long: more than `iterations` where they are short
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "layers", **dataclasses.asdict(self)}
@@ -65,6 +66,22 @@ class LayersJob:
         if train.get("exit_rank_at") is not None:
             train["exit_rank_at"] = tuple(train["exit_rank_at"])
         return cls(train=TrainConfig(**train), **fields)
+
+
+# A run whose iterations are very short is still timed this many iterations at most (its events stay small).
+MAX_TIMED_ITERATIONS = 64
+
+
+def timed_iterations(iterations: int, min_timed_s: float, warmup_iteration_s: float) -> int:
+    """How many iterations a run times: `iterations`, or more where they are short — enough that
+    `min_timed_s` of them pass at the pace of the last warm-up iteration (the slowest rank's), at most
+    MAX_TIMED_ITERATIONS (never fewer than `iterations`). The host's own speed wanders in phases of seconds
+    (benchmarks/host_drift.py): six iterations of a quarter second sit in one phase, and their median is
+    that phase's, not the run's."""
+    if min_timed_s <= 0.0 or not math.isfinite(warmup_iteration_s) or warmup_iteration_s <= 0.0:
+        return iterations
+    wanted = math.ceil(min_timed_s / warmup_iteration_s)
+    return max(iterations, min(wanted, MAX_TIMED_ITERATIONS))
 
 
 def train_config_for(system: str, **options: Any) -> TrainConfig:
@@ -262,7 +279,10 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
             progress({"iteration": step, "of": warm + total, "loss": value, "warm": True})
     losses: list[float] = []
     gc_collect_s: list[float] = []
-    for iteration in range(total):
+    warmup_iteration_s = None  # the slowest rank's last warm-up iteration (with min_timed_s)
+    iteration = -1
+    while iteration + 1 < total:
+        iteration += 1
         if iteration == job.warmup_iterations:
             for engine in run.engines():  # CIERA's engines exist once the first gathers ran
                 engine.codec_timer = recorder.codec_timer
@@ -297,6 +317,15 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
         if not math.isfinite(value):
             raise TrainError(f"loss is {value} at iteration {iteration}: capture stopped")
         losses.append(value)
+        if iteration == job.warmup_iterations - 1 and job.min_timed_s > 0.0:
+            # Every rank times the same count: each computes it from the same, all-reduced duration.
+            last = recorder.iterations[-1]
+            slowest = torch.tensor([last.end_s - last.start_s], dtype=torch.float64, device=placement.device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            warmup_iteration_s = float(slowest.item())
+            total = job.warmup_iterations + timed_iterations(
+                job.iterations, job.min_timed_s, warmup_iteration_s
+            )
         if rank == 0:
             progress({"iteration": warm + iteration, "of": warm + total, "loss": value})
     measured = recorder.iterations[job.warmup_iterations :]
@@ -357,6 +386,8 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
                 sum(entry[2][index] for entry in gathered) / world_size for index in range(len(measured))
             ],
             "gc_collect_s": gc_collect_s[job.warmup_iterations :],
+            # With min_timed_s: the warm-up iteration the count was read from (None: `iterations` timed).
+            "warmup_iteration_s": warmup_iteration_s,
             "schedule": schedule,
             "mean_loss": (final_losses / world_size).cpu().tolist(),
             "gathers_per_parameter": run.gathers_per_parameter(),

@@ -32,7 +32,7 @@ from .campaign import (
     plan_steps,
     prepare_out_dir,
 )
-from .capture import SYSTEMS
+from .capture import MAX_TIMED_ITERATIONS, SYSTEMS
 from .cli import write_json
 from .launch import CaptureError
 
@@ -223,7 +223,8 @@ def _run(plan: CapturePlan, out: Path, json_path: Path | None) -> None:
             elif event == "progress" and "iteration" in info:
                 progress.update(
                     task,
-                    completed=base["done"] + info["iteration"] + 1,
+                    # A run timed longer than planned (--min-timed-s) stays within its share of the bar.
+                    completed=base["done"] + min(info["iteration"] + 1, step.iterations),
                     status=f"{info['iteration'] + 1}/{info['of']}"
                     + (" warm" if info.get("warm") else "")
                     + (f" loss {info['loss']:.3f}" if "loss" in info else ""),
@@ -328,6 +329,8 @@ def _run_summaries(bundle) -> list[dict]:
             "cluster": run.cluster,
             "block_size": int(run.block_size),
             "warm_steps": int(json.loads(run.versions).get("warm_steps", 0)),
+            "min_timed_s": float(json.loads(run.versions).get("min_timed_s", 0.0)),
+            "timed_iterations": int((bundle.iterations["run_id"] == run.run_id).sum()),
             "warmup_iterations": int(run.warmup_iterations),  # the warm steps included
             "median_iteration_s": float(summaries.loc[run.run_id, "iteration_median_s"]),
             "allgather_raw_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_raw_bytes"]),
@@ -390,6 +393,18 @@ def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:
                 else "no warm steps: each run's warm-up starts at step 0"
             )
         )
+        timed = sorted({s["timed_iterations"] for s in summaries})
+        floors = sorted({s["min_timed_s"] for s in summaries if s["min_timed_s"] > 0})
+        console.print(
+            f"timed iterations per run: {timed[0]}"
+            + (f"-{timed[-1]}" if len(timed) > 1 else "")
+            + (
+                f" (each run timed at least {', '.join(f'{f:g}' for f in floors)} s at its warm-up pace, "
+                f"at most {MAX_TIMED_ITERATIONS} iterations)"
+                if floors
+                else ""
+            )
+        )
         collects = [s["gc_collect_median_s"] for s in summaries if s["gc_collect_median_s"] is not None]
         if collects:
             console.print(
@@ -436,6 +451,14 @@ WarmStepsOption = Annotated[
     typer.Option(
         "--warm-steps",
         help="Training steps before the warm-up, nothing recorded (mid-training churn; batches go on).",
+    ),
+]
+MinTimedOption = Annotated[
+    float,
+    typer.Option(
+        "--min-timed-s",
+        help="Time each run at least this long: more than --iterations where iterations are short "
+        f"(as many as the last warm-up iteration's pace fits, at most {MAX_TIMED_ITERATIONS}; 0: --iterations).",
     ),
 ]
 BlockSizeOption = Annotated[
@@ -513,12 +536,15 @@ def _command(kinds: tuple[str, ...], default_exponent_steps: int):
         ] = False,
         warm_steps: WarmStepsOption = 0,
         block_size: BlockSizeOption = 64,
+        min_timed_s: MinTimedOption = 0.0,
         json_path: JsonOption = None,
     ) -> None:
         plan = _plan(kinds, model, width_scale, nodes, ranks_per_node, link_rate, link_latency, layers,
                      systems, iterations, warmup, exponent_steps, timeout_s, collectives_max_mib,
                      topologies)  # fmt: skip
-        plan = dataclasses.replace(plan, select=select, warm_steps=warm_steps, block_size=block_size)
+        plan = dataclasses.replace(
+            plan, select=select, warm_steps=warm_steps, block_size=block_size, min_timed_s=min_timed_s
+        )
         _run(plan, out, json_path)
 
     return command

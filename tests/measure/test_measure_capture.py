@@ -109,6 +109,26 @@ def test_events_are_consistent(captured: Path) -> None:
 
 
 @pytest.mark.heavy
+def test_a_time_floor_times_short_runs_longer_on_every_rank_alike(tmp_path: Path) -> None:
+    from measure.capture import timed_iterations
+
+    out = tmp_path / "cap"
+    done = ciera("measure", "layers", "--out", str(out), *TINY, "--systems", "zero3", "--min-timed-s", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    bundle = traces.read_bundle(out / "bundle")
+    versions = json.loads(bundle.runs.iloc[0]["versions"])
+    assert versions["min_timed_s"] == 3.0 and versions["warmup_iteration_s"] > 0
+    count = len(bundle.iterations)
+    # Both ranks timed the same count (the events of each rank cover every timed iteration), from the rule.
+    assert count == timed_iterations(2, 3.0, versions["warmup_iteration_s"]) > 2
+    assert (bundle.events.groupby("rank")["iteration"].nunique() == count).all()
+    assert f"timed iterations per run: {count} (each run timed at least 3 s" in done.stdout
+    # The same command again keeps the run: the floor is part of the job.
+    again = ciera("measure", "layers", "--out", str(out), *TINY, "--systems", "zero3", "--min-timed-s", "3")
+    assert again.returncode == 0 and "kept" in again.stdout, again.stderr[-2000:]
+
+
+@pytest.mark.heavy
 def test_rerun_keeps_finished_runs_and_refuses_another_plan(captured: Path) -> None:
     done = ciera("measure", "layers", "--out", str(captured), *TINY, "--systems", "zero3,ciera,fsdp")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -214,6 +234,8 @@ def test_ctrl_c_stops_the_ranks_and_the_next_run_redoes_it(tmp_path: Path) -> No
         (["--nodes", "2"], "--nodes 2 needs --link-rate"),
         (["--ranks-per-node", "4000"], "more than this machine"),
         (["--warmup", "0"], "--warmup"),
+        (["--min-timed-s", "-1"], "--min-timed-s is -1.0: expected a number of seconds >= 0"),
+        (["--min-timed-s", "nan"], "--min-timed-s is nan"),
         (["--topologies", "2by1"], "--topologies '2by1': expected NODESxRANKS[-RATE]"),
         (["--topologies", "0x1"], "nodes and ranks per node must be >= 1"),
         (["--topologies", "1x2,1x2"], "names a topology twice"),

@@ -48,22 +48,20 @@ def arm_summary(paths: list[Path]) -> dict:
     per_bundle = []
     medians = []
     for path, bundle in zip(paths, bundles, strict=True):
-        runs = bundle.runs[bundle.runs["run_id"].isin(common)]
-        noise = measurement_noise(bundle, runs)
-        counts = bundle.iterations[bundle.iterations["run_id"].isin(common)].groupby("run_id").size()
+        noise = measurement_noise(bundle, bundle.runs[bundle.runs["run_id"].isin(common)])
+        summaries = traces.run_summaries(bundle).set_index("run_id").loc[common]
         per_bundle.append(
             {
                 "bundle": str(path),
-                "timed_iterations_min": int(counts.min()),
-                "timed_iterations_max": int(counts.max()),
+                "timed_iterations_min": int(summaries["iterations"].min()),
+                "timed_iterations_max": int(summaries["iterations"].max()),
                 "iteration_spread_mean": noise["iteration_spread_mean"],
                 "iteration_spread_max": noise["iteration_spread_max"],
                 "depth_line_residual_mean": noise["depth_line_residual_mean"],
                 "depth_line_residual_max": noise["depth_line_residual_max"],
             }
         )
-        times = bundle.iterations[bundle.iterations["run_id"].isin(common)]
-        medians.append(times.groupby("run_id")["iteration_s"].median().reindex(common).to_numpy())
+        medians.append(summaries["iteration_median_s"].to_numpy())
     table = np.vstack(medians)  # bundle × run
     summary: dict = {"runs": len(common), "bundles": per_bundle}
     if len(bundles) > 1:

@@ -113,10 +113,6 @@ def main(argv: list[str] | None = None) -> int:
         worker.join()
     after = host_cpu_sample()
     host = {"window_s": args.seconds, **host_cpu_record(before, after)}
-    if before is not None and after is not None:
-        host["steal_share"] = (after["host_steal_s"] - before["host_steal_s"]) / (
-            host["wall_s"] * max(1, after["cpus"])
-        )
     per_worker = [summarize(result["blocks_s"]) for result in results]
     emit_json(
         {

@@ -280,9 +280,8 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
     losses: list[float] = []
     gc_collect_s: list[float] = []
     warmup_iteration_s = None  # the slowest rank's last warm-up iteration (with min_timed_s)
-    iteration = -1
-    while iteration + 1 < total:
-        iteration += 1
+    iteration = 0
+    while iteration < total:  # `total` grows after the warm-up where --min-timed-s asks for more
         if iteration == job.warmup_iterations:
             for engine in run.engines():  # CIERA's engines exist once the first gathers ran
                 engine.codec_timer = recorder.codec_timer
@@ -328,6 +327,7 @@ def run_layers_rank(job: LayersJob, out_dir: Path, rank: int, world_size: int, p
             )
         if rank == 0:
             progress({"iteration": warm + iteration, "of": warm + total, "loss": value})
+        iteration += 1
     measured = recorder.iterations[job.warmup_iterations :]
     host = socket.gethostname()
     timing = [(log.start_s, log.end_s) for log in measured]

@@ -135,19 +135,22 @@ def host_cpu_sample() -> dict[str, float] | None:
 
 def host_cpu_record(start: dict[str, float] | None, end: dict[str, float] | None) -> dict[str, Any]:
     """What other processes took from the host while a job ran: its CPU-seconds and their share of all the
-    host's CPU time (``other_cpu_share``; None where it cannot be read). A capture's times include that
+    host's CPU time (``other_cpu_share``; None where it cannot be read), and the hypervisor's steal share. A capture's times include that
     contention; the console says so (`ciera measure`)."""
     if start is None or end is None:
         return {"other_cpu_share": None}
     wall_s = max(1e-9, end["wall_s"] - start["wall_s"])
     job_cpu_s = end["own_cpu_s"] - start["own_cpu_s"]
     other_cpu_s = max(0.0, end["host_busy_s"] - start["host_busy_s"] - job_cpu_s)
+    host_cpu_s = wall_s * max(1, end["cpus"])
     return {
         "wall_s": wall_s,
         "host_cpus": end["cpus"],
         "job_cpu_s": job_cpu_s,
         "other_cpu_s": other_cpu_s,
-        "other_cpu_share": other_cpu_s / (wall_s * max(1, end["cpus"])),
+        "other_cpu_share": other_cpu_s / host_cpu_s,
+        # What the hypervisor took from this VM's CPUs meanwhile (0 on bare metal).
+        "steal_share": (end["host_steal_s"] - start["host_steal_s"]) / host_cpu_s,
     }
 
 

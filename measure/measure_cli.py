@@ -321,25 +321,29 @@ def _run_summaries(bundle) -> list[dict]:
         return []
     summaries = summaries.set_index("run_id")
     runs = bundle.runs[bundle.runs["run_id"].isin(summaries.index)]
-    return [
-        {
-            "run_id": run.run_id,
-            "system": run.system,
-            "layers": int(run.layers),
-            "cluster": run.cluster,
-            "block_size": int(run.block_size),
-            "warm_steps": int(json.loads(run.versions).get("warm_steps", 0)),
-            "min_timed_s": float(json.loads(run.versions).get("min_timed_s", 0.0)),
-            "timed_iterations": int((bundle.iterations["run_id"] == run.run_id).sum()),
-            "warmup_iterations": int(run.warmup_iterations),  # the warm steps included
-            "median_iteration_s": float(summaries.loc[run.run_id, "iteration_median_s"]),
-            "allgather_raw_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_raw_bytes"]),
-            "allgather_wire_bytes_per_iteration": float(summaries.loc[run.run_id, "allgather_wire_bytes"]),
-            "gc_collect_median_s": json.loads(run.versions).get("gc_collect_median_s"),
-            "other_cpu_share": _none_if_missing(summaries.loc[run.run_id, "other_cpu_share"]),
-        }
-        for run in runs.itertuples()
-    ]
+    rows = []
+    for run in runs.itertuples():
+        versions = json.loads(run.versions)
+        summary = summaries.loc[run.run_id]
+        rows.append(
+            {
+                "run_id": run.run_id,
+                "system": run.system,
+                "layers": int(run.layers),
+                "cluster": run.cluster,
+                "block_size": int(run.block_size),
+                "warm_steps": int(versions.get("warm_steps", 0)),
+                "min_timed_s": float(versions.get("min_timed_s", 0.0)),
+                "timed_iterations": int(summary["iterations"]),
+                "warmup_iterations": int(run.warmup_iterations),  # the warm steps included
+                "median_iteration_s": float(summary["iteration_median_s"]),
+                "allgather_raw_bytes_per_iteration": float(summary["allgather_raw_bytes"]),
+                "allgather_wire_bytes_per_iteration": float(summary["allgather_wire_bytes"]),
+                "gc_collect_median_s": versions.get("gc_collect_median_s"),
+                "other_cpu_share": _none_if_missing(summary["other_cpu_share"]),
+            }
+        )
+    return rows
 
 
 def other_cpu_line(summaries: list[dict]) -> str:

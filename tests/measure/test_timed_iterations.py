@@ -34,7 +34,7 @@ def test_the_count_fills_the_floor_within_the_bounds(
 
 
 def test_examples_and_what_leaves_the_count_alone() -> None:
-    assert timed_iterations(6, 8.0, 0.28) == 29  # a 1 Gbit L = 2 run of the measured bundle
+    assert timed_iterations(6, 8.0, 0.28) == 29  # a 0.28 s iteration (1 Gbit, L = 2, on this host)
     assert timed_iterations(6, 8.0, 2.3) == 6  # a 200 Mbit L = 8 run: six already fill it
     assert timed_iterations(6, 8.0, 0.01) == MAX_TIMED_ITERATIONS
     for pace_s in (0.0, -1.0, math.nan, math.inf):

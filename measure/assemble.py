@@ -104,56 +104,90 @@ def finished_sweeps(out_dir: Path) -> list[tuple[Path, str, list[dict[str, Any]]
     ]
 
 
+def _launches_by_run(out_dir: Path) -> list[list[tuple[Path, LayersJob, dict[str, Any]]]]:
+    """The finished layer runs of a capture directory, each as its launches (directory, job, result) in
+    launch order; a run captured in one launch has one."""
+    by_run: dict[str, list[tuple[Path, LayersJob, dict[str, Any]]]] = {}
+    for run_dir in sorted((out_dir / "runs").glob("*/")):
+        job = LayersJob.from_json(_read_json(run_dir / "job.json"))
+        by_run.setdefault(job.run_id, []).append((run_dir, job, _read_json(run_dir / "run.json")))
+    for run_id, launches in by_run.items():
+        launches.sort(key=lambda launch: launch[1].launch)
+        numbers = [job.launch for _, job, _ in launches]
+        twice = sorted({number for number in numbers if numbers.count(number) > 1})
+        if twice:
+            raise CaptureError(
+                f"{out_dir / 'runs'}: run {run_id} has launch {twice[0]} twice; expected each launch once"
+            )
+    return [by_run[run_id] for run_id in sorted(by_run)]
+
+
 def assemble_bundle(out_dir: Path) -> traces.TraceBundle:
     """The bundle of every finished step in `out_dir`."""
     from .campaign import model_label
 
     runs, events, iteration_rows, numel_rows = [], [], [], []
-    for run_dir in sorted((out_dir / "runs").glob("*/")):
-        job = LayersJob.from_json(_read_json(run_dir / "job.json"))
-        run = _read_json(run_dir / "run.json")
-        topology = _read_json(run_dir / "topology.json")
-        train = _read_json(run_dir / "job.json")["train"]
+    for launches in _launches_by_run(out_dir):
+        first_dir, job, first = launches[0]
+        topology = _read_json(first_dir / "topology.json")
+        train = _read_json(first_dir / "job.json")["train"]
         label = model_label(job.train.model, job.train.width_scale or 1)
+        results = [run for _, _, run in launches]
+        cpu_shares = [
+            _read_json_if_present(run_dir / "host_cpu.json").get("other_cpu_share")
+            for run_dir, _, _ in launches
+        ]
         runs.append(
             _run_row(
                 job.run_id,
                 label,
                 train,
                 job.system,
-                run["world_size"],
+                first["world_size"],
                 topology,
-                run,
-                run["schedule"],
+                first | {"clock_spread_s": max(float(run.get("clock_spread_s", 0.0)) for run in results)},
+                first["schedule"],
                 job.warm_steps + job.warmup_iterations,  # every iteration before the first traced
                 {
-                    "clock": run["clock"],
-                    "threads_per_rank": run["threads_per_rank"],
+                    "clock": first["clock"],
+                    "threads_per_rank": first["threads_per_rank"],
                     "ciera_enabled": SYSTEMS[job.system][1],
                     "ciera_select": bool(job.train.select),
                     "warm_steps": job.warm_steps,
                     # Each run timed at least this long (0: `iterations` timed), and the warm-up iteration
-                    # the count was read from (measure/capture.py, timed_iterations).
+                    # the count was read from (measure/capture.py, timed_iterations): the first launch's.
                     "min_timed_s": job.min_timed_s,
-                    "warmup_iteration_s": run.get("warmup_iteration_s"),
+                    "warmup_iteration_s": first.get("warmup_iteration_s"),
                     # Python's GC, run before each timed iteration outside its time (measure/capture.py)
-                    "gc_collect_median_s": _median(run.get("gc_collect_s", [])),
+                    "gc_collect_median_s": _median(
+                        [s for run in results for s in run.get("gc_collect_s", [])]
+                    ),
                     # CPU per rank and iteration beside the main thread (transport threads), median; None
                     # for runs captured before it was recorded.
-                    "transport_cpu_median_s": _median(run.get("transport_cpu_s", [])),
-                    # Share of the host's CPU other processes used while the run's job ran (launch.py);
-                    # None for runs captured before it was recorded.
-                    "other_cpu_share": _read_json_if_present(run_dir / "host_cpu.json").get(
-                        "other_cpu_share"
+                    "transport_cpu_median_s": _median(
+                        [s for run in results for s in run.get("transport_cpu_s", [])]
                     ),
+                    # Share of the host's CPU other processes used while the run's job ran (launch.py), the
+                    # largest over its launches; None for runs captured before it was recorded.
+                    "other_cpu_share": max((c for c in cpu_shares if c is not None), default=None),
+                    # Fresh-rank launches whose timed iterations the run pools (CapturePlan.launches), and
+                    # each launch's median iteration: how far the launches' speeds differ.
+                    "launches": len(launches),
+                    "launch_median_s": [_median(run["iteration_s"]) for run in results],
                 },
             )
         )
-        for rank in range(run["world_size"]):
-            events.append(pd.read_parquet(run_dir / f"events-rank{rank}.parquet"))
-        for index, seconds in enumerate(run["iteration_s"]):
-            iteration_rows.append({"run_id": job.run_id, "iteration": index, "iteration_s": seconds})
-        for layer, numel in enumerate(run["layer_numel"]):
+        offset = 0  # each launch's iterations follow the previous launch's: one run, its iterations pooled
+        for run_dir, _, run in launches:
+            for rank in range(run["world_size"]):
+                rank_events = pd.read_parquet(run_dir / f"events-rank{rank}.parquet")
+                events.append(rank_events.assign(iteration=rank_events["iteration"] + offset))
+            for index, seconds in enumerate(run["iteration_s"]):
+                iteration_rows.append(
+                    {"run_id": job.run_id, "iteration": offset + index, "iteration_s": seconds}
+                )
+            offset += len(run["iteration_s"])
+        for layer, numel in enumerate(first["layer_numel"]):
             numel_rows.append({"run_id": job.run_id, "layer": layer, "numel": numel})
     exponents, shard_changes = [], []
     for run_dir in sorted((out_dir / "exponents").glob("*/")):

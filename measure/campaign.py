@@ -25,6 +25,7 @@ from .capture import SYSTEMS, LayersJob, train_config_for, write_text_atomic
 from .launch import CaptureError, run_job
 
 PLAN_SCHEMA = "ciera.measure.plan/1"
+MAX_LAUNCHES = 16  # launches per run (`CapturePlan.launches`)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class CapturePlan:
     # Each run times at least this long: more iterations where iterations are short, so that the median of
     # a short run spans the host's seconds-long slow phases as a long run's does (capture.timed_iterations).
     min_timed_s: float = 0.0
+    # Each layer run is launched this many times, every launch fresh ranks, the launches of all runs in
+    # rounds (`interleaved_order`); the bundle pools a run's launches' timed iterations. A launch's ranks
+    # keep a speed of their own for the whole launch (docs/measurement.md, "Launches"), which no number of
+    # iterations within one launch averages out.
+    launches: int = 1
     micro_batch_size: int = 2  # sequences per rank
     seq_len: int = 64
     seed: int = 0
@@ -117,6 +123,9 @@ class CapturePlan:
             raise CaptureError(f"--warm-steps is {self.warm_steps!r}: expected an integer >= 0")
         if self.warmup_iterations < 1:
             raise CaptureError("--warmup must be >= 1 (the first iteration builds the engines' state)")
+        launches = self.launches
+        if isinstance(launches, bool) or not isinstance(launches, int) or not 1 <= launches <= MAX_LAUNCHES:
+            raise CaptureError(f"--launches is {launches!r}: expected an integer from 1 to {MAX_LAUNCHES}")
         timed_s = self.min_timed_s
         if (
             isinstance(timed_s, bool)
@@ -175,17 +184,25 @@ def layer_jobs(plan: CapturePlan) -> list[tuple[Topology, LayersJob]]:
                     max_reuse_distance=_blocks_to_elements(plan.max_reuse_distance_blocks, one_block),
                     reduce_bucket_size=_blocks_to_elements(plan.reduce_bucket_blocks, one_block),
                 )
-                job = LayersJob(
-                    run_id=run_id_for(label, system, depth, topology),
-                    system=system,
-                    train=train,
-                    warmup_iterations=plan.warmup_iterations,
-                    iterations=plan.iterations,
-                    warm_steps=plan.warm_steps,
-                    min_timed_s=plan.min_timed_s,
-                )
-                jobs.append((topology, job))
+                for launch in range(1, plan.launches + 1):
+                    job = LayersJob(
+                        run_id=run_id_for(label, system, depth, topology),
+                        system=system,
+                        train=train,
+                        warmup_iterations=plan.warmup_iterations,
+                        iterations=plan.iterations,
+                        warm_steps=plan.warm_steps,
+                        min_timed_s=plan.min_timed_s,
+                        launch=launch,
+                    )
+                    jobs.append((topology, job))
     return jobs
+
+
+def launch_name(run_id: str, launch: int) -> str:
+    """The directory of one launch of a run under ``runs/``: the run's id for the first (a capture of one
+    launch per run looks as it always did), ``<run_id>.launch<k>`` for the others."""
+    return run_id if launch == 1 else f"{run_id}.launch{launch}"
 
 
 @dataclass
@@ -231,7 +248,7 @@ def plan_steps(plan: CapturePlan) -> list[Step]:
                     steps.append(
                         Step(
                             "layers",
-                            job.run_id,
+                            launch_name(job.run_id, job.launch),
                             topology,
                             job.to_json() | {"timeout_s": plan.timeout_s},
                             job.warm_steps + job.warmup_iterations + job.iterations,
@@ -436,7 +453,9 @@ def _shape(topology: Topology) -> tuple:
 def interleaved_order(steps: list[Step]) -> list[list[Step]]:
     """`steps` in groups that share one cluster (`_shape`), in the order they run: a group's sweeps first
     (in topology order), then its layer runs by depth, and within a depth by topology (link rate), then
-    system — each depth's runs of every rate back to back — then the rest (the exponent statistics run)."""
+    system — each depth's runs of every rate back to back — then the rest (the exponent statistics run).
+    With several launches per run, the layer runs go in rounds: every run's first launch in that order, then
+    every run's second, and so on — a run's launches spread over the whole capture."""
     groups: dict[tuple, list[Step]] = {}
     for step in steps:
         groups.setdefault(_shape(step.topology), []).append(step)
@@ -449,10 +468,11 @@ def _run_order_key(group: list[Step]) -> Callable[[Step], tuple]:
 
     def key(step: Step) -> tuple:
         if step.kind == "collectives":
-            return (0, 0, topologies.index(step.topology))
+            return (0, 0, 0, topologies.index(step.topology))
         if step.kind == "layers":
-            return (1, int(step.job["train"]["layers"]), topologies.index(step.topology))
-        return (2, 0, 0)
+            depth = int(step.job["train"]["layers"])
+            return (1, int(step.job.get("launch", 1)), depth, topologies.index(step.topology))
+        return (2, 0, 0, 0)
 
     return key
 

@@ -54,6 +54,9 @@ class LayersJob:
     iterations: int = 3
     warm_steps: int = 0
     min_timed_s: float = 0.0  # time at least this long: more than `iterations` where they are short
+    # Which launch of the run this job is (1..the plan's `launches`): each launch starts fresh ranks for the
+    # same run; the bundle pools their timed iterations (measure/assemble.py). The ranks never read it.
+    launch: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "layers", **dataclasses.asdict(self)}

@@ -13,6 +13,7 @@ import functools
 import itertools
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Annotated
@@ -24,6 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from .campaign import (
+    MAX_LAUNCHES,
     CapturePlan,
     Topology,
     capture_all,
@@ -341,9 +343,34 @@ def _run_summaries(bundle) -> list[dict]:
                 "allgather_wire_bytes_per_iteration": float(summary["allgather_wire_bytes"]),
                 "gc_collect_median_s": versions.get("gc_collect_median_s"),
                 "other_cpu_share": _none_if_missing(summary["other_cpu_share"]),
+                "launches": int(versions.get("launches", 1)),
+                "launch_median_s": versions.get("launch_median_s", [float(summary["iteration_median_s"])]),
             }
         )
     return rows
+
+
+def launch_spread_line(summaries: list[dict]) -> str:
+    """One console line on how far the launches of each run differ ("" when every run had one launch): the
+    spread (slowest − fastest) / median of a run's launch medians — what pooling them averages out."""
+    pooled = [s for s in summaries if s["launches"] > 1]
+    if not pooled:
+        return ""
+    spreads = [
+        (
+            (max(s["launch_median_s"]) - min(s["launch_median_s"])) / statistics.median(s["launch_median_s"]),
+            s["run_id"],
+        )
+        for s in pooled
+    ]
+    counts = sorted({s["launches"] for s in pooled})
+    count = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    largest, run_id = max(spreads)
+    return (
+        f"each run pooled from {count} launches of fresh ranks, in rounds over the plan: a run's launch medians "
+        f"differ by {100 * statistics.mean(s for s, _ in spreads):.1f} % on average, up to {100 * largest:.1f} % "
+        f"({run_id})"
+    )
 
 
 def other_cpu_line(summaries: list[dict]) -> str:
@@ -409,6 +436,9 @@ def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:
                 else ""
             )
         )
+        launches_line = launch_spread_line(summaries)
+        if launches_line:
+            console.print(launches_line)
         collects = [s["gc_collect_median_s"] for s in summaries if s["gc_collect_median_s"] is not None]
         if collects:
             console.print(
@@ -463,6 +493,14 @@ MinTimedOption = Annotated[
         "--min-timed-s",
         help="Time each run at least this long: more than --iterations where iterations are short "
         f"(as many as the last warm-up iteration's pace fits, at most {MAX_TIMED_ITERATIONS}; 0: --iterations).",
+    ),
+]
+LaunchesOption = Annotated[
+    int,
+    typer.Option(
+        "--launches",
+        help="Launch each run this many times, fresh ranks each, in rounds over the plan; the bundle pools "
+        f"their timed iterations (1 to {MAX_LAUNCHES}).",
     ),
 ]
 BlockSizeOption = Annotated[
@@ -541,13 +579,19 @@ def _command(kinds: tuple[str, ...], default_exponent_steps: int):
         warm_steps: WarmStepsOption = 0,
         block_size: BlockSizeOption = 64,
         min_timed_s: MinTimedOption = 0.0,
+        launches: LaunchesOption = 1,
         json_path: JsonOption = None,
     ) -> None:
         plan = _plan(kinds, model, width_scale, nodes, ranks_per_node, link_rate, link_latency, layers,
                      systems, iterations, warmup, exponent_steps, timeout_s, collectives_max_mib,
                      topologies)  # fmt: skip
         plan = dataclasses.replace(
-            plan, select=select, warm_steps=warm_steps, block_size=block_size, min_timed_s=min_timed_s
+            plan,
+            select=select,
+            warm_steps=warm_steps,
+            block_size=block_size,
+            min_timed_s=min_timed_s,
+            launches=launches,
         )
         _run(plan, out, json_path)
 

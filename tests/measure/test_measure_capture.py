@@ -129,6 +129,42 @@ def test_a_time_floor_times_short_runs_longer_on_every_rank_alike(tmp_path: Path
 
 
 @pytest.mark.heavy
+def test_launches_of_a_run_are_pooled_into_one_run_that_replays_exactly(tmp_path: Path) -> None:
+    out = tmp_path / "cap"
+    args = ["measure", "layers", "--out", str(out), *TINY, "--systems", "zero3,ciera", "--launches", "2"]
+    done = ciera(*args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(path.name for path in (out / "runs").iterdir()) == [
+        "mixtral-8x7b-w64-ciera-L1-local-2",
+        "mixtral-8x7b-w64-ciera-L1-local-2.launch2",
+        "mixtral-8x7b-w64-zero3-L1-local-2",
+        "mixtral-8x7b-w64-zero3-L1-local-2.launch2",
+    ]
+    bundle = traces.read_bundle(out / "bundle")
+    assert len(bundle.runs) == 2
+    for run in bundle.runs.itertuples():
+        versions = json.loads(run.versions)
+        assert versions["launches"] == 2 and len(versions["launch_median_s"]) == 2
+        launches = [json.loads((out / "runs" / name / "run.json").read_text())["iteration_s"]
+                    for name in (run.run_id, f"{run.run_id}.launch2")]  # fmt: skip
+        # The run's iterations are the first launch's, then the second's, numbered on.
+        times = bundle.iterations[bundle.iterations["run_id"] == run.run_id].sort_values("iteration")
+        assert times["iteration"].tolist() == [0, 1, 2, 3]
+        assert times["iteration_s"].tolist() == launches[0] + launches[1]
+        events = bundle.events[bundle.events["run_id"] == run.run_id]
+        assert (
+            events.groupby("rank")["iteration"].unique().map(sorted).map(list) == [[0, 1, 2, 3]] * 2
+        ).all()
+    assert "timed iterations per run: 4" in done.stdout
+    assert "each run pooled from 2 launches of fresh ranks" in done.stdout
+    replayed = ciera("replay", "--bundle", str(out / "bundle"))
+    assert replayed.returncode == 0 and "largest |replayed − measured| / measured: 0.000 %" in replayed.stdout
+    # The same command again keeps all four launches.
+    again = ciera(*args)
+    assert again.returncode == 0 and again.stderr.count("kept ") == 4, again.stderr[-2000:]
+
+
+@pytest.mark.heavy
 def test_rerun_keeps_finished_runs_and_refuses_another_plan(captured: Path) -> None:
     done = ciera("measure", "layers", "--out", str(captured), *TINY, "--systems", "zero3,ciera,fsdp")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -236,6 +272,8 @@ def test_ctrl_c_stops_the_ranks_and_the_next_run_redoes_it(tmp_path: Path) -> No
         (["--warmup", "0"], "--warmup"),
         (["--min-timed-s", "-1"], "--min-timed-s is -1.0: expected a number of seconds >= 0"),
         (["--min-timed-s", "nan"], "--min-timed-s is nan"),
+        (["--launches", "0"], "--launches is 0: expected an integer from 1 to 16"),
+        (["--launches", "17"], "--launches is 17: expected an integer from 1 to 16"),
         (["--topologies", "2by1"], "--topologies '2by1': expected NODESxRANKS[-RATE]"),
         (["--topologies", "0x1"], "nodes and ranks per node must be >= 1"),
         (["--topologies", "1x2,1x2"], "names a topology twice"),

@@ -41,7 +41,7 @@ import pandas as pd
 import traces
 
 from .errors import SimInputError
-from .graph_edit import EditableOp, editable_ops, to_graph
+from .graph_edit import EditableOp, editable_ops, relink_main, to_graph
 from .opgraph import MAIN_THREAD_STREAMS, OpGraph, build_graph
 from .rewrite import compute_scale, main_work_s, run_transport_s, traced_cluster, transport_scale
 from .system_rewrite import AnchorTime, insert_codec, rescaled_duration
@@ -432,6 +432,34 @@ def payload_bytes(raw: float, first: bool, shards: int, world: int, figures: Cod
     return ratio * raw + world * figures.shard_overhead_bytes * shards
 
 
+def _split_gather_host(edited: list[EditableOp], done: list, host_s: float) -> list[EditableOp]:
+    """CIERA's host path per call (`gather_host_s_per_call`, half at the issue, half at the wait), taken out
+    of the encode and decode ops it was written into and run as a `gather_host` op of its own beside each:
+    where a measured CIERA run records that work (the engine's gather call, beyond the codec), so the
+    predicted critical path counts it where the measured one does (`sim.evaluate.critical_path`: compute,
+    not codec). The main thread's work, and so every time, stays the same."""
+    before: dict[int, EditableOp] = {}  # encode (by identity) → its host op, run before it
+    after: dict[int, EditableOp] = {}  # decode → its host op, run after it
+    for insertion in done:
+        for kernel, where in ((insertion.send, before), (insertion.receive, after)):
+            if kernel is None or host_s <= 0.0:
+                continue
+            host = min(host_s, kernel.duration_s)
+            kernel.duration_s = max(kernel.duration_s - host, 1e-9)  # kept in the graph, as kernel_s does
+            where[id(kernel)] = EditableOp(kernel.rank, "gather_host", kernel.layer, kernel.phase, host)
+    if not before and not after:
+        return edited
+    split: list[EditableOp] = []
+    for op in edited:
+        if id(op) in before:
+            split.append(before[id(op)])
+        split.append(op)
+        if id(op) in after:
+            split.append(after[id(op)])
+    relink_main(split)
+    return split
+
+
 def ciera_graph(
     plain: OpGraph,
     engine: str,
@@ -504,6 +532,8 @@ def _rewrite_rank(
         return encode / work_scale, decode / work_scale
 
     edited, done = insert_codec(ops, overlap=False, kernel_s=kernel_s)
+    if replace_path:
+        edited = _split_gather_host(edited, done, figures.gather_host_s_per_call / 2 / work_scale)
     # Overflow rounds: every 1/rate-th first gather of the iteration, the same ones on every rank (the
     # runtime decides from the rows every rank received). The round runs between the gather and its
     # decode; its measured in-run time is added to the gather's (a round of its own would couple the

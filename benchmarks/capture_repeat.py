@@ -59,6 +59,9 @@ def arm_summary(paths: list[Path]) -> dict:
                 "iteration_spread_max": noise["iteration_spread_max"],
                 "depth_line_residual_mean": noise["depth_line_residual_mean"],
                 "depth_line_residual_max": noise["depth_line_residual_max"],
+                # With `ciera measure --launches`: how far a run's launch medians differ (None: one launch).
+                "launch_spread_mean": noise["launch_spread_mean"],
+                "launch_spread_max": noise["launch_spread_max"],
             }
         )
         medians.append(summaries["iteration_median_s"].to_numpy())

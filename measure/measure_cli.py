@@ -13,7 +13,6 @@ import functools
 import itertools
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Annotated
@@ -343,8 +342,8 @@ def _run_summaries(bundle) -> list[dict]:
                 "allgather_wire_bytes_per_iteration": float(summary["allgather_wire_bytes"]),
                 "gc_collect_median_s": versions.get("gc_collect_median_s"),
                 "other_cpu_share": _none_if_missing(summary["other_cpu_share"]),
-                "launches": int(versions.get("launches", 1)),
-                "launch_median_s": versions.get("launch_median_s", [float(summary["iteration_median_s"])]),
+                "launches": int(summary["launches"]),
+                "launch_spread": _none_if_missing(summary["launch_spread"]),
             }
         )
     return rows
@@ -353,23 +352,19 @@ def _run_summaries(bundle) -> list[dict]:
 def launch_spread_line(summaries: list[dict]) -> str:
     """One console line on how far the launches of each run differ ("" when every run had one launch): the
     spread (slowest − fastest) / median of a run's launch medians — what pooling them averages out."""
-    pooled = [s for s in summaries if s["launches"] > 1]
-    if not pooled:
+    import pandas as pd
+
+    from traces import launch_spread_summary
+
+    pooled = launch_spread_summary(pd.DataFrame(summaries, columns=["run_id", "launches", "launch_spread"]))
+    if not pooled["runs"]:
         return ""
-    spreads = [
-        (
-            (max(s["launch_median_s"]) - min(s["launch_median_s"])) / statistics.median(s["launch_median_s"]),
-            s["run_id"],
-        )
-        for s in pooled
-    ]
-    counts = sorted({s["launches"] for s in pooled})
+    counts = pooled["launches"]
     count = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-    largest, run_id = max(spreads)
     return (
         f"each run pooled from {count} launches of fresh ranks, in rounds over the plan: a run's launch medians "
-        f"differ by {100 * statistics.mean(s for s, _ in spreads):.1f} % on average, up to {100 * largest:.1f} % "
-        f"({run_id})"
+        f"differ by {100 * pooled['mean']:.1f} % on average, up to {100 * pooled['max']:.1f} % "
+        f"({pooled['widest_run']})"
     )
 
 

@@ -1,7 +1,7 @@
 """Trace bundles: the versioned Parquet tables that measurement writes and the simulator reads.
 
 Public surface: `TraceBundle`, `read_bundle`, `write_bundle`, `validate_bundle`, `derive_layer_tables`,
-`run_summaries`, `stream_summaries` (with `BUSY_HOST_SHARE`, `busy_host_summary`),
+`run_summaries`, `stream_summaries` (with `BUSY_HOST_SHARE`, `busy_host_summary`, `launch_spread_summary`),
 `TraceError`, `default_bundle_path`, `SCHEMA_VERSION`. The format (version 2; version-1 bundles are read and
 upgraded in memory) is documented in docs/trace-format.md.
 
@@ -13,7 +13,14 @@ import os
 from pathlib import Path
 
 from .bundle import TABLE_NAMES, TraceBundle, empty_table, read_bundle, validate_bundle, write_bundle
-from .derive import BUSY_HOST_SHARE, busy_host_summary, derive_layer_tables, run_summaries, stream_summaries
+from .derive import (
+    BUSY_HOST_SHARE,
+    busy_host_summary,
+    derive_layer_tables,
+    launch_spread_summary,
+    run_summaries,
+    stream_summaries,
+)
 from .errors import TraceError
 from .models import ModelShape, ModelShapeError, load_model_shape, model_keys
 from .schema import BACKENDS, CATEGORIES, DTYPES, ENGINES, PHASES, SCHEMA_VERSION, STREAMS
@@ -91,6 +98,7 @@ __all__ = [
     "stream_summaries",
     "BUSY_HOST_SHARE",
     "busy_host_summary",
+    "launch_spread_summary",
     "empty_table",
     "load_model_shape",
     "model_keys",

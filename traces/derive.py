@@ -199,6 +199,36 @@ def other_cpu_share(versions: str | None) -> float | None:
     return float(value) if isinstance(value, int | float) else None
 
 
+def launch_medians_s(versions: str | None) -> list[float]:
+    """The median iteration of each launch a run pooled (`ciera measure --launches`); [] when the run
+    records none (one launch, or captured before launches existed)."""
+    try:
+        values = json.loads(versions or "{}").get("launch_median_s")
+    except (ValueError, AttributeError):
+        return []
+    if not isinstance(values, list) or not all(isinstance(v, int | float) and v > 0 for v in values):
+        return []
+    return [float(v) for v in values]
+
+
+def launch_spread_summary(summaries: pd.DataFrame) -> dict:
+    """Of runs (rows of :func:`run_summaries`): those pooled from several launches, how many launches, and
+    how far a run's launch medians differ ((max − min) / median; mean, largest and its run) — what
+    `ciera measure` and `ciera validate sim` both report. ``runs`` 0: no run pooled launches."""
+    pooled = summaries[summaries["launches"] > 1] if len(summaries) else summaries
+    if pooled.empty:
+        return {"runs": 0, "launches": [], "mean": None, "max": None, "widest_run": None}
+    spreads = pooled["launch_spread"].astype(float)
+    widest = spreads.idxmax()
+    return {
+        "runs": int(len(pooled)),
+        "launches": sorted({int(n) for n in pooled["launches"]}),
+        "mean": float(spreads.mean()),
+        "max": float(spreads[widest]),
+        "widest_run": str(pooled.loc[widest, "run_id"]),
+    }
+
+
 def busy_host_summary(summaries: pd.DataFrame) -> dict:
     """Of runs (rows of :func:`run_summaries`): how many recorded the host's CPU, how many of those ran on a
     busy host (above BUSY_HOST_SHARE), the largest share and its run — what `ciera measure` and `ciera
@@ -219,8 +249,8 @@ def busy_host_summary(summaries: pd.DataFrame) -> dict:
 def run_summaries(bundle) -> pd.DataFrame:
     """One row per run with timed iterations: iterations, median / min / max iteration time, and the
     all-gather bytes one rank's iteration moved (raw and on the wire: event sums over ranks and iterations,
-    divided by both), and the share of the host's CPU other processes used meanwhile (None: not
-    recorded). What `ciera measure` prints and the report's Measured runs section show."""
+    divided by both), the share of the host's CPU other processes used meanwhile (None: not
+    recorded), and the launches it pooled with how far their medians differ (1 and NaN: one launch). What `ciera measure` prints and the report's Measured runs section show."""
     times = bundle.iterations.groupby("run_id")["iteration_s"].agg(["size", "median", "min", "max"])
     gathers = bundle.events[bundle.events["stream"] == "allgather"]
     sums = gathers.groupby("run_id")[["raw_bytes", "wire_bytes"]].sum()
@@ -239,9 +269,20 @@ def run_summaries(bundle) -> pd.DataFrame:
                 "allgather_raw_bytes": float(sums["raw_bytes"].get(run_id, 0.0)) / per_iteration,
                 "allgather_wire_bytes": float(sums["wire_bytes"].get(run_id, 0.0)) / per_iteration,
                 "other_cpu_share": other_cpu_share(versions.get(run_id)),
+                **_launches(versions.get(run_id)),
             }
         )
     return pd.DataFrame(rows)
+
+
+def _launches(versions: str | None) -> dict:
+    medians = launch_medians_s(versions)
+    if len(medians) < 2:
+        return {"launches": 1, "launch_spread": float("nan")}
+    return {
+        "launches": len(medians),
+        "launch_spread": (max(medians) - min(medians)) / float(np.median(medians)),
+    }
 
 
 def stream_summaries(bundle) -> pd.DataFrame:

@@ -150,6 +150,14 @@ def sim_command(
         f"of a run differ by mean {noise['iteration_spread_mean'] * 100:.1f} %, max "
         f"{noise['iteration_spread_max'] * 100:.1f} % (max − min over median){line}"
     )
+    if noise.get("runs_pooled_from_launches"):
+        counts = noise["launches_per_run"]
+        console.print(
+            f"launches: {noise['runs_pooled_from_launches']} runs pooled from "
+            f"{counts[0] if len(counts) == 1 else f'{counts[0]}-{counts[-1]}'} launches of fresh ranks each; a "
+            f"run's launch medians differ by mean {noise['launch_spread_mean'] * 100:.1f} %, max "
+            f"{noise['launch_spread_max'] * 100:.1f} % (no model involved)"
+        )
     recorded = noise.get("runs_with_host_cpu_recorded", 0)
     if not recorded:
         console.print("host CPU beside the runs: not recorded (captured before `ciera measure` recorded it)")

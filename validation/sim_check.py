@@ -137,7 +137,8 @@ def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -
     iterations ((max − min) / median), and how far a line a + b·L fitted to *all* measured depths of one
     (cluster, system) — in sample, the best any depth-linear model can do — misses its own points; and
     how many runs were measured while other processes took more than ``traces.BUSY_HOST_SHARE`` of the
-    host's CPU (of those that recorded it: `ciera measure` from 2026-12-04 on)."""
+    host's CPU (of those that recorded it: `ciera measure` from 2026-12-04 on); and, for runs pooled from
+    several launches, how far their launches differ."""
     times = bundle.iterations[bundle.iterations["run_id"].isin(measured_runs["run_id"])]
     per_run = times.groupby("run_id")["iteration_s"].agg(["median", "min", "max", "size"])
     spread = (per_run["max"] - per_run["min"]) / per_run["median"]
@@ -152,7 +153,9 @@ def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -
         by_run.update(zip(group["run_id"].astype(str), misses.astype(float).tolist(), strict=True))
     residuals = list(by_run.values())
     summaries = traces.run_summaries(bundle)
-    host = traces.busy_host_summary(summaries[summaries["run_id"].isin(measured_runs["run_id"])])
+    measured_summaries = summaries[summaries["run_id"].isin(measured_runs["run_id"])]
+    host = traces.busy_host_summary(measured_summaries)
+    launches = traces.launch_spread_summary(measured_summaries)
     return {
         "runs_with_host_cpu_recorded": host["recorded"],
         "runs_on_a_busy_host": host["busy"],
@@ -165,6 +168,12 @@ def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -
         # Per run: how far the line through its (cluster, system)'s measured depths misses it (runs of a
         # pair with fewer than three depths have none).
         "depth_line_residual_by_run": by_run,
+        # Runs pooled from several launches of fresh ranks (`ciera measure --launches`): how many, and how
+        # far a run's launch medians differ, (max − min) / median (None: no run pooled launches).
+        "runs_pooled_from_launches": launches["runs"],
+        "launches_per_run": launches["launches"],
+        "launch_spread_mean": launches["mean"],
+        "launch_spread_max": launches["max"],
     }
 
 

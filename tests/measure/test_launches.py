@@ -5,7 +5,9 @@ is not 1 to 16, and a capture recorded before launches existed is the same captu
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -97,13 +99,41 @@ def test_a_runs_launches_are_read_in_launch_order_and_a_launch_twice_is_one_line
 
 
 def test_the_console_says_how_far_launches_differ() -> None:
-    one = {"run_id": "r1", "launches": 1, "launch_median_s": [1.0]}
+    one = {"run_id": "r1", "launches": 1, "launch_spread": None}
     assert launch_spread_line([one]) == ""
     pooled = [
-        {"run_id": "r2", "launches": 3, "launch_median_s": [1.0, 1.1, 1.2]},  # (1.2 - 1.0) / 1.1
-        {"run_id": "r3", "launches": 3, "launch_median_s": [2.0, 2.0, 2.0]},
+        {"run_id": "r2", "launches": 3, "launch_spread": 0.2 / 1.1},
+        {"run_id": "r3", "launches": 3, "launch_spread": 0.0},
         one,
     ]
     line = launch_spread_line(pooled)
     assert line.startswith("each run pooled from 3 launches of fresh ranks")
     assert "differ by 9.1 % on average, up to 18.2 % (r2)" in line
+
+
+def test_a_runs_launch_spread_is_read_from_what_it_recorded() -> None:
+    import pandas as pd
+
+    import traces
+
+    def bundle_of(versions: dict[str, str]):
+        runs = pd.DataFrame({"run_id": list(versions), "versions": list(versions.values())})
+        iterations = pd.DataFrame({"run_id": list(versions), "iteration": 0, "iteration_s": 1.0})
+        events = pd.DataFrame(columns=["run_id", "rank", "stream", "raw_bytes", "wire_bytes"])
+        return SimpleNamespace(runs=runs, iterations=iterations, events=events)
+
+    summaries = traces.run_summaries(
+        bundle_of({
+            "pooled": json.dumps({"launches": 3, "launch_median_s": [1.0, 1.1, 1.2]}),
+            "one": json.dumps({}),
+            "garbled": json.dumps({"launch_median_s": [1.0, "x"]}),
+            "broken": "{not json",
+        })
+    ).set_index("run_id")  # fmt: skip
+    assert summaries.loc["pooled", "launches"] == 3
+    assert summaries.loc["pooled", "launch_spread"] == pytest.approx(0.2 / 1.1)
+    for run in ("one", "garbled", "broken"):  # nothing usable recorded: one launch, no spread
+        assert summaries.loc[run, "launches"] == 1 and math.isnan(summaries.loc[run, "launch_spread"])
+    pooled = traces.launch_spread_summary(summaries.reset_index())
+    assert pooled == {"runs": 1, "launches": [3], "mean": pytest.approx(0.2 / 1.1),
+                      "max": pytest.approx(0.2 / 1.1), "widest_run": "pooled"}  # fmt: skip

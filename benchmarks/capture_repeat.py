@@ -8,14 +8,20 @@ captured the same runs (the same run ids) — e.g. the same `ciera measure layer
 a second arm with ``--min-timed-s``. Per arm and bundle, the model-free noise lines `ciera validate sim`
 prints (validation.sim_check.measurement_noise: the spread of a run's timed iterations, (max − min) /
 median, and how far a line a + b·L through each (cluster, system)'s measured depths misses its own
-points) and the timed iterations per run; across the arm's bundles, how far each run's median iteration
-differs from the same run's in the arm's other bundles ((max − min) / mean of its medians) — what a
-capture taken at another time would have measured instead. No model is involved.
+points; with ``--launches``, how far a run's launch medians differ) and the timed iterations per run;
+across the arm's bundles, how far each run's median iteration differs from the same run's in the arm's
+other bundles ((max − min) / mean of its medians) — what a capture taken at another time would have
+measured instead. No model is involved.
 
 How the arms of the README's figures were taken (as root, one after the other, A B A B):
 
     ciera measure layers --model mixtral-8x7b --width-scale 32 --topologies 2x1-1gbit --layers 2,4,6,8 \\
         --systems zero3,ciera --iterations 6 --warmup 3 [--min-timed-s 8] --out captures/mt-A1   # -B1, -A2, -B2
+
+and those of docs/validation.md, "Launches pooled" (plain local ranks, A B A B A B):
+
+    ciera measure layers --model mixtral-8x7b --width-scale 32 --layers 2,4,6 --systems zero3,ciera \\
+        --warmup 3 --iterations 12 --out captures/ab/A1          # B: --iterations 4 --launches 3, ab/B1
 """
 
 from __future__ import annotations

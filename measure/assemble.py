@@ -5,6 +5,7 @@ sweeps; exponents and shard changes from the exponent-statistics run."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -114,11 +115,11 @@ def _launches_by_run(out_dir: Path) -> list[list[tuple[Path, LayersJob, dict[str
     for run_id, launches in by_run.items():
         launches.sort(key=lambda launch: launch[1].launch)
         numbers = [job.launch for _, job, _ in launches]
-        twice = sorted({number for number in numbers if numbers.count(number) > 1})
-        if twice:
-            raise CaptureError(
-                f"{out_dir / 'runs'}: run {run_id} has launch {twice[0]} twice; expected each launch once"
-            )
+        for earlier, later in itertools.pairwise(numbers):  # sorted: a launch twice sits side by side
+            if earlier == later:
+                raise CaptureError(
+                    f"{out_dir / 'runs'}: run {run_id} has launch {later} twice; expected each launch once"
+                )
     return [by_run[run_id] for run_id in sorted(by_run)]
 
 

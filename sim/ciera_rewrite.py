@@ -432,32 +432,24 @@ def payload_bytes(raw: float, first: bool, shards: int, world: int, figures: Cod
     return ratio * raw + world * figures.shard_overhead_bytes * shards
 
 
-def _split_gather_host(edited: list[EditableOp], done: list, host_s: float) -> list[EditableOp]:
-    """CIERA's host path per call (`gather_host_s_per_call`, half at the issue, half at the wait), taken out
-    of the encode and decode ops it was written into and run as a `gather_host` op of its own beside each:
-    where a measured CIERA run records that work (the engine's gather call, beyond the codec), so the
-    predicted critical path counts it where the measured one does (`sim.evaluate.critical_path`: compute,
-    not codec). The main thread's work, and so every time, stays the same."""
-    before: dict[int, EditableOp] = {}  # encode (by identity) → its host op, run before it
-    after: dict[int, EditableOp] = {}  # decode → its host op, run after it
-    for insertion in done:
-        for kernel, where in ((insertion.send, before), (insertion.receive, after)):
-            if kernel is None or host_s <= 0.0:
-                continue
-            host = min(host_s, kernel.duration_s)
-            kernel.duration_s = max(kernel.duration_s - host, 1e-9)  # kept in the graph, as kernel_s does
-            where[id(kernel)] = EditableOp(kernel.rank, "gather_host", kernel.layer, kernel.phase, host)
-    if not before and not after:
+def _add_gather_host(edited: list[EditableOp], done: list, host_s: float) -> list[EditableOp]:
+    """CIERA's host path per call (`gather_host_s_per_call`), half as a `gather_host` op just before each
+    encode and half just after each decode: where a measured CIERA run records that work (the engine's
+    gather call, beyond the codec), so the predicted critical path counts it where the measured one does
+    (`sim.evaluate.critical_path`: compute, not codec)."""
+    if host_s <= 0.0:
         return edited
-    split: list[EditableOp] = []
+    before = {id(i.send): i.send for i in done if i.send is not None}  # encode → run its host op first
+    after = {id(i.receive): i.receive for i in done if i.receive is not None}  # decode → its host op next
+    with_host: list[EditableOp] = []
     for op in edited:
         if id(op) in before:
-            split.append(before[id(op)])
-        split.append(op)
+            with_host.append(EditableOp(op.rank, "gather_host", op.layer, op.phase, host_s))
+        with_host.append(op)
         if id(op) in after:
-            split.append(after[id(op)])
-    relink_main(split)
-    return split
+            with_host.append(EditableOp(op.rank, "gather_host", op.layer, op.phase, host_s))
+    relink_main(with_host)
+    return with_host
 
 
 def ciera_graph(
@@ -506,9 +498,8 @@ def _rewrite_rank(
     replace_path = figures.gather_host_s_per_call is not None
     if replace_path:
         # The engine's own gather path (recorded as gather_host) is what CIERA replaces: the plain run's
-        # is dropped, and CIERA's, measured per call, and its extra lag run half with the encode and half
-        # with the decode.
-        glue = (figures.gather_host_s_per_call + figures.glue_s_per_gather) / 2
+        # is dropped; CIERA's, measured per call, runs half at the encode and half at the decode as
+        # gather_host ops of their own (`_add_gather_host`), and its extra lag with the codec ops.
         replaced = 0
         for op in ops:
             if op.stream == "gather_host":
@@ -533,7 +524,7 @@ def _rewrite_rank(
 
     edited, done = insert_codec(ops, overlap=False, kernel_s=kernel_s)
     if replace_path:
-        edited = _split_gather_host(edited, done, figures.gather_host_s_per_call / 2 / work_scale)
+        edited = _add_gather_host(edited, done, figures.gather_host_s_per_call / 2 / work_scale)
     # Overflow rounds: every 1/rate-th first gather of the iteration, the same ones on every rank (the
     # runtime decides from the rows every rank received). The round runs between the gather and its
     # decode; its measured in-run time is added to the gather's (a round of its own would couple the

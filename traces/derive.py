@@ -249,8 +249,9 @@ def busy_host_summary(summaries: pd.DataFrame) -> dict:
 def run_summaries(bundle) -> pd.DataFrame:
     """One row per run with timed iterations: iterations, median / min / max iteration time, and the
     all-gather bytes one rank's iteration moved (raw and on the wire: event sums over ranks and iterations,
-    divided by both), the share of the host's CPU other processes used meanwhile (None: not
-    recorded), and the launches it pooled with how far their medians differ (1 and NaN: one launch). What `ciera measure` prints and the report's Measured runs section show."""
+    divided by both), the share of the host's CPU other processes used meanwhile (None: not recorded),
+    and the launches it pooled with how far their medians differ (1 and NaN: one launch). What `ciera
+    measure` prints and the report's Measured runs section show."""
     times = bundle.iterations.groupby("run_id")["iteration_s"].agg(["size", "median", "min", "max"])
     gathers = bundle.events[bundle.events["stream"] == "allgather"]
     sums = gathers.groupby("run_id")[["raw_bytes", "wire_bytes"]].sum()

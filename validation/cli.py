@@ -152,9 +152,9 @@ def sim_command(
     )
     if noise.get("runs_pooled_from_launches"):
         counts = noise["launches_per_run"]
+        count = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
         console.print(
-            f"launches: {noise['runs_pooled_from_launches']} runs pooled from "
-            f"{counts[0] if len(counts) == 1 else f'{counts[0]}-{counts[-1]}'} launches of fresh ranks each; a "
+            f"launches: {noise['runs_pooled_from_launches']} runs pooled from {count} launches of fresh ranks each; a "
             f"run's launch medians differ by mean {noise['launch_spread_mean'] * 100:.1f} %, max "
             f"{noise['launch_spread_max'] * 100:.1f} % (no model involved)"
         )

@@ -158,6 +158,14 @@ def sim_command(
             f"run's launch medians differ by mean {noise['launch_spread_mean'] * 100:.1f} %, max "
             f"{noise['launch_spread_max'] * 100:.1f} % (no model involved)"
         )
+    by_system = noise.get("by_system", {})
+    if len(by_system) > 1:
+        console.print("by system, means (no model involved): " + "; ".join(
+            f"{system} {_percent(row['iteration_spread_mean'])} between iterations, depth line "
+            f"{_percent(row['depth_line_residual_mean'])}"
+            + ("" if row["launch_spread_mean"] is None else f", launches {_percent(row['launch_spread_mean'])} apart")
+            for system, row in by_system.items()
+        ))  # fmt: skip
     recorded = noise.get("runs_with_host_cpu_recorded", 0)
     if not recorded:
         console.print("host CPU beside the runs: not recorded (captured before `ciera measure` recorded it)")
@@ -505,3 +513,7 @@ def _check_train_options(plan) -> None:  # noqa: ANN001 — a LosslessPlan or Di
 
 def register(parent: typer.Typer) -> None:
     parent.add_typer(app, name="validate")
+
+
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{share * 100:.1f} %"

@@ -215,6 +215,12 @@ def test_measurement_noise_is_computed_from_the_measurements_alone(bundle: trace
     assert noise["iteration_spread_mean"] == pytest.approx(0.2 / 1.1)
     assert noise["depth_line_residual_max"] == pytest.approx(0.0, abs=1e-9)
     assert set(noise["depth_line_residual_by_run"]) == set(runs["run_id"])
+    # The same lines per system: here one system, so its lines are the whole's; no launches pooled.
+    (system,) = noise["by_system"]
+    fsdp = noise["by_system"][system]
+    assert system == "fsdp" and fsdp["runs"] == len(runs)
+    assert fsdp["iteration_spread_mean"] == pytest.approx(0.2 / 1.1)
+    assert fsdp["launch_spread_mean"] is None and fsdp["launch_spread_max"] is None
     # One depth 20 % above the line the others make: it lies well off the fitted line, and the per-run
     # misses are what the summary's mean and max are taken over.
     off = runs["run_id"].iloc[1]
@@ -228,6 +234,21 @@ def test_measurement_noise_is_computed_from_the_measurements_alone(bundle: trace
     assert by_run[off] > 0.05
     assert max(by_run.values()) == pytest.approx(bent_noise["depth_line_residual_max"])
     assert np.mean(list(by_run.values())) == pytest.approx(bent_noise["depth_line_residual_mean"])
+    assert bent_noise["by_system"]["fsdp"]["depth_line_residual_max"] == pytest.approx(max(by_run.values()))
+    # Two systems: each one's lines from its own runs only (ZeRO-3's iterations 1.0 and 1.5 of a line).
+    zero3 = bundle.runs[(bundle.runs["cluster"] == SEEN) & (bundle.runs["system"] == "zero3")]
+    both = pd.concat([runs, zero3])
+    mixed = pd.concat([bent, pd.DataFrame(
+        [{"run_id": r.run_id, "iteration": i, "iteration_s": (0.2 + 0.1 * r.layers) * factor}
+         for r in zero3.itertuples() for i, factor in enumerate((1.0, 1.5))]
+    )])  # fmt: skip
+    split = measurement_noise(dataclasses.replace(bundle, runs=unrecorded, iterations=mixed), both)[
+        "by_system"
+    ]
+    assert set(split) == {"fsdp", "zero3"} and split["zero3"]["runs"] == len(zero3)
+    assert split["zero3"]["iteration_spread_max"] == pytest.approx(0.5 / 1.25)
+    assert split["zero3"]["depth_line_residual_max"] == pytest.approx(0.0, abs=1e-9)
+    assert split["fsdp"] == bent_noise["by_system"]["fsdp"]
     # Runs without the record: none counted, none guessed.
     assert noise["runs_with_host_cpu_recorded"] == 0 and noise["other_cpu_share_max"] is None
     # Two runs that recorded it, one on a busy host; a garbled record counts as not recorded.

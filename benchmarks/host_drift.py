@@ -1,11 +1,15 @@
 """How steady this host's CPU speed is with nothing else running: the noise floor of any capture on it.
 
     python benchmarks/host_drift.py --json out/host_drift.json [--seconds 120] [--block-s 1.4] [--workers N]
+        [--work matmul|python|both]
 
 One single-threaded worker process per core (default: every core) times the same fixed block of work
 again and again for ``--seconds``: 256 × 256 float32 matmuls with torch, the kind of work a rank's
 compute is, each block sized at the start to take about ``--block-s`` (a run's iteration is 0.3–6 s
-here). Nothing else should run meanwhile; the host's own counters say what else did, over the whole run
+here). ``--work python`` times a loop of Python integer arithmetic instead (the interpreter alone, no
+allocation: the kind of work an engine's hooks and a runtime's per-call code are); ``--work both``
+alternates a block of each in every worker, so both are timed in the same windows and each is the
+other's baseline (``by_work``: per kind, the same figures; the top-level ones are the first kind's). Nothing else should run meanwhile; the host's own counters say what else did, over the whole run
 (`measure.launch.host_cpu_record`, as `ciera measure` records it per run): the CPU share of other
 processes, and the hypervisor's steal time (Linux ``/proc/stat``).
 
@@ -35,29 +39,46 @@ MATMUL_SIZE = 256
 SLOW_PHASE_FACTOR = 1.05  # a block this much slower than the median counts toward a slow phase
 
 
-def _worker(seconds: float, block_s: float, start_at: float, queue) -> None:
+def _python_block(iterations: int) -> float:
+    start = time.perf_counter()
+    total = 0
+    for value in range(iterations):
+        total += value * 3 % 7
+    return time.perf_counter() - start
+
+
+def _worker(
+    seconds: float, block_s: float, start_at: float, queue, kinds: tuple[str, ...] = ("matmul",)
+) -> None:
+    import gc
+
     import torch
 
+    gc.disable()  # the Python block allocates nothing; the collector's pauses are not the host's speed
     torch.set_num_threads(1)
     left = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
     right = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
 
-    def block(matmuls: int) -> float:
+    def matmul_block(matmuls: int) -> float:
         start = time.perf_counter()
         for _ in range(matmuls):
             torch.mm(left, right)
         return time.perf_counter() - start
 
-    block(20)  # warm the kernels
-    probe = 50
-    matmuls = max(int(probe * block_s / max(block(probe), 1e-9)), 1)
+    blocks = {"matmul": matmul_block, "python": _python_block}
+    probes = {"matmul": 50, "python": 200_000}
+    blocks["matmul"](20)  # warm the kernels
+    sizes = {
+        kind: max(int(probes[kind] * block_s / max(blocks[kind](probes[kind]), 1e-9)), 1) for kind in kinds
+    }
     while time.time() < start_at:  # every worker starts its timed blocks together
         time.sleep(0.001)
-    blocks = []
+    timed: dict[str, list[float]] = {kind: [] for kind in kinds}
     end = time.time() + seconds
     while time.time() < end:
-        blocks.append(block(matmuls))
-    queue.put({"matmuls_per_block": matmuls, "blocks_s": blocks})
+        for kind in kinds:
+            timed[kind].append(blocks[kind](sizes[kind]))
+    queue.put({"sizes": sizes, "blocks_s": timed})
 
 
 def summarize(blocks_s: list[float]) -> dict[str, float]:
@@ -81,11 +102,39 @@ def summarize(blocks_s: list[float]) -> dict[str, float]:
     }
 
 
+def _summarize_workers(kind: str, results: list[dict]) -> dict:
+    """One kind of block over every worker: each worker's figures, and the relative ones pooled (each
+    worker's block is sized on its own, so only the relative figures are pooled)."""
+    per_worker = [summarize(result["blocks_s"][kind]) for result in results]
+    return {
+        "all_workers": {
+            "spread_mean": sum(w["spread"] for w in per_worker) / len(per_worker),
+            "spread_max": max(w["spread"] for w in per_worker),
+            "p90_over_median_max": max(w["p90_over_median"] for w in per_worker),
+            "longest_slow_phase_s": max(w["longest_slow_phase_s"] for w in per_worker),
+        },
+        "workers": [
+            {
+                f"{'matmuls' if kind == 'matmul' else 'iterations'}_per_block": result["sizes"][kind],
+                **figures,
+                "blocks_s": result["blocks_s"][kind],
+            }
+            for result, figures in zip(results, per_worker, strict=True)
+        ],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=120.0, help="how long each worker times blocks")
     parser.add_argument("--block-s", type=float, default=1.4, help="the time one block should take")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes")
+    parser.add_argument(
+        "--work",
+        choices=("matmul", "python", "both"),
+        default="matmul",
+        help="what a block does: torch matmuls, Python arithmetic, or both alternately",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if not args.seconds > 0:
@@ -97,11 +146,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from measure.launch import host_cpu_record, host_cpu_sample
 
+    kinds = ("matmul", "python") if args.work == "both" else (args.work,)
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     start_at = time.time() + 5.0  # time for every worker to import torch and size its block
     workers = [
-        context.Process(target=_worker, args=(args.seconds, args.block_s, start_at, queue))
+        context.Process(target=_worker, args=(args.seconds, args.block_s, start_at, queue, kinds))
         for _ in range(args.workers)
     ]
     # Around the whole run, workers reaped: their CPU is the benchmark's own, the rest is other processes'.
@@ -113,25 +163,16 @@ def main(argv: list[str] | None = None) -> int:
         worker.join()
     after = host_cpu_sample()
     host = {"window_s": args.seconds, **host_cpu_record(before, after)}
-    per_worker = [summarize(result["blocks_s"]) for result in results]
+    by_work = {kind: _summarize_workers(kind, results) for kind in kinds}
     emit_json(
         {
             "benchmark": "host_drift",
+            "work": args.work,
             "matmul_size": MATMUL_SIZE,
             "block_s_asked": args.block_s,
             "host": host,
-            # Each worker's block is sized on its own, so their times are summarised apart and only
-            # the relative figures are pooled.
-            "all_workers": {
-                "spread_mean": sum(w["spread"] for w in per_worker) / len(per_worker),
-                "spread_max": max(w["spread"] for w in per_worker),
-                "p90_over_median_max": max(w["p90_over_median"] for w in per_worker),
-                "longest_slow_phase_s": max(w["longest_slow_phase_s"] for w in per_worker),
-            },
-            "workers": [
-                {"matmuls_per_block": result["matmuls_per_block"], **figures, "blocks_s": result["blocks_s"]}
-                for result, figures in zip(results, per_worker, strict=True)
-            ],
+            **by_work[kinds[0]],
+            "by_work": by_work,
         },
         args.json,
     )

@@ -60,3 +60,28 @@ def test_bad_input_is_one_line(args: list[str], message: str) -> None:
     done = run_benchmark("host_drift.py", *args, timeout=60)
     assert done.returncode == 2
     assert done.stdout.strip() == f"host_drift: error: {message}" and "Traceback" not in done.stderr
+
+
+def test_both_kinds_of_work_are_timed_in_the_same_windows(tmp_path: Path) -> None:
+    """`--work both`: every worker alternates a matmul and a Python block; each kind summarised apart, the
+    top-level figures the first kind's (matmul)."""
+    out = tmp_path / "drift.json"
+    done = run_benchmark(
+        "host_drift.py", "--seconds", "1.5", "--block-s", "0.1", "--workers", "1", "--work", "both",
+        "--json", str(out), timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["work"] == "both" and set(result["by_work"]) == {"matmul", "python"}
+    assert result["workers"] == result["by_work"]["matmul"]["workers"]
+    summarise = load_benchmark("host_drift").summarize
+    (matmul,), (python,) = result["by_work"]["matmul"]["workers"], result["by_work"]["python"]["workers"]
+    # Alternating blocks: one of each per round, the last round possibly cut after its matmul block.
+    assert python["iterations_per_block"] >= 1 and matmul["matmuls_per_block"] >= 1
+    assert len(matmul["blocks_s"]) - len(python["blocks_s"]) in (0, 1) and len(python["blocks_s"]) >= 3
+    assert {k: python[k] for k in summarise(python["blocks_s"])} == pytest.approx(
+        summarise(python["blocks_s"])
+    )
+    bad = run_benchmark("host_drift.py", "--work", "gpu", timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stdout.strip().startswith("host_drift: error: argument --work: invalid choice: 'gpu'")

@@ -9,7 +9,8 @@ compute is, each block sized at the start to take about ``--block-s`` (a run's i
 here). ``--work python`` times a loop of Python integer arithmetic instead (the interpreter alone, no
 allocation: the kind of work an engine's hooks and a runtime's per-call code are); ``--work both``
 alternates a block of each in every worker, so both are timed in the same windows and each is the
-other's baseline (``by_work``: per kind, the same figures; the top-level ones are the first kind's). Nothing else should run meanwhile; the host's own counters say what else did, over the whole run
+other's baseline (``by_work``: per kind, the same figures; the top-level ones are the first kind's).
+Nothing else should run meanwhile; the host's own counters say what else did, over the whole run
 (`measure.launch.host_cpu_record`, as `ciera measure` records it per run): the CPU share of other
 processes, and the hypervisor's steal time (Linux ``/proc/stat``).
 

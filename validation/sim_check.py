@@ -157,20 +157,6 @@ def measurement_noise(bundle: traces.TraceBundle, measured_runs: pd.DataFrame) -
     host = traces.busy_host_summary(measured_summaries)
     launches = traces.launch_spread_summary(measured_summaries)
     return {
-        **_overall_noise(per_run, spread, residuals, host, launches),
-        # Per run: how far the line through its (cluster, system)'s measured depths misses it (runs of a
-        # pair with fewer than three depths have none).
-        "depth_line_residual_by_run": by_run,
-        # The same lines per system: where a capture's noise sits (one engine's launches can be the noisy
-        # ones while the others repeat).
-        "by_system": _noise_by_system(measured_runs, spread, by_run, measured_summaries),
-    }
-
-
-def _overall_noise(
-    per_run: pd.DataFrame, spread: pd.Series, residuals: list[float], host: dict, launches: dict
-) -> dict[str, Any]:
-    return {
         "runs_with_host_cpu_recorded": host["recorded"],
         "runs_on_a_busy_host": host["busy"],
         "other_cpu_share_max": host["largest_share"],
@@ -185,6 +171,12 @@ def _overall_noise(
         "launches_per_run": launches["launches"],
         "launch_spread_mean": launches["mean"],
         "launch_spread_max": launches["max"],
+        # Per run: how far the line through its (cluster, system)'s measured depths misses it (runs of a
+        # pair with fewer than three depths have none).
+        "depth_line_residual_by_run": by_run,
+        # The same lines per system: where a capture's noise sits (one engine's launches can be the noisy
+        # ones while the others repeat).
+        "by_system": _noise_by_system(measured_runs, spread, by_run, measured_summaries),
     }
 
 
@@ -193,22 +185,23 @@ def _noise_by_system(
 ) -> dict[str, dict[str, Any]]:
     """Per system of `measured_runs`: its runs, and the mean and largest iteration spread, depth-line miss
     and launch spread over them (None where none of its runs has one)."""
-    launch_spread = (
-        summaries.set_index("run_id")["launch_spread"].astype(float) if len(summaries) else pd.Series()
-    )
     out: dict[str, dict[str, Any]] = {}
     for system, runs in measured_runs.groupby("system", sort=True):
         ids = runs["run_id"].astype(str)
         values = {
             "iteration_spread": spread.reindex(ids).dropna(),
             "depth_line_residual": pd.Series([by_run[r] for r in ids if r in by_run], dtype=float),
-            "launch_spread": launch_spread.reindex(ids).dropna(),
         }
-        out[str(system)] = {"runs": int(len(ids))} | {
-            f"{name}_{stat}": (float(getattr(series, stat)()) if len(series) else None)
-            for name, series in values.items()
-            for stat in ("mean", "max")
-        }
+        launches = traces.launch_spread_summary(summaries[summaries["run_id"].isin(ids)])
+        out[str(system)] = (
+            {"runs": int(len(ids))}
+            | {
+                f"{name}_{stat}": (float(getattr(series, stat)()) if len(series) else None)
+                for name, series in values.items()
+                for stat in ("mean", "max")
+            }
+            | {"launch_spread_mean": launches["mean"], "launch_spread_max": launches["max"]}
+        )
     return out
 
 

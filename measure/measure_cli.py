@@ -344,6 +344,7 @@ def _run_summaries(bundle) -> list[dict]:
                 "other_cpu_share": _none_if_missing(summary["other_cpu_share"]),
                 "launches": int(summary["launches"]),
                 "launch_spread": _none_if_missing(summary["launch_spread"]),
+                "gather_path_s_per_gather": _none_if_missing(summary["gather_path_s_per_gather"]),
             }
         )
     return rows
@@ -390,8 +391,12 @@ def other_cpu_line(summaries: list[dict]) -> str:
 def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:
     console = Console()
     summaries = _run_summaries(bundle)
-    table = Table(box=box.SIMPLE_HEAD, title=f"measured runs in {path} (median iteration, all-gather bytes)")
-    for column in ("cluster", "L", "system", "iteration", "gathered (raw)", "on the wire", "vs zero3"):
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title=f"measured runs in {path} (median iteration; all-gather bytes per iteration, raw and on the wire; "
+        "gather path per all-gather)",
+    )
+    for column in ("cluster", "L", "system", "iteration", "raw", "wire", "path", "vs zero3"):
         table.add_column(column, justify="left" if column in ("cluster", "system") else "right")
     baseline = {
         (s["cluster"], s["layers"]): s["median_iteration_s"] for s in summaries if s["system"] == "zero3"
@@ -405,9 +410,17 @@ def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:
             f"{s['median_iteration_s'] * 1e3:.0f} ms",
             f"{s['allgather_raw_bytes_per_iteration'] / 1e6:.2f} MB",
             f"{s['allgather_wire_bytes_per_iteration'] / 1e6:.2f} MB",
+            f"{s['gather_path_s_per_gather'] * 1e6:.0f} µs"
+            if s["gather_path_s_per_gather"] is not None
+            else "-",
             f"{base / s['median_iteration_s']:.2f}x" if base else "-",
         )
     console.print(table)
+    if any(s["gather_path_s_per_gather"] is not None for s in summaries):
+        console.print(
+            "path: the main thread's time inside the engine's gather calls per all-gather, per rank (issue "
+            "and wait: the engine's host path, or CIERA's with its codec; network waits excluded)"
+        )
     if summaries:
         warm = sorted({s["warm_steps"] for s in summaries})
         blocks = sorted({s["block_size"] for s in summaries})

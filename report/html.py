@@ -384,6 +384,14 @@ def measured_run_rows(bundle: TraceBundle) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["cluster"], r["layers"], r["system"]))
 
 
+def _gather_path_cell(seconds: float | None) -> str:
+    """The main thread inside the engine's gather calls per all-gather (`traces.run_summaries`); — where
+    the run did not record it."""
+    if seconds is None or seconds != seconds:
+        return '<td title="not recorded by this capture">—</td>'
+    return f"<td>{seconds * 1e6:.0f}</td>"
+
+
 def _measured_runs_table(rows: list[dict[str, Any]]) -> str:
     headers = [
         ("cluster", "text"),
@@ -395,6 +403,7 @@ def _measured_runs_table(rows: list[dict[str, Any]]) -> str:
         ("× ZeRO-3", ""),
         ("Allgather raw MB/iter", ""),
         ("on the wire MB/iter", ""),
+        ("gather path µs/Allgather", ""),
     ]
     head = "".join(f'<th class="{css}">{html.escape(name)}</th>' for name, css in headers)
     body = []
@@ -415,6 +424,7 @@ def _measured_runs_table(rows: list[dict[str, Any]]) -> str:
             f"<td>{_format_number(r['speedup_vs_zero3'], 3)}</td>",
             f"<td>{r['allgather_raw_bytes'] / 1e6:.2f}</td>",
             f"<td>{r['allgather_wire_bytes'] / 1e6:.2f}</td>",
+            _gather_path_cell(r.get("gather_path_s_per_gather")),
         ]
         body.append(f'<tr class="measured">{"".join(cells)}</tr>')
     return (
@@ -1262,8 +1272,10 @@ def build_report(
                     + ": each row is one run of the trace bundle (median and range over its timed "
                     "iterations; the iteration ends when the last rank ends). × ZeRO-3 compares with the ZeRO-3 "
                     "run of the same cluster and depth; Allgather bytes are per rank's view of one iteration "
-                    "(raw: what the gathers would move uncompressed; on the wire: what they moved). These are "
-                    "measurements, not simulation output.",
+                    "(raw: what the gathers would move uncompressed; on the wire: what they moved). Gather path: "
+                    "the main thread's time inside the engine's gather calls per Allgather, per rank (the "
+                    "engine's host path, or CIERA's with its codec; network waits excluded; — where the capture "
+                    "did not record it). These are measurements, not simulation output.",
                     _measured_runs_table(measured_rows),
                 )
             ]

@@ -246,16 +246,29 @@ def busy_host_summary(summaries: pd.DataFrame) -> dict:
     }
 
 
+# The main thread inside the engine's gather calls: the engine's (or CIERA's) host path and CIERA's codec.
+GATHER_PATH_STREAMS = ("gather_host", "codec_send", "codec_recv")
+
+
 def run_summaries(bundle) -> pd.DataFrame:
     """One row per run with timed iterations: iterations, median / min / max iteration time, and the
     all-gather bytes one rank's iteration moved (raw and on the wire: event sums over ranks and iterations,
     divided by both), the share of the host's CPU other processes used meanwhile (None: not recorded),
-    and the launches it pooled with how far their medians differ (1 and NaN: one launch). What `ciera
-    measure` prints and the report's Measured runs section show."""
+    the launches it pooled with how far their medians differ (1 and NaN: one launch), and
+    ``gather_path_s_per_gather``: the main thread's time inside the engine's gather calls (its issue and
+    its wait, `gather_host`, with CIERA's codec, `codec_send` and `codec_recv`; blocking waits excluded)
+    per all-gather that moved parameters — the engine's or CIERA's control plane per call, comparable
+    between a plain run and its CIERA twin (NaN: the run records no gather path, captures before
+    2026-12-05). What `ciera measure` prints and the report's Measured runs section show."""
     times = bundle.iterations.groupby("run_id")["iteration_s"].agg(["size", "median", "min", "max"])
-    gathers = bundle.events[bundle.events["stream"] == "allgather"]
+    events = bundle.events
+    gathers = events[events["stream"] == "allgather"]
     sums = gathers.groupby("run_id")[["raw_bytes", "wire_bytes"]].sum()
-    ranks = bundle.events.groupby("run_id")["rank"].nunique()
+    ranks = events.groupby("run_id")["rank"].nunique()
+    path = events[events["stream"].isin(GATHER_PATH_STREAMS)]
+    path_s = (path["end_s"] - path["start_s"]).groupby(path["run_id"]).sum()
+    recorded = set(events.loc[events["stream"] == "gather_host", "run_id"])
+    parameter_gathers = gathers[gathers["raw_bytes"] > 0].groupby("run_id").size()
     versions = bundle.runs.set_index("run_id")["versions"]
     rows = []
     for run_id in times.index:
@@ -271,6 +284,9 @@ def run_summaries(bundle) -> pd.DataFrame:
                 "allgather_wire_bytes": float(sums["wire_bytes"].get(run_id, 0.0)) / per_iteration,
                 "other_cpu_share": other_cpu_share(versions.get(run_id)),
                 **_launches(versions.get(run_id)),
+                "gather_path_s_per_gather": float(path_s.get(run_id, 0.0)) / float(parameter_gathers[run_id])
+                if run_id in recorded and parameter_gathers.get(run_id, 0) > 0
+                else float("nan"),
             }
         )
     return pd.DataFrame(rows)

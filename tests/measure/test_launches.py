@@ -119,7 +119,9 @@ def test_a_runs_launch_spread_is_read_from_what_it_recorded() -> None:
     def bundle_of(versions: dict[str, str]):
         runs = pd.DataFrame({"run_id": list(versions), "versions": list(versions.values())})
         iterations = pd.DataFrame({"run_id": list(versions), "iteration": 0, "iteration_s": 1.0})
-        events = pd.DataFrame(columns=["run_id", "rank", "stream", "raw_bytes", "wire_bytes"])
+        events = pd.DataFrame(
+            columns=["run_id", "rank", "stream", "start_s", "end_s", "raw_bytes", "wire_bytes"]
+        )
         return SimpleNamespace(runs=runs, iterations=iterations, events=events)
 
     summaries = traces.run_summaries(

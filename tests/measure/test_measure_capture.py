@@ -169,6 +169,13 @@ def test_rerun_keeps_finished_runs_and_refuses_another_plan(captured: Path) -> N
     done = ciera("measure", "layers", "--out", str(captured), *TINY, "--systems", "zero3,ciera,fsdp")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.count("kept ") == 3
+    # The summary gives every run's gather path per all-gather (this capture records it), as the bundle has it.
+    gather_path = traces.run_summaries(traces.read_bundle(captured / "bundle"))["gather_path_s_per_gather"]
+    assert len(gather_path) == 3 and (gather_path > 0).all()
+    console = done.stdout + done.stderr
+    assert console.count(" µs ") >= 3 and "path: the main thread's time inside the engine's gather calls" in (
+        " ".join(console.split())
+    )
     other = ciera("measure", "layers", "--out", str(captured), *TINY, "--systems", "zero3")
     assert other.returncode == 2
     assert other.stderr.count("\n") == 1 and "another plan" in other.stderr and "systems" in other.stderr

@@ -177,3 +177,32 @@ def test_projected_records_from_measured_traces_are_not_measured(timeline_events
     assert symbols[4] == "circle" and symbols[8] == "circle-open"
     page = build_report(sim_shaped, timeline_events, None, "t")
     assert "projection from measured traces" in page and "projection from measured + analytic traces" in page
+
+
+def test_measured_runs_show_the_gather_path_where_the_capture_recorded_it():
+    """The Measured runs table's gather-path column is `traces.run_summaries`' figure in µs per Allgather,
+    and a dash (with the reason in its title) for a run whose capture recorded no gather path — every run of
+    the shipped `measured` bundle."""
+    import dataclasses
+
+    import traces
+    from report.html import _measured_runs_table, measured_run_rows
+
+    bundle = traces.read_bundle(traces.measured_bundle_path())
+    rows = measured_run_rows(bundle)
+    assert _measured_runs_table(rows).count("not recorded by this capture") == len(rows)
+    # The same events with the ZeRO-3 runs' layer −1 segments read as the engine's gather path.
+    events = bundle.events
+    relabel = (
+        events["run_id"].str.contains("-zero3-") & (events["stream"] == "compute") & (events["layer"] == -1)
+    )
+    recorded = dataclasses.replace(
+        bundle, events=events.assign(stream=events["stream"].mask(relabel, "gather_host"))
+    )
+    rows = measured_run_rows(recorded)
+    table = _measured_runs_table(rows)
+    zero3 = [r for r in rows if r["system"] == "zero3"]
+    assert zero3 and table.count("not recorded by this capture") == len(rows) - len(zero3)
+    expected = traces.run_summaries(recorded).set_index("run_id")["gather_path_s_per_gather"]
+    for row in zero3:
+        assert f"<td>{expected[row['run_id']] * 1e6:.0f}</td>" in table

@@ -631,6 +631,40 @@ def test_stream_summaries_by_hand():
     assert traces.stream_summaries(dataclasses.replace(bundle, events=bundle.events.iloc[:0])).empty
 
 
+def test_run_summaries_gather_path_per_gather_by_hand():
+    """The main thread inside the engine's gather calls (gather_host and the codec) per all-gather that
+    moved parameters, over ranks and iterations alike; an overflow round (raw 0) is not a gather of its own;
+    NaN where the run records no gather path (a capture before the stream existed)."""
+    table = [
+        # rank, iteration, stream, start_s, end_s, raw_bytes
+        (0, 0, "gather_host", 0.000, 0.003, 0),
+        (0, 0, "codec_send", 0.003, 0.004, 0),
+        (0, 0, "allgather", 0.004, 0.010, 1000),
+        (0, 0, "allgather", 0.010, 0.012, 0),  # an overflow round
+        (0, 0, "codec_recv", 0.012, 0.014, 0),
+        (0, 0, "compute", 0.014, 0.050, 0),
+        (1, 0, "gather_host", 0.000, 0.001, 0),
+        (1, 0, "allgather", 0.001, 0.010, 1000),
+        (1, 0, "allgather", 0.010, 0.020, 1000),
+        (1, 0, "compute", 0.020, 0.060, 0),
+    ]
+    events = _typed(
+        "events",
+        [
+            _event(
+                rank=rank, iteration=it, stream=stream, start=start, end=end, raw_bytes=raw, wire_bytes=raw
+            )
+            for rank, it, stream, start, end, raw in table
+        ],
+    )
+    bundle = dataclasses.replace(make_tiny_bundle(layers=1, world_size=2), events=events)
+    summary = traces.run_summaries(bundle).set_index("run_id")
+    # 3 + 1 + 2 ms on rank 0, 1 ms on rank 1, over 3 parameter gathers.
+    assert summary.loc["r0", "gather_path_s_per_gather"] == pytest.approx(0.007 / 3)
+    unrecorded = dataclasses.replace(bundle, events=events[events["stream"] != "gather_host"])
+    assert np.isnan(traces.run_summaries(unrecorded).loc[0, "gather_path_s_per_gather"])
+
+
 def test_derive_layer_tables_with_checkpointing_and_measured_iteration_time():
     measured = pd.DataFrame({"run_id": ["r0"], "iteration": [0], "iteration_s": [0.5]})
     layers, iterations = traces.derive_layer_tables(

@@ -74,6 +74,9 @@ class CapturePlan:
     # keep a speed of their own for the whole launch (docs/measurement.md, "Launches"), which no number of
     # iterations within one launch averages out.
     launches: int = 1
+    # How the ranks' freed memory is handled (measure.launch.ALLOCATORS): "retain" keeps it in the process,
+    # as a GPU rank's caching allocator does, instead of faulting large buffers in again every iteration.
+    allocator: str = "retain"
     micro_batch_size: int = 2  # sequences per rank
     seq_len: int = 64
     seed: int = 0
@@ -126,6 +129,10 @@ class CapturePlan:
         launches = self.launches
         if isinstance(launches, bool) or not isinstance(launches, int) or not 1 <= launches <= MAX_LAUNCHES:
             raise CaptureError(f"--launches is {launches!r}: expected an integer from 1 to {MAX_LAUNCHES}")
+        from .launch import ALLOCATORS
+
+        if self.allocator not in ALLOCATORS:
+            raise CaptureError(f"--allocator {self.allocator!r}: expected one of {', '.join(ALLOCATORS)}")
         timed_s = self.min_timed_s
         if (
             isinstance(timed_s, bool)
@@ -324,6 +331,8 @@ def _finished(directory: Path, kind: str) -> bool:
 # (a sweep, then `ciera measure all`) keeps every step it has (each only when its own job is unchanged) and
 # adds the others.
 EXTENSIBLE_PLAN_FIELDS = ("topologies", "layers", "systems", "kinds")
+# What a plan recorded before a field existed ran with, where that is not the field's default now.
+LEGACY_PLAN_DEFAULTS = {"allocator": "system"}
 
 
 def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> list[str]:
@@ -348,8 +357,9 @@ def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> list[str]:
         raise CaptureError(
             f"--out {out_dir}: its plan.json holds {type(previous).__name__}, expected a JSON object"
         )
-    # A plan recorded before a field existed ran with that field's default.
-    defaults = json.loads(json.dumps(CapturePlan().to_json()))
+    # A plan recorded before a field existed ran with that field's default — but for the allocator, whose
+    # default changed when the field came: those captures ran with the system's.
+    defaults = json.loads(json.dumps(CapturePlan().to_json())) | LEGACY_PLAN_DEFAULTS
     changed = sorted(k for k in current if previous.get(k, defaults.get(k)) != current[k])
     grown = [
         key
@@ -431,6 +441,7 @@ def capture_all(
                     cluster=cluster if topology.emulated else None,
                     timeout_s=plan.timeout_s,
                     on_progress=lambda record, step=step: notify("progress", step, record),
+                    allocator=plan.allocator,
                 )
                 _publish(scratch, out_dir / _kind_dir(step.kind) / step.name, topology, out_dir)
                 done["captured"].append(step.name)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .exponents import layer_index
+from .launch import allocator_in_use
 from .train import TrainConfig, TrainError
 
 SYSTEMS = {
@@ -110,6 +111,7 @@ def host_description() -> dict[str, str]:
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     # The host's usable cores: ranks sharing them run slower than one rank per core (a model needs it).
     versions["host_cpus"] = environment["cpu_cores"]
+    versions.update(allocator_in_use())  # how the rank's freed memory was handled (CapturePlan.allocator)
     for key in ("device", "driver", "nccl", "torch_cuda", "gpus_per_node", "local_world_size", "cpu_model"):
         versions[key] = environment[key]
     try:

@@ -39,6 +39,26 @@ def _last_line(path: Path) -> str:
     return (own or [""])[-1].strip()[:300]
 
 
+# How a rank's freed memory is handled (`CapturePlan.allocator`). "retain": glibc keeps what a rank frees
+# (no mmap'd chunks, no trimming of the heap), as a GPU rank's caching allocator keeps its blocks; PyTorch's
+# CPU allocator otherwise hands every large buffer back to the kernel when it is freed, and the next
+# iteration faults it in again. On this project's build VM (free page reporting on) a freshly faulted 4 KB
+# page costs ~2.3 µs (`python benchmarks/page_cost.py`): 13–17 % of a 1/32-width iteration on loopback
+# (docs/measurement.md, "Freed memory kept in the ranks"). "system": glibc's defaults.
+ALLOCATORS = ("retain", "system")
+RETAIN_ALLOCATOR_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
+
+
+def allocator_in_use(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """What this process's allocator was told (its environment, read in the rank): ``allocator``
+    "retain" when every setting of RETAIN_ALLOCATOR_ENV is in force, else "system"; ``malloc_env``: the
+    glibc MALLOC_* variables set, whoever set them."""
+    environ = os.environ if environ is None else environ
+    malloc_env = {key: value for key, value in sorted(environ.items()) if key.startswith("MALLOC_")}
+    retained = all(environ.get(key) == value for key, value in RETAIN_ALLOCATOR_ENV.items())
+    return {"allocator": "retain" if retained else "system", "malloc_env": malloc_env}
+
+
 def rank_environment(rank: int, world_size: int, ranks_per_node: int, port: int) -> dict[str, str]:
     threads = max(1, (os.cpu_count() or 1) // world_size)
     cache = str(extensions_dir())
@@ -67,9 +87,13 @@ def run_job(
     cluster=None,
     timeout_s: float = 600.0,
     on_progress: Callable[[dict], None] | None = None,
+    allocator: str = "system",
 ) -> None:
     """Run `job` on `world_size` ranks; results are in `job_dir` when it returns, with
-    ``host_cpu.json``: how much of the host's CPU other processes used meanwhile (:func:`host_cpu_record`)."""
+    ``host_cpu.json``: how much of the host's CPU other processes used meanwhile (:func:`host_cpu_record`).
+    ``allocator`` "retain" runs every rank with RETAIN_ALLOCATOR_ENV; "system" leaves the environment's."""
+    if allocator not in ALLOCATORS:
+        raise CaptureError(f"allocator {allocator!r}: expected one of {', '.join(ALLOCATORS)}")
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "job.json").write_text(json.dumps(job, indent=1))
     port = free_port() if cluster is None else 29500 + (os.getpid() % 1000)
@@ -80,6 +104,8 @@ def run_job(
     try:
         for rank in range(world_size):
             env = os.environ | rank_environment(rank, world_size, ranks_per_node, port)
+            if allocator == "retain":
+                env |= RETAIN_ALLOCATOR_ENV
             with logs[rank].open("w") as log:
                 if cluster is None:
                     env["MASTER_ADDR"] = "127.0.0.1"

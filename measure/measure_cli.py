@@ -335,6 +335,8 @@ def _run_summaries(bundle) -> list[dict]:
                 "block_size": int(run.block_size),
                 "warm_steps": int(versions.get("warm_steps", 0)),
                 "min_timed_s": float(versions.get("min_timed_s", 0.0)),
+                # Runs captured before the allocator was recorded ran with the system's.
+                "allocator": str(versions.get("allocator", "system")),
                 "timed_iterations": int(summary["iterations"]),
                 "warmup_iterations": int(run.warmup_iterations),  # the warm steps included
                 "median_iteration_s": float(summary["iteration_median_s"]),
@@ -348,6 +350,26 @@ def _run_summaries(bundle) -> list[dict]:
             }
         )
     return rows
+
+
+def allocator_line(summaries: list[dict]) -> str:
+    """One console line on how the runs' ranks handled the memory they freed (`--allocator`)."""
+    from .launch import RETAIN_ALLOCATOR_ENV
+
+    counts = {kind: sum(s["allocator"] == kind for s in summaries) for kind in ("retain", "system")}
+    settings = ", ".join(f"{key}={value}" for key, value in RETAIN_ALLOCATOR_ENV.items())
+    parts = []
+    if counts["retain"]:
+        parts.append(
+            f"{counts['retain']} runs kept the memory their ranks freed ({settings}), as a GPU rank's caching "
+            "allocator does"
+        )
+    if counts["system"]:
+        parts.append(
+            f"{counts['system']} runs with glibc's defaults: their large buffers were faulted "
+            "in again every iteration, a cost a GPU rank does not have (docs/measurement.md)"
+        )
+    return "allocator: " + "; ".join(parts)
 
 
 def launch_spread_line(summaries: list[dict]) -> str:
@@ -444,6 +466,7 @@ def _summary(bundle, path: Path, done: dict, wall_s: float) -> None:
                 else ""
             )
         )
+        console.print(allocator_line(summaries))
         launches_line = launch_spread_line(summaries)
         if launches_line:
             console.print(launches_line)
@@ -509,6 +532,15 @@ LaunchesOption = Annotated[
         "--launches",
         help="Launch each run this many times, fresh ranks each, in rounds over the plan; the bundle pools "
         f"their timed iterations (1 to {MAX_LAUNCHES}).",
+    ),
+]
+AllocatorOption = Annotated[
+    str,
+    typer.Option(
+        "--allocator",
+        help="retain: every rank keeps the memory it frees (glibc, no mmap'd chunks, no trimming), as a GPU "
+        "rank's caching allocator does; system: glibc's defaults (large buffers faulted in again every "
+        "iteration).",
     ),
 ]
 BlockSizeOption = Annotated[
@@ -588,6 +620,7 @@ def _command(kinds: tuple[str, ...], default_exponent_steps: int):
         block_size: BlockSizeOption = 64,
         min_timed_s: MinTimedOption = 0.0,
         launches: LaunchesOption = 1,
+        allocator: AllocatorOption = "retain",
         json_path: JsonOption = None,
     ) -> None:
         plan = _plan(kinds, model, width_scale, nodes, ranks_per_node, link_rate, link_latency, layers,
@@ -600,6 +633,7 @@ def _command(kinds: tuple[str, ...], default_exponent_steps: int):
             block_size=block_size,
             min_timed_s=min_timed_s,
             launches=launches,
+            allocator=allocator,
         )
         _run(plan, out, json_path)
 

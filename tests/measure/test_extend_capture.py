@@ -49,6 +49,7 @@ def test_adding_topologies_depths_and_systems_extends_the_capture(tmp_path: Path
         ({"topologies": (SLOWER,)}, "topologies"),  # replaces the topology
         ({"iterations": 9, "layers": (2, 4, 6)}, "iterations, layers"),  # grows, but times differently
         ({"block_size": 128}, "block_size"),
+        ({"allocator": "system"}, "allocator"),  # runs kept with another allocator would mix two hosts
     ],
 )
 def test_anything_but_growth_is_another_plan(tmp_path: Path, changes: dict, named: str) -> None:
@@ -69,3 +70,15 @@ def test_a_damaged_plan_is_one_line(tmp_path: Path, content: str, expected: str)
     with pytest.raises(CaptureError) as error:
         prepare_out_dir(_plan(), tmp_path)
     assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_plan_recorded_before_the_allocator_ran_with_the_systems(tmp_path: Path) -> None:
+    """A capture started before `--allocator` existed ran its ranks with glibc's defaults: resumed with the
+    new default (retain) it is another plan; with `--allocator system` it goes on."""
+    document = json.loads(json.dumps(_plan().to_json()))
+    del document["allocator"]
+    (tmp_path / "plan.json").write_text(json.dumps(document))
+    with pytest.raises(CaptureError) as error:
+        prepare_out_dir(_plan(), tmp_path)
+    assert "differs in allocator)" in str(error.value)
+    assert prepare_out_dir(_plan(allocator="system"), tmp_path) == []

@@ -52,6 +52,12 @@ def test_capture_gives_a_valid_bundle_of_measured_runs(captured: Path) -> None:
     # Each run records the CPU its ranks spent beside their main threads per iteration (transport).
     transport = [json.loads(v)["transport_cpu_median_s"] for v in bundle.runs["versions"]]
     assert all(value is not None and 0 <= value < 60 for value in transport), transport
+    # Every rank ran with the memory it frees kept (the default `--allocator retain`), as its own
+    # environment recorded it.
+    from measure.launch import RETAIN_ALLOCATOR_ENV
+
+    for versions in map(json.loads, bundle.runs["versions"]):
+        assert versions["allocator"] == "retain" and versions["malloc_env"] == RETAIN_ALLOCATOR_ENV
     runs = bundle.runs.set_index("run_id")
     assert (runs["engine"] == np.where(runs["system"] == "fsdp", "fsdp", "zero3")).all()
     assert (runs["backend"] == "gloo").all() and (runs["nodes"] == 1).all()
@@ -173,9 +179,11 @@ def test_rerun_keeps_finished_runs_and_refuses_another_plan(captured: Path) -> N
     gather_path = traces.run_summaries(traces.read_bundle(captured / "bundle"))["gather_path_s_per_gather"]
     assert len(gather_path) == 3 and (gather_path > 0).all()
     console = done.stdout + done.stderr
-    assert console.count(" µs ") >= 3 and "path: the main thread's time inside the engine's gather calls" in (
-        " ".join(console.split())
+    flat = " ".join(console.split())
+    assert (
+        console.count(" µs ") >= 3 and "path: the main thread's time inside the engine's gather calls" in flat
     )
+    assert "allocator: 3 runs kept the memory their ranks freed (MALLOC_MMAP_MAX_=0" in flat
     other = ciera("measure", "layers", "--out", str(captured), *TINY, "--systems", "zero3")
     assert other.returncode == 2
     assert other.stderr.count("\n") == 1 and "another plan" in other.stderr and "systems" in other.stderr
@@ -281,6 +289,7 @@ def test_ctrl_c_stops_the_ranks_and_the_next_run_redoes_it(tmp_path: Path) -> No
         (["--min-timed-s", "nan"], "--min-timed-s is nan"),
         (["--launches", "0"], "--launches is 0: expected an integer from 1 to 16"),
         (["--launches", "17"], "--launches is 17: expected an integer from 1 to 16"),
+        (["--allocator", "jemalloc"], "--allocator 'jemalloc': expected one of retain, system"),
         (["--topologies", "2by1"], "--topologies '2by1': expected NODESxRANKS[-RATE]"),
         (["--topologies", "0x1"], "nodes and ranks per node must be >= 1"),
         (["--topologies", "1x2,1x2"], "names a topology twice"),

@@ -43,8 +43,9 @@ def _last_line(path: Path) -> str:
 # (no mmap'd chunks, no trimming of the heap), as a GPU rank's caching allocator keeps its blocks; PyTorch's
 # CPU allocator otherwise hands every large buffer back to the kernel when it is freed, and the next
 # iteration faults it in again. On this project's build VM (free page reporting on) a freshly faulted 4 KB
-# page costs ~2.3 µs (`python benchmarks/page_cost.py`): 13–17 % of a 1/32-width iteration on loopback
-# (docs/measurement.md, "Freed memory kept in the ranks"). "system": glibc's defaults.
+# page costs ~1.5 µs (`python benchmarks/page_cost.py`), and 1/32-width loopback iterations took 17 %
+# (ZeRO-3 + CIERA) and 12 % (ZeRO-3) longer without it (docs/measurement.md, "Freed memory kept in the
+# ranks"). "system": glibc's defaults.
 ALLOCATORS = ("retain", "system")
 RETAIN_ALLOCATOR_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 

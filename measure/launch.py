@@ -42,10 +42,9 @@ def _last_line(path: Path) -> str:
 # How a rank's freed memory is handled (`CapturePlan.allocator`). "retain": glibc keeps what a rank frees
 # (no mmap'd chunks, no trimming of the heap), as a GPU rank's caching allocator keeps its blocks; PyTorch's
 # CPU allocator otherwise hands every large buffer back to the kernel when it is freed, and the next
-# iteration faults it in again. On this project's build VM (free page reporting on) a freshly faulted 4 KB
-# page costs ~1.5 µs (`python benchmarks/page_cost.py`), and 1/32-width loopback iterations took 17 %
-# (ZeRO-3 + CIERA) and 12 % (ZeRO-3) longer without it (docs/measurement.md, "Freed memory kept in the
-# ranks"). "system": glibc's defaults.
+# iteration faults it in again — on a VM that hands freed pages back to its host, at a cost measured by
+# `python benchmarks/page_cost.py` (docs/measurement.md, "Freed memory kept in the ranks", has the figures).
+# "system": glibc's defaults.
 ALLOCATORS = ("retain", "system")
 RETAIN_ALLOCATOR_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 

@@ -465,6 +465,9 @@ def interleaved_order(steps: list[Step]) -> list[list[Step]]:
     """`steps` in groups that share one cluster (`_shape`), in the order they run: a group's sweeps first
     (in topology order), then its layer runs by depth, and within a depth by topology (link rate), then
     system — each depth's runs of every rate back to back — then the rest (the exponent statistics run).
+    The systems of one (launch, depth, rate) block start one further along the plan's list than the block
+    before (a later launch one more), so a slow spell of the host at the end of a block does not always fall on the same system (a
+    fixed order put both CIERA systems last in every block; docs/validation.md, "The whole plan again").
     With several launches per run, the layer runs go in rounds: every run's first launch in that order, then
     every run's second, and so on — a run's launches spread over the whole capture."""
     groups: dict[tuple, list[Step]] = {}
@@ -476,16 +479,26 @@ def interleaved_order(steps: list[Step]) -> list[list[Step]]:
 def _run_order_key(group: list[Step]) -> Callable[[Step], tuple]:
     """Sort key of `interleaved_order` within one group (ties keep the plan's order: sorted is stable)."""
     topologies = list(dict.fromkeys(step.topology for step in group))
+    layer_steps = [step for step in group if step.kind == "layers"]
+    systems = list(dict.fromkeys(str(step.job["system"]) for step in layer_steps))
+    blocks = sorted({_block(step, topologies) for step in layer_steps})
 
     def key(step: Step) -> tuple:
         if step.kind == "collectives":
-            return (0, 0, 0, topologies.index(step.topology))
+            return (0, 0, 0, topologies.index(step.topology), 0)
         if step.kind == "layers":
-            depth = int(step.job["train"]["layers"])
-            return (1, int(step.job.get("launch", 1)), depth, topologies.index(step.topology))
-        return (2, 0, 0, 0)
+            block = _block(step, topologies)
+            # One place further per block, and per launch one more, so a run's launches sit at other places.
+            offset = blocks.index(block) + block[0] - 1
+            return (1, *block, (systems.index(str(step.job["system"])) - offset) % len(systems))
+        return (2, 0, 0, 0, 0)
 
     return key
+
+
+def _block(step: Step, topologies: list[Topology]) -> tuple[int, int, int]:
+    """(launch, depth, rate's place): the layer runs that go back to back, one per system."""
+    return (int(step.job.get("launch", 1)), int(step.job["train"]["layers"]), topologies.index(step.topology))
 
 
 def _publish(scratch: Path, target: Path, topology: Topology, out_dir: Path) -> None:

@@ -36,16 +36,22 @@ def test_every_run_is_launched_n_times_in_rounds_over_the_plan() -> None:
     assert len(steps) == 4 * 3
     rounds = [steps[i : i + 4] for i in range(0, 12, 4)]
     for number, launches in enumerate(rounds, start=1):
-        # Each round has every run once, in the one-launch order (by depth, then system as planned).
+        # Each round has every run once, by depth; within a depth the systems take turns (a later launch
+        # one place further), so a run's launches do not all sit at one place.
         assert [step.job["launch"] for step in launches] == [number] * 4
-        assert [step.job["run_id"] for step in launches] == [step.job["run_id"] for step in rounds[0]]
+        assert sorted(step.job["run_id"] for step in launches) == sorted(
+            step.job["run_id"] for step in rounds[0]
+        )
         assert [int(step.job["train"]["layers"]) for step in launches] == [2, 2, 4, 4]
+    assert [step.job["system"] for step in rounds[0][:2]] == ["zero3", "ciera"]
+    assert [step.job["system"] for step in rounds[1][:2]] == ["ciera", "zero3"]
     # The first launch keeps the run's own name; the others are named apart, one directory each.
     names = [step.name for step in steps]
     assert len(set(names)) == len(names)
-    assert names[0] == steps[0].job["run_id"] and names[4] == f"{steps[0].job['run_id']}.launch2"
+    again = next(step for step in rounds[1] if step.job["run_id"] == steps[0].job["run_id"])
+    assert names[0] == steps[0].job["run_id"] and again.name == f"{steps[0].job['run_id']}.launch2"
     # The launches of a run are the same job but for the launch number: same seed, batches, settings.
-    first, second = (dict(step.job) for step in (steps[0], steps[4]))
+    first, second = (dict(step.job) for step in (steps[0], again))
     assert first.pop("launch") == 1 and second.pop("launch") == 2 and first == second
 
 

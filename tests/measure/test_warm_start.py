@@ -304,7 +304,8 @@ def test_an_exponent_capture_after_warm_steps_numbers_its_rows_by_step(tmp_path:
 
 def test_link_rates_of_one_shape_are_interleaved_per_depth() -> None:
     """Two rates of the 2x1 shape share one cluster and run depth by depth, every rate's systems back to
-    back; the 2x2 shape is its own group; sweeps first, the exponent run last."""
+    back (each block starting one system further along); the 2x2 shape is its own group; sweeps first,
+    the exponent run last."""
     from measure.campaign import Topology, interleaved_order
 
     slow, fast = Topology(2, 1, "200mbit"), Topology(2, 1, "1gbit")
@@ -320,10 +321,40 @@ def test_link_rates_of_one_shape_are_interleaved_per_depth() -> None:
     assert names == [
         ("collectives", "200mbit", None, None), ("collectives", "1gbit", None, None),
         ("layers", "200mbit", 2, "zero3"), ("layers", "200mbit", 2, "ciera"),
-        ("layers", "1gbit", 2, "zero3"), ("layers", "1gbit", 2, "ciera"),
+        ("layers", "1gbit", 2, "ciera"), ("layers", "1gbit", 2, "zero3"),
         ("layers", "200mbit", 4, "zero3"), ("layers", "200mbit", 4, "ciera"),
-        ("layers", "1gbit", 4, "zero3"), ("layers", "1gbit", 4, "ciera"),
+        ("layers", "1gbit", 4, "ciera"), ("layers", "1gbit", 4, "zero3"),
         ("exponents", "200mbit", plan.exponent_layers, None),
     ]  # fmt: skip
     assert {step.topology for step in groups[1]} == {wide}
     assert sorted(step.name for group in groups for step in group) == sorted(s.name for s in plan_steps(plan))
+
+
+@pytest.mark.parametrize("launches", [1, 2, 3])
+def test_every_system_takes_every_place_in_its_block_alike(launches: int) -> None:
+    """A slow spell at the end of a block must not always fall on the same system: over a plan whose
+    blocks (launch, depth, rate) number a multiple of its systems, each system runs first, second, ... in
+    as many blocks as every other, and no run sits at the same place in two of its launches."""
+    from collections import Counter
+
+    from measure.campaign import Topology, interleaved_order
+
+    systems = ("zero3", "fsdp", "ciera", "ciera-fsdp")
+    plan = CapturePlan(
+        model="mixtral-8x7b", width_scale=64, layers=(2, 4), systems=systems,
+        topologies=(Topology(2, 1, "200mbit"), Topology(2, 1, "1gbit")), exponent_steps=5,
+        kinds=("layers",), launches=launches,
+    )  # fmt: skip
+    (group,) = interleaved_order(plan_steps(plan))
+    blocks = [group[i : i + len(systems)] for i in range(0, len(group), len(systems))]
+    assert len(blocks) == 4 * launches
+    places: Counter = Counter()
+    place_of_run: dict[str, list[int]] = {}
+    for block in blocks:
+        assert sorted(step.job["system"] for step in block) == sorted(systems)
+        assert len({(step.job["launch"], step.job["train"]["layers"], step.topology) for step in block}) == 1
+        for place, step in enumerate(block):
+            places[(step.job["system"], place)] += 1
+            place_of_run.setdefault(step.job["run_id"], []).append(place)
+    assert set(places.values()) == {launches}
+    assert all(len(set(seen)) == len(seen) == launches for seen in place_of_run.values())

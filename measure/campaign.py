@@ -466,8 +466,9 @@ def interleaved_order(steps: list[Step]) -> list[list[Step]]:
     (in topology order), then its layer runs by depth, and within a depth by topology (link rate), then
     system — each depth's runs of every rate back to back — then the rest (the exponent statistics run).
     The systems of one (launch, depth, rate) block start one further along the plan's list than the block
-    before (a later launch one more), so a slow spell of the host at the end of a block does not always fall on the same system (a
-    fixed order put both CIERA systems last in every block; docs/validation.md, "The whole plan again").
+    before (a later launch one more), so a slow spell of the host at the end of a block does not always
+    fall on the same system (a fixed order put both CIERA systems last in every block; docs/validation.md,
+    "The whole plan again").
     With several launches per run, the layer runs go in rounds: every run's first launch in that order, then
     every run's second, and so on — a run's launches spread over the whole capture."""
     groups: dict[tuple, list[Step]] = {}
@@ -481,17 +482,20 @@ def _run_order_key(group: list[Step]) -> Callable[[Step], tuple]:
     topologies = list(dict.fromkeys(step.topology for step in group))
     layer_steps = [step for step in group if step.kind == "layers"]
     systems = list(dict.fromkeys(str(step.job["system"]) for step in layer_steps))
-    blocks = sorted({_block(step, topologies) for step in layer_steps})
+    # Each block's offset: its place in the run order, and per launch one more, so that a run's launches
+    # sit at other places in their blocks.
+    offsets = {
+        block: place + block[0] - 1
+        for place, block in enumerate(sorted({_block(step, topologies) for step in layer_steps}))
+    }
 
     def key(step: Step) -> tuple:
         if step.kind == "collectives":
-            return (0, 0, 0, topologies.index(step.topology), 0)
+            return (0, 0, 0, topologies.index(step.topology))
         if step.kind == "layers":
             block = _block(step, topologies)
-            # One place further per block, and per launch one more, so a run's launches sit at other places.
-            offset = blocks.index(block) + block[0] - 1
-            return (1, *block, (systems.index(str(step.job["system"])) - offset) % len(systems))
-        return (2, 0, 0, 0, 0)
+            return (1, *block, (systems.index(str(step.job["system"])) - offsets[block]) % len(systems))
+        return (2,)
 
     return key
 

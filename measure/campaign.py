@@ -331,14 +331,18 @@ def _finished(directory: Path, kind: str) -> bool:
 # (a sweep, then `ciera measure all`) keeps every step it has (each only when its own job is unchanged) and
 # adds the others.
 EXTENSIBLE_PLAN_FIELDS = ("topologies", "layers", "systems", "kinds")
+# Counts a rerun may raise: with more launches per run every run keeps the launches it has (their jobs are
+# unchanged) and gains the new ones, pooled with them — a noisy capture steadied without retaking it.
+RAISABLE_PLAN_COUNTS = ("launches",)
 # What a plan recorded before a field existed ran with, where that is not the field's default now.
 LEGACY_PLAN_DEFAULTS = {"allocator": "system"}
 
 
 def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> list[str]:
     """Check `plan`, create `out_dir`, and record the plan there — or refuse when it holds another plan.
-    A plan that only adds topologies, depths, systems or kinds to the recorded one extends the capture: the
-    recorded plan is replaced by it, and what it adds is returned (one line per field) for the console."""
+    A plan that only adds topologies, depths, systems or kinds to the recorded one, or raises its launches
+    per run, extends the capture: the recorded plan is replaced by it, and what it adds is returned (one
+    line per field) for the console."""
     plan.check()
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path = out_dir / "plan.json"
@@ -364,23 +368,40 @@ def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> list[str]:
     grown = [
         key
         for key in changed
-        if key in EXTENSIBLE_PLAN_FIELDS
-        and all(item in current[key] for item in previous.get(key, defaults[key]))
+        if (
+            key in EXTENSIBLE_PLAN_FIELDS
+            and all(item in current[key] for item in previous.get(key, defaults[key]))
+        )
+        or (key in RAISABLE_PLAN_COUNTS and _count(previous.get(key, defaults[key])) < current[key])
     ]
     if changed != grown:
         raise CaptureError(
             f"--out {out_dir}: holds a capture of another plan (differs in {', '.join(changed)}); "
             "use a new --out directory or the same options (a rerun may only add topologies, layers, systems or "
-            "kinds)"
+            "kinds, or raise --launches)"
         )
     added = []
     for key in grown:
+        if key in RAISABLE_PLAN_COUNTS:
+            first, last = _count(previous.get(key, defaults[key])) + 1, current[key]
+            numbers = str(first) if first == last else f"{first}-{last}"
+            added.append(
+                f"--out {out_dir}: extends the capture there with {key} {numbers} of every run, pooled with "
+                f"the {first - 1} it has"
+            )
+            continue
         new_items = [item for item in current[key] if item not in previous.get(key, defaults[key])]
         names = [_plan_item_name(key, item) for item in new_items]
         added.append(f"--out {out_dir}: extends the capture there with {key} {', '.join(names)}")
     if grown:
         write_text_atomic(plan_path, json.dumps(document, indent=1))
     return added
+
+
+def _count(value: Any) -> int:
+    """A recorded count as an int; anything else (a hand-edited plan.json) as a count no plan exceeds, so
+    the rerun is refused as another plan."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1 << 30
 
 
 def _plan_item_name(key: str, item: Any) -> str:

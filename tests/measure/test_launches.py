@@ -1,11 +1,15 @@
 """`ciera measure --launches N`: each layer run launched N times with fresh ranks, the launches of all runs
 in rounds over the plan, a run's launches pooled into one run of the bundle; the plan refuses a count that
-is not 1 to 16, and a capture recorded before launches existed is the same capture."""
+is not 1 to 16, a capture recorded before launches existed is the same capture, and a rerun with more
+launches keeps those a capture has and adds the others."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,8 +75,50 @@ def test_a_plan_recorded_before_launches_existed_is_the_same_plan(tmp_path: Path
     recorded.pop("launches")
     (tmp_path / "plan.json").write_text(json.dumps(recorded))
     assert prepare_out_dir(CapturePlan(**PLAN), tmp_path) == []
-    with pytest.raises(CaptureError, match="launches"):
-        prepare_out_dir(CapturePlan(**PLAN, launches=3), tmp_path)
+    # It ran one launch per run: a rerun with three adds the second and third.
+    assert prepare_out_dir(CapturePlan(**PLAN, launches=3), tmp_path) == [
+        f"--out {tmp_path}: extends the capture there with launches 2-3 of every run, pooled with the 1 it has"
+    ]
+
+
+def test_raising_launches_keeps_every_launch_and_adds_the_new_ones(tmp_path: Path) -> None:
+    """A capture re-run with more launches per run keeps each launch it has (the same job) and captures only
+    the new ones, which go in rounds of their own after them; fewer launches is another plan."""
+    three = CapturePlan(**PLAN, launches=3)
+    assert prepare_out_dir(three, tmp_path) == []
+    before = (tmp_path / "plan.json").read_text()
+    for fewer in (1, 2):
+        with pytest.raises(CaptureError) as error:
+            prepare_out_dir(CapturePlan(**PLAN, launches=fewer), tmp_path)
+        assert "differs in launches)" in str(error.value) and "raise --launches" in str(error.value)
+        assert "\n" not in str(error.value)
+    assert (tmp_path / "plan.json").read_text() == before
+    # Raised with another change that is not growth: refused whole, the plan untouched.
+    with pytest.raises(CaptureError, match=r"differs in iterations, launches\)"):
+        prepare_out_dir(CapturePlan(**PLAN, launches=5, iterations=4), tmp_path)
+    assert (tmp_path / "plan.json").read_text() == before
+    five = CapturePlan(**PLAN, launches=5)
+    assert prepare_out_dir(five, tmp_path) == [
+        f"--out {tmp_path}: extends the capture there with launches 4-5 of every run, pooled with the 3 it has"
+    ]
+    assert json.loads((tmp_path / "plan.json").read_text()) == json.loads(json.dumps(five.to_json()))
+    # The steps the first three launches finished are the same jobs under the same names: kept, not redone.
+    old = {step.name: step.job for step in _layer_steps(three)}
+    new = _layer_steps(five)
+    assert all(old[step.name] == step.job for step in new if step.job["launch"] <= 3)
+    added = [step for step in new if step.name not in old]
+    assert sorted({step.job["launch"] for step in added}) == [4, 5] and len(added) == 2 * 4
+    assert new[-len(added) :] == added  # the new launches' rounds come after the kept ones
+    assert prepare_out_dir(CapturePlan(**PLAN, launches=6), tmp_path)[0].endswith(
+        "launches 6 of every run, pooled with the 5 it has"
+    )
+
+
+def test_a_recorded_count_that_is_not_an_int_is_another_plan(tmp_path: Path) -> None:
+    recorded = CapturePlan(**PLAN).to_json() | {"launches": "3"}
+    (tmp_path / "plan.json").write_text(json.dumps(recorded))
+    with pytest.raises(CaptureError, match=r"differs in launches\)"):
+        prepare_out_dir(CapturePlan(**PLAN, launches=4), tmp_path)
 
 
 @pytest.mark.parametrize("value", [0, -1, MAX_LAUNCHES + 1, True, "2", 1.5, None])
@@ -145,3 +191,40 @@ def test_a_runs_launch_spread_is_read_from_what_it_recorded() -> None:
     pooled = traces.launch_spread_summary(summaries.reset_index())
     assert pooled == {"runs": 1, "launches": [3], "mean": pytest.approx(0.2 / 1.1),
                       "max": pytest.approx(0.2 / 1.1), "widest_run": "pooled"}  # fmt: skip
+
+
+@pytest.mark.heavy  # two captures of one rank
+def test_a_capture_rerun_with_more_launches_pools_the_new_ones_with_those_it_has(tmp_path: Path) -> None:
+    """`ciera measure` over a finished one-launch capture with `--launches 2`: the console says what it
+    adds, the first launch is kept (its directory untouched), the second captured, and the bundle's run
+    pools both launches' timed iterations."""
+    pytest.importorskip("deepspeed")
+    import traces
+
+    out = tmp_path / "cap"
+    capture = [
+        sys.executable, "-m", "ciera_cli.main", "measure", "layers", "--out", str(out), "--model",
+        "mixtral-8x7b", "--width-scale", "64", "--layers", "1", "--iterations", "2", "--warmup", "1",
+        "--ranks-per-node", "1", "--systems", "fsdp", "--timeout-s", "120",
+    ]  # fmt: skip
+    environment = os.environ | {"DS_ACCELERATOR": "cpu"}
+    first = subprocess.run(capture, capture_output=True, text=True, timeout=120, env=environment)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (run_dir,) = (out / "runs").glob("*/")
+    kept = (run_dir / "run.json").read_text()
+    again = subprocess.run(
+        [*capture, "--launches", "2"], capture_output=True, text=True, timeout=120, env=environment
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    console = " ".join((again.stderr + again.stdout).split())
+    assert "extends the capture there with launches 2 of every run, pooled with the 1 it has" in console
+    assert "1 captured, 1 kept from before" in console
+    assert (run_dir / "run.json").read_text() == kept
+    assert sorted(path.name for path in (out / "runs").glob("*/")) == [
+        run_dir.name,
+        f"{run_dir.name}.launch2",
+    ]
+    bundle = traces.read_bundle(out / "bundle")
+    (row,) = bundle.runs.itertuples()
+    assert json.loads(row.versions)["launches"] == 2
+    assert sorted(bundle.events["iteration"].unique()) == [0, 1, 2, 3]

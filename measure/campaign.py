@@ -365,43 +365,32 @@ def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> list[str]:
     # default changed when the field came: those captures ran with the system's.
     defaults = json.loads(json.dumps(CapturePlan().to_json())) | LEGACY_PLAN_DEFAULTS
     changed = sorted(k for k in current if previous.get(k, defaults.get(k)) != current[k])
-    grown = [
-        key
-        for key in changed
-        if (
-            key in EXTENSIBLE_PLAN_FIELDS
-            and all(item in current[key] for item in previous.get(key, defaults[key]))
-        )
-        or (key in RAISABLE_PLAN_COUNTS and _count(previous.get(key, defaults[key])) < current[key])
-    ]
-    if changed != grown:
+    extensions = [_extension(key, previous.get(key, defaults[key]), current[key], out_dir) for key in changed]
+    if None in extensions:
         raise CaptureError(
             f"--out {out_dir}: holds a capture of another plan (differs in {', '.join(changed)}); "
             "use a new --out directory or the same options (a rerun may only add topologies, layers, systems or "
             "kinds, or raise --launches)"
         )
-    added = []
-    for key in grown:
-        if key in RAISABLE_PLAN_COUNTS:
-            first, last = _count(previous.get(key, defaults[key])) + 1, current[key]
-            numbers = str(first) if first == last else f"{first}-{last}"
-            added.append(
-                f"--out {out_dir}: extends the capture there with {key} {numbers} of every run, pooled with "
-                f"the {first - 1} it has"
-            )
-            continue
-        new_items = [item for item in current[key] if item not in previous.get(key, defaults[key])]
-        names = [_plan_item_name(key, item) for item in new_items]
-        added.append(f"--out {out_dir}: extends the capture there with {key} {', '.join(names)}")
-    if grown:
+    if extensions:
         write_text_atomic(plan_path, json.dumps(document, indent=1))
-    return added
+    return extensions
 
 
-def _count(value: Any) -> int:
-    """A recorded count as an int; anything else (a hand-edited plan.json) as a count no plan exceeds, so
-    the rerun is refused as another plan."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1 << 30
+def _extension(key: str, before: Any, after: Any, out_dir: Path) -> str | None:
+    """The console line for plan field `key` grown from `before` to `after` by a rerun, or None where the
+    change is not growth (another plan). A recorded count that is not an int (a hand-edited plan.json) is
+    never raised from."""
+    prefix = f"--out {out_dir}: extends the capture there with {key}"
+    if key in RAISABLE_PLAN_COUNTS:
+        if isinstance(before, bool) or not isinstance(before, int) or before >= after:
+            return None
+        first = before + 1
+        numbers = str(first) if first == after else f"{first}-{after}"
+        return f"{prefix} {numbers} of every run, pooled with the {before} it has"
+    if key in EXTENSIBLE_PLAN_FIELDS and all(item in after for item in before):
+        return f"{prefix} {', '.join(_plan_item_name(key, item) for item in after if item not in before)}"
+    return None
 
 
 def _plan_item_name(key: str, item: Any) -> str:

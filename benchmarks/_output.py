@@ -33,3 +33,15 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
         print(f"{Path(self.prog).stem}: error: {message}")
         sys.exit(2)
+
+
+def add_bundle_argument(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """--bundle: a shipped measured bundle's name or a bundle directory (required unless `default`)."""
+    import traces
+
+    parser.add_argument(
+        "--bundle",
+        required=default is None,
+        default=default,
+        help=f"a bundle directory, or one of {', '.join(traces.MEASURED_BUNDLE_NAMES)}",
+    )

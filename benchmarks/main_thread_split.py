@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from _output import OneLineParser, add_bundle_argument, emit_json  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -98,11 +98,7 @@ def main() -> None:
     import traces
 
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--bundle",
-        default="measured",
-        help=f"{', '.join(traces.MEASURED_BUNDLE_NAMES)} or a bundle directory",
-    )
+    add_bundle_argument(parser, default="measured")
     parser.add_argument("--held-out", type=Path, help="default: the file shipped beside a shipped bundle")
     parser.add_argument("--systems", default="zero3,fsdp", help="plain systems to show (comma-separated)")
     parser.add_argument(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from _output import OneLineParser, add_bundle_argument, emit_json  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -58,11 +58,7 @@ def main() -> None:
     import traces
 
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--bundle",
-        required=True,
-        help=f"a bundle directory, or one of {', '.join(traces.MEASURED_BUNDLE_NAMES)}",
-    )
+    add_bundle_argument(parser)
     parser.add_argument("--runs", default="", help="only runs whose id contains this")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

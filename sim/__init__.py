@@ -6,7 +6,8 @@ The op graph (the one intermediate form) and its evaluator:
 - `replay_run(bundle, run_id)`: a traced run's iterations replayed.
 - `sweep_curves(...)` / `SweepCurve`: a measured cluster's size-resolved cost of each collective.
 - `predict_run(...)`, `simulate_measured_cluster(...)`: projections as rewrites of traced graphs, measured
-  or analytic; `preset_cluster(...)`: W GPUs of a cluster preset as a cluster the rewrites target;
+  or analytic; `repeat_blocks(...)`: the depth rewrite, with `fit_block_compute(bundle, runs)` its
+  per-block compute pooled over the traced depths; `preset_cluster(...)`: W GPUs of a cluster preset as a cluster the rewrites target;
   `main_thread_work_s(bundle, run)`: a run's main-thread events read as work at a full core (what the
   CIERA rewrite's codec figures are fitted to).
 
@@ -28,12 +29,13 @@ from .ciera_rewrite import main_thread_work_s
 from .cluster import ClusterPreset, list_clusters, load_cluster, parse_overrides
 from .collectives import CollectiveModel, algbw_Bps, busbw_Bps, busbw_factor
 from .curves import SweepCurve, sweep_curves
+from .depth import repeat_blocks
 from .errors import SimInputError
 from .evaluate import BREAKDOWN_KEYS, BREAKDOWN_LABELS, Costs, evaluate
 from .measured_cluster import simulate_measured_cluster
 from .memory import MemoryEstimate, fit_text
 from .opgraph import OpGraph, build_graph, iteration_graphs
-from .predict import predict_run
+from .predict import fit_block_compute, predict_run
 from .replay import replay_run
 from .rewrite import preset_cluster
 from .selection import select_shards
@@ -100,9 +102,11 @@ __all__ = [
     "OpGraph",
     "build_graph",
     "evaluate",
+    "fit_block_compute",
     "iteration_graphs",
     "predict_run",
     "preset_cluster",
+    "repeat_blocks",
     "replay_run",
     "simulate_measured_cluster",
     "SweepCurve",

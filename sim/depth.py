@@ -36,6 +36,18 @@ the work — whatever the copied neighbour window's duration or the conditions i
 A rank's collectives of one stream run in window order (those serving an earlier window first), and the
 k-th of a stream is the same collective on every rank.
 
+**Per-block compute fitted across the traced depths.** Copies carry the traced blocks' compute, which
+is one run's: a run whose blocks ran slow or fast (the host drifted) would pass that on to every block
+added. Given `block_compute_s` — one block's main-thread compute per rank and iteration, the mean over
+every block of every traced depth of the same system and cluster (`sim.predict.fit_block_compute`) — the
+copied blocks' compute ops are scaled by one factor so that the target iteration's compute is the traced
+one's plus that much per block added (less per block dropped): the anchor's own iteration stays as
+measured, the pooled blocks set only the change. (On the three shipped bundles, the pooled mean
+predicts a held-out depth's compute better than the anchor's own blocks or the slope of a line through
+the traced runs' totals, which amplifies one run's drift: `benchmarks/depth_rule.py`.) Measured start
+and end times stay as traced (the cluster rewrite reads overlaps from them); the evaluator runs each op
+at its new duration.
+
 Two things depend on the parameter count and are scaled by it: the optimizer step's work, and the
 gradient collectives that carry the blocks' gradients — those of no layer, and, where no block reduces
 its own, every one outside the blocks (ZeRO-3 reduces every gradient in one bucket once the embedding's
@@ -195,10 +207,18 @@ def _target_sequence(
     ]
 
 
-def repeat_blocks(graph: OpGraph, traced_layers: int, target_layers: int, parameter_ratio: float) -> OpGraph:
+def repeat_blocks(
+    graph: OpGraph,
+    traced_layers: int,
+    target_layers: int,
+    parameter_ratio: float,
+    block_compute_s: float | None = None,
+) -> OpGraph:
     """The graph of one iteration (every rank) rewritten from `traced_layers` to `target_layers` blocks.
     `parameter_ratio` (the target's parameter count over the traced one's) scales the optimizer step and
-    the gradient collectives of no layer. At the traced depth the graph is returned unchanged."""
+    the gradient collectives of no layer; `block_compute_s` (one block's compute per rank and iteration,
+    `sim.predict.fit_block_compute`), when given, is what each block added or dropped changes the compute
+    by. At the traced depth the graph is returned unchanged."""
     if target_layers == traced_layers:
         return graph
     mapping = block_map(traced_layers, target_layers)
@@ -213,9 +233,33 @@ def repeat_blocks(graph: OpGraph, traced_layers: int, target_layers: int, parame
             graph, rank, traced_layers, mapping, parameter_ratio, origin, blocks_reduce
         )
     rewritten = to_graph(ops_by_rank, graph.world_size)
-    return _couple(
+    rewritten = _couple(
         graph, rewritten, [origin[id(op)] for rank in sorted(ops_by_rank) for op in ops_by_rank[rank]]
     )
+    if block_compute_s is None:
+        return rewritten
+    return _follow_block_line(graph, rewritten, target_layers - traced_layers, block_compute_s, target_layers)
+
+
+def _follow_block_line(
+    traced: OpGraph, rewritten: OpGraph, added_blocks: int, block_compute_s: float, target_layers: int
+) -> OpGraph:
+    """`rewritten` with its blocks' compute ops scaled by one factor, so that its compute per rank is the
+    traced iteration's plus `block_compute_s` per block added."""
+    ranks = max(len(np.unique(traced.rank)), 1)
+    compute = rewritten.stream == "compute"
+    in_blocks = compute & (rewritten.layer >= 1) & (rewritten.layer <= target_layers)
+    traced_s = float(traced.duration_s[traced.stream == "compute"].sum()) / ranks
+    outside_s = float(rewritten.duration_s[compute & ~in_blocks].sum()) / ranks
+    blocks_s = float(rewritten.duration_s[in_blocks].sum()) / ranks
+    wanted_blocks_s = traced_s + added_blocks * block_compute_s - outside_s
+    if blocks_s <= 0 or wanted_blocks_s <= 0:
+        raise SimInputError(
+            f"depth rewrite: {target_layers} blocks at {block_compute_s * 1e3:.1f} ms of compute per block "
+            f"from the traced {traced_s * 1e3:.1f} ms leave the blocks no compute; expected a deeper target"
+        )
+    duration = np.where(in_blocks, rewritten.duration_s * (wanted_blocks_s / blocks_s), rewritten.duration_s)
+    return dataclasses.replace(rewritten, duration_s=duration)
 
 
 def _repeat_rank(

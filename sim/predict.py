@@ -4,7 +4,8 @@ one evaluator — the code path of every projection, and the one `ciera validate
 For a target (model, system, cluster, depth): the anchor is a traced run of the same model and system on
 the closest cluster (same ranks per node first, then the same link); its depth the target's when traced
 there, else the deepest traced. Each of the anchor's iterations is rewritten — depth (repeat the block
-subgraphs), cluster (re-cost every collective from the two clusters' curves, compute on the target's shared
+subgraphs; each block added or dropped changes the compute by the mean block of every traced depth),
+cluster (re-cost every collective from the two clusters' curves, compute on the target's shared
 cores, optimizer by the partitioning rule) — and evaluated; the prediction is the median.
 """
 
@@ -61,6 +62,47 @@ def parameter_ratio(
     return target / float(first.sum())
 
 
+@dataclass(frozen=True)
+class BlockComputeFit:
+    """The depth rewrite's per-block compute (sim/depth.py): one block's main-thread compute per rank and
+    iteration, the mean over every block of the traced runs of one model, system and cluster."""
+
+    block_compute_s: float | None  # None: no traced block to pool
+    depths: tuple[int, ...]  # the traced depths pooled
+    blocks: int  # the blocks pooled (one per block and run)
+
+    def describe(self) -> str:
+        depths = ", ".join(str(depth) for depth in self.depths)
+        if self.block_compute_s is None:
+            return "each block added costs the traced blocks' compute (no traced block compute to pool)"
+        return (
+            f"{self.block_compute_s * 1e3:.0f} ms of compute per block added "
+            f"(the mean of {self.blocks} traced blocks, L = {depths})"
+        )
+
+
+def fit_block_compute(bundle: traces.TraceBundle, runs: pd.DataFrame) -> BlockComputeFit:
+    """The per-block compute of `runs` (the traced runs of one model, system and cluster): each block
+    1..L of each run is one sample, its `compute` events summed per rank and iteration."""
+    depth = runs.set_index("run_id")["layers"].astype(int)
+    events = bundle.events[
+        bundle.events["run_id"].isin(depth.index.tolist()) & (bundle.events["stream"] == "compute")
+    ]
+    samples: list[float] = []
+    depths: set[int] = set()
+    for run_id, of_run in events.groupby("run_id", sort=True, observed=True):
+        layers = int(depth[run_id])
+        blocks = of_run[(of_run["layer"] >= 1) & (of_run["layer"] <= layers)]
+        if blocks.empty:
+            continue
+        per_rank_iteration = of_run["rank"].nunique() * of_run["iteration"].nunique()
+        per_block = (blocks["end_s"] - blocks["start_s"]).groupby(blocks["layer"]).sum() / per_rank_iteration
+        samples += per_block.tolist()
+        depths.add(layers)
+    mean_s = float(np.mean(samples)) if samples else None
+    return BlockComputeFit(mean_s, tuple(sorted(depths)), len(samples))
+
+
 def choose_anchor(seen: traces.TraceBundle, target: pd.Series, system: str | None = None) -> pd.DataFrame:
     """The seen runs of the target's model and `system` (default: the target's) on the closest cluster."""
     runs = seen.runs_with_events()
@@ -106,11 +148,10 @@ def predict_run(
     anchor = anchors.iloc[depths.index(target_layers)] if target_layers in depths else anchors.iloc[-1]
     anchor_id, anchor_layers = str(anchor["run_id"]), int(anchor["layers"])
     anchor_cluster = traced_cluster(collectives, anchor)
-    ratio = (
-        parameter_ratio(seen, anchor_id, anchor_layers, target_layers)
-        if anchor_layers != target_layers
-        else 1.0
-    )
+    ratio, block_fit = 1.0, None
+    if anchor_layers != target_layers:
+        ratio = parameter_ratio(seen, anchor_id, anchor_layers, target_layers)
+        block_fit = fit_block_compute(seen, anchors)
     events = seen.events[seen.events["run_id"] == anchor_id]
     times, simulated, notes = [], 0, []
     evaluated = []  # (graph, evaluation) per iteration, for the middle one's critical path
@@ -121,7 +162,13 @@ def predict_run(
     scale, scale_note = transport_scale(anchor, traced, anchor_cluster)
     work_scale = compute_scale(traced, anchor_cluster, scale)
     for traced_graph in traced:
-        graph = repeat_blocks(traced_graph, anchor_layers, target_layers, ratio)
+        graph = repeat_blocks(
+            traced_graph,
+            anchor_layers,
+            target_layers,
+            ratio,
+            block_fit.block_compute_s if block_fit else None,
+        )
         if ciera_on is not None:
             graph = ciera_graph(
                 graph,
@@ -145,9 +192,16 @@ def predict_run(
             main_thread.setdefault(stream, []).append(float(busy_s[graph.stream == stream].sum()) / ranks)
     if scale_note:
         notes = [*notes, scale_note]
+    if block_fit is not None and block_fit.block_compute_s is None:
+        notes = [
+            *notes,
+            f"depth rewrite of {anchor['system']} on {anchor_cluster.name}: {block_fit.describe()}",
+        ]
     basis = f"{anchor_id} ({len(times)} iterations)"
     if anchor_layers != target_layers:
         basis += f", blocks repeated {anchor_layers} → {target_layers}"
+        if block_fit is not None:
+            basis += f", {block_fit.describe()}"
     if anchor_cluster.name != target_cluster.name:
         basis += f", re-costed on {target_cluster.name}"
     elif anchor_cluster.world_size != target_cluster.world_size:

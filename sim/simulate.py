@@ -40,7 +40,7 @@ from .errors import SimInputError
 from .evaluate import BREAKDOWN_KEYS, Costs, Evaluation, critical_path, evaluate, evaluation_key
 from .memory import MemoryEstimate, ModelFootprint, activation_bytes, estimate, model_footprint
 from .opgraph import OpGraph, build_graph
-from .predict import parameter_ratio
+from .predict import BlockComputeFit, fit_block_compute, parameter_ratio
 from .rewrite import (
     ClusterSpec,
     compute_scale,
@@ -304,6 +304,7 @@ class Simulator:
         self._anchor_clusters: dict[str, ClusterSpec] = {}
         self._transport_scales: dict[str, tuple[float, str | None]] = {}
         self._compute_scales: dict[str, float] = {}
+        self._block_fits: dict[str, BlockComputeFit] = {}
         self._targets: dict[int, ClusterSpec] = {}
         self._shards: dict[tuple[str, str, int], tuple[pd.DataFrame, tuple[str, ...]]] = {}
         self._outcomes: dict[tuple[str, str, str, int, str], _Outcome] = {}
@@ -388,14 +389,29 @@ class Simulator:
                     build_graph(rows) for _, rows in events.groupby("iteration", sort=True)
                 ]
             traced_layers = int(anchor["layers"])
-            ratio = 1.0
+            ratio, block_compute_s = 1.0, None
             if traced_layers != target_layers:
                 ratio = parameter_ratio(self.bundle, run_id, traced_layers, target_layers)
+                block_compute_s = self.block_fit(anchor).block_compute_s
             self._graphs[key] = [
-                repeat_blocks(graph, traced_layers, target_layers, ratio)
+                repeat_blocks(graph, traced_layers, target_layers, ratio, block_compute_s)
                 for graph in self._traced_graphs[run_id]
             ]
         return self._graphs[key]
+
+    def block_fit(self, anchor: pd.Series) -> BlockComputeFit:
+        """The depth rewrite's per-block compute for `anchor`: fitted over the traced depths of its model,
+        dtype, system, world size and cluster (sim/depth.py)."""
+        run_id = str(anchor["run_id"])
+        if run_id not in self._block_fits:
+            runs = self.model_runs(str(anchor["model"]), str(anchor["dtype"]))
+            same = runs[
+                (runs["system"] == anchor["system"])
+                & (runs["world_size"] == anchor["world_size"])
+                & (runs["cluster"] == anchor["cluster"])
+            ]
+            self._block_fits[run_id] = fit_block_compute(self.bundle, same)
+        return self._block_fits[run_id]
 
     def anchor_cluster(self, anchor: pd.Series) -> ClusterSpec:
         run_id = str(anchor["run_id"])
@@ -500,6 +516,8 @@ class Simulator:
         if scale_note:
             plan_notes = (*plan_notes, scale_note)
         depth = self.target_layers(model, dtype)
+        if depth != int(anchor["layers"]) and self.block_fit(anchor).block_compute_s is None:
+            plan_notes = (*plan_notes, f"depth rewrite: {self.block_fit(anchor).describe()}")
         started = time.perf_counter()
         evaluated = []
         for iteration, graph in enumerate(graphs):

@@ -2,10 +2,11 @@
 what the optimizer step comes to under each world-size rule (`sim.rewrite.OPTIMIZER_WORK`).
 
     python benchmarks/main_thread_split.py [--bundle measured] [--held-out FILE] [--systems zero3,fsdp]
-        [--without-transport-cpu] [--json F]
+        [--category topology|link|depth] [--without-transport-cpu] [--json F]
 
-For every held-out run of the given plain systems whose world size differs from its anchor's (the
-topology category of `ciera validate sim`; the same seen set, the same `sim.predict_run` call):
+For every held-out run of the given plain systems in one category of `ciera validate sim` (default
+topology: another nodes × ranks-per-node shape, a world size the anchor's is not; link: another link
+rate; depth: another depth — the same seen set, the same `sim.predict_run` call):
 
 - measured: the median iteration, and per rank and iteration each main-thread stream's time (compute,
   optim; `traces.stream_summaries`, the mean over ranks and iterations);
@@ -33,13 +34,21 @@ RULES = ("as_built", "per_element")
 MAIN_STREAMS = ("compute", "optim")
 
 
+CATEGORIES = ("topology", "link", "depth")
+
+
 def split(
-    bundle_name: str, held_out_path: Path | None, systems: list[str], without_transport_cpu: bool = False
+    bundle_name: str,
+    held_out_path: Path | None,
+    systems: list[str],
+    without_transport_cpu: bool = False,
+    category: str = "topology",
 ) -> dict:
     import sim.rewrite
     import traces
     from sim import predict_run
     from sim.rewrite import measured_cluster
+    from validation.sim_check import category as held_out_category
     from validation.sim_check import default_held_out_path, load_held_out, split_runs
 
     bundle = traces.read_bundle(traces.resolve_bundle(bundle_name))
@@ -47,13 +56,13 @@ def split(
     if path is None:
         raise ValueError(f"--bundle {bundle_name}: no held-out file beside it; give --held-out FILE")
     runs = split_runs(bundle, load_held_out(path))
-    seen_sizes = set(runs.seen_runs["world_size"].astype(int))
     streams = traces.stream_summaries(bundle).set_index(["run_id", "stream"])["seconds"]
     iteration_s = bundle.iterations.groupby("run_id")["iteration_s"].median()
-    targets = runs.target_runs[
-        runs.target_runs["system"].isin(systems)
-        & ~runs.target_runs["world_size"].astype(int).isin(seen_sizes)
-    ].sort_values(["system", "cluster", "layers"])
+    if category not in CATEGORIES:
+        raise ValueError(f"--category {category}: expected one of {', '.join(CATEGORIES)}")
+    of_systems = runs.target_runs[runs.target_runs["system"].isin(systems)]
+    in_category = of_systems.apply(lambda run: held_out_category(run, runs.seen_runs) == category, axis=1)
+    targets = of_systems[in_category.astype(bool)].sort_values(["system", "cluster", "layers"])
     built = dict(sim.rewrite.OPTIMIZER_WORK)
     transport_s = sim.rewrite.run_transport_s
     rows = []
@@ -85,7 +94,7 @@ def split(
                 **{f"{s}_s": prediction.main_thread_s.get(s, 0.0) for s in MAIN_STREAMS},
             }
         rows.append(record)
-    return {"benchmark": "main_thread_split", "bundle": bundle_name, "held_out": str(path),
+    return {"benchmark": "main_thread_split", "bundle": bundle_name, "held_out": str(path), "category": category,
             "per": "rank and iteration", "rules": list(RULES), "without_transport_cpu": without_transport_cpu,
             "runs": rows}  # fmt: skip
 
@@ -102,6 +111,9 @@ def main() -> None:
     parser.add_argument("--held-out", type=Path, help="default: the file shipped beside a shipped bundle")
     parser.add_argument("--systems", default="zero3,fsdp", help="plain systems to show (comma-separated)")
     parser.add_argument(
+        "--category", default="topology", choices=CATEGORIES, help="held-out runs of this category"
+    )
+    parser.add_argument(
         "--without-transport-cpu",
         action="store_true",
         help="what-if: the collectives' transport CPU left out",
@@ -113,7 +125,11 @@ def main() -> None:
 
     try:
         result = split(
-            args.bundle, args.held_out, [s for s in args.systems.split(",") if s], args.without_transport_cpu
+            args.bundle,
+            args.held_out,
+            [s for s in args.systems.split(",") if s],
+            args.without_transport_cpu,
+            args.category,
         )
     except (traces.TraceError, SimInputError, ValidationInputError, OSError, ValueError) as error:
         parser.exit(2, f"main_thread_split.py: {error}\n")

@@ -58,9 +58,24 @@ def test_without_the_transport_cpu_only_that_load_leaves_the_prediction() -> Non
     assert any(a["as_built"]["compute_s"] != b["as_built"]["compute_s"] for a, b in pairs)
 
 
+def test_the_link_category_is_the_held_out_link_rate_and_its_iterations_are_validate_sims() -> None:
+    """~8 s. ``--category link``: the plain engines' 1 Gbit runs (held out by link rate), each predicted
+    as `ciera validate sim` predicts it."""
+    result = load_benchmark("main_thread_split").split("measured", None, ["zero3", "fsdp"], category="link")
+    assert result["category"] == "link"
+    rows = result["runs"]
+    assert {(row["system"], row["cluster"], row["layers"]) for row in rows} == {
+        (system, "emulated-2x1-1gbit", layers) for system in ("zero3", "fsdp") for layers in (2, 4, 6, 8)
+    }
+    shipped = {row["run_id"]: row["predicted_s"] for row in json.loads(SHIPPED.read_text())["held_out"]}
+    for row in rows:
+        assert row["as_built"]["iteration_s"] == pytest.approx(shipped[row["run_id"]], rel=1e-9)
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
+        (["--category", "system"], "invalid choice: 'system'"),
         (["--bundle", "/nonexistent-bundle"], "not a trace bundle directory"),
         (["--bundle", "traces/data/measured"], "no held-out file beside it"),
         (["--nope"], "unrecognized arguments"),

@@ -238,14 +238,18 @@ def repeat_blocks(
     )
     if block_compute_s is None:
         return rewritten
-    return _follow_block_line(graph, rewritten, target_layers - traced_layers, block_compute_s, target_layers)
+    return _add_pooled_blocks(graph, rewritten, target_layers - traced_layers, block_compute_s, target_layers)
 
 
-def _follow_block_line(
+def _add_pooled_blocks(
     traced: OpGraph, rewritten: OpGraph, added_blocks: int, block_compute_s: float, target_layers: int
 ) -> OpGraph:
     """`rewritten` with its blocks' compute ops scaled by one factor, so that its compute per rank is the
     traced iteration's plus `block_compute_s` per block added."""
+    if not (np.isfinite(block_compute_s) and block_compute_s >= 0):
+        raise SimInputError(
+            f"depth rewrite: per-block compute {block_compute_s!r} s, expected a finite time >= 0"
+        )
     ranks = max(len(np.unique(traced.rank)), 1)
     compute = rewritten.stream == "compute"
     in_blocks = compute & (rewritten.layer >= 1) & (rewritten.layer <= target_layers)

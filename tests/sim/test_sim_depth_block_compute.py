@@ -75,6 +75,13 @@ def test_a_pooled_block_that_leaves_the_blocks_no_compute_is_refused_in_one_line
     assert "\n" not in message and "2000.0 ms of compute per block" in message
 
 
+@pytest.mark.parametrize("block_compute_s", [float("nan"), float("inf"), -0.1])
+def test_a_per_block_compute_that_is_not_a_time_is_refused(block_compute_s: float) -> None:
+    traced = build_graph(_iteration(3, 1.0))
+    with pytest.raises(SimInputError, match="expected a finite time >= 0"):
+        repeat_blocks(traced, 3, 5, 1.0, block_compute_s=block_compute_s)
+
+
 def test_the_pool_is_the_mean_over_every_block_of_every_traced_run() -> None:
     events = pd.concat([_iteration(3, 1.0, "deep"), _iteration(2, 2.0, "shallow")], ignore_index=True)
     runs = pd.DataFrame({"run_id": ["deep", "shallow"], "layers": [3, 2]})

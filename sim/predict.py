@@ -192,10 +192,11 @@ def predict_run(
             main_thread.setdefault(stream, []).append(float(busy_s[graph.stream == stream].sum()) / ranks)
     if scale_note:
         notes = [*notes, scale_note]
-    if block_fit is not None and block_fit.block_compute_s is None:
+    if block_fit is not None:  # what every block added costs: on the console, not only in the basis
         notes = [
             *notes,
-            f"depth rewrite of {anchor['system']} on {anchor_cluster.name}: {block_fit.describe()}",
+            f"depth rewrite of {anchor['system']} on {anchor_cluster.name}: blocks {anchor_layers} → "
+            f"{target_layers}, {block_fit.describe()}",
         ]
     basis = f"{anchor_id} ({len(times)} iterations)"
     if anchor_layers != target_layers:

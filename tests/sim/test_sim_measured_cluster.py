@@ -53,6 +53,10 @@ def test_another_depth_and_world_size_are_rewrites_of_this_clusters_runs(
     (deeper,) = simulate_measured_cluster(measured, CLUSTER, systems=["fsdp"], layers=12)
     assert deeper.kind == "projected" and deeper.measured_s is None and deeper.cluster == CLUSTER
     assert CLUSTER in deeper.basis and "blocks repeated 8 → 12" in deeper.basis
+    # What each block added costs is stated where the user looks, not only in the basis.
+    (depth_note,) = [note for note in deeper.notes if note.startswith("depth rewrite of fsdp")]
+    assert f"on {CLUSTER}: blocks 8 → 12, " in depth_note
+    assert "ms of compute per block added (the mean of 20 traced blocks, L = 2, 4, 6, 8)" in depth_note
     (traced,) = simulate_measured_cluster(measured, CLUSTER, systems=["fsdp"], layers=8)
     assert deeper.iteration_s > traced.iteration_s
     wider = simulate_measured_cluster(measured, CLUSTER, systems=["fsdp"], layers=2, gpus=[4, 16])

@@ -516,8 +516,13 @@ class Simulator:
         if scale_note:
             plan_notes = (*plan_notes, scale_note)
         depth = self.target_layers(model, dtype)
-        if depth != int(anchor["layers"]) and self.block_fit(anchor).block_compute_s is None:
-            plan_notes = (*plan_notes, f"depth rewrite: {self.block_fit(anchor).describe()}")
+        if depth != int(anchor["layers"]):
+            # Said only where nothing could be pooled: a preset's anchors are analytic runs (a measured one
+            # is refused on another device), whose pooled block is the generator's own per-block cost — a
+            # note per model on the default sweep's console would say nothing a measurement could contradict.
+            block_fit = self.block_fit(anchor)
+            if block_fit.block_compute_s is None:
+                plan_notes = (*plan_notes, f"depth rewrite: {block_fit.describe()}")
         started = time.perf_counter()
         evaluated = []
         for iteration, graph in enumerate(graphs):

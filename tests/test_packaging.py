@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def test_simulator_half_imports_without_heavy_packages():
     probe = (
@@ -54,6 +56,7 @@ def test_help_and_version_show_no_bool_type():
         assert result.exit_code == 0 and "<bool>" not in result.output, command
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_malformed_options_are_one_line_errors():
     """A value of the wrong type, an unknown option or command, a missing value: one line on stderr, exit 2
     (click's usage box was ~6 lines); help and version still exit 0, no arguments prints help (exit 2)."""

@@ -23,6 +23,7 @@ def measured() -> Path:
     return traces.resolve_bundle("measured")
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_a_run_slower_in_one_capture_differs_by_its_medians(measured: Path, tmp_path: Path) -> None:
     bundle = traces.read_bundle(measured)
     slow_run = "mixtral-8x7b-w32-zero3-L4-emulated-2x1-200mbit"
@@ -47,6 +48,7 @@ def test_a_run_slower_in_one_capture_differs_by_its_medians(measured: Path, tmp_
     assert same["bundles"][0]["depth_line_residual_max"] == pytest.approx(noise["depth_line_residual_max"])
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_bad_input_is_one_line(measured: Path, tmp_path: Path) -> None:
     for args, expected in (
         (["--bundles", str(tmp_path / "nope")], "not a trace bundle directory"),

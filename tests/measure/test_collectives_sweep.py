@@ -112,6 +112,7 @@ def _check_group_rows(rows: list[dict], world_size: int, nodes: int) -> None:
         assert 0 <= row["transport_cpu_s"] < 10 * row["time_max_s"] + 0.1
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_two_ranks_sweep_one_node_and_a_missing_rank_times_out() -> None:
     results = _spawn(2, ranks_per_node=2, missing_rank_check=True)
     rows, progress = results[("rows", 0)]
@@ -124,6 +125,7 @@ def test_two_ranks_sweep_one_node_and_a_missing_rank_times_out() -> None:
     assert TIMEOUT_S * 0.5 <= elapsed_s <= TIMEOUT_S + 10, elapsed_s
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_four_ranks_two_per_node_sweep_the_whole_group_and_node_zero() -> None:
     results = _spawn(4, ranks_per_node=2)
     rows, progress = results[("rows", 0)]

@@ -251,6 +251,7 @@ def four_ranks(cluster):
     return json.loads(outputs[0])
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @needs_root
 def test_all_gather_across_four_ranks(cluster, four_ranks):
     assert [gathered for gathered, _ in four_ranks["ranks"]] == [True] * 4
@@ -260,6 +261,7 @@ def test_all_gather_across_four_ranks(cluster, four_ranks):
     ]
 
 
+@pytest.mark.heavy  # the four-rank run it reads takes ~5 s: the heavy tier
 @needs_root
 def test_intra_node_traffic_stays_off_the_link(four_ranks):
     intra, inter = four_ranks["tx_bytes"]["intra"], four_ranks["tx_bytes"]["inter"]
@@ -267,6 +269,7 @@ def test_intra_node_traffic_stays_off_the_link(four_ranks):
     assert _EXCHANGE_BYTES <= inter < 1.2 * _EXCHANGE_BYTES
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @needs_root
 def test_probe_link_close_to_nominal(cluster):
     tracked = list(cluster.processes)
@@ -279,6 +282,7 @@ def test_probe_link_close_to_nominal(cluster):
     assert cluster.processes == tracked  # the probe's workers are reaped and forgotten
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @needs_root
 def test_the_link_is_reshaped_in_place(cluster):
     """set_link_rate changes every veth end's tbf: the probe follows the new rate; the namespaces stay."""

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _bench_script import load_benchmark, run_benchmark  # noqa: E402
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_a_short_run_times_blocks_on_each_worker_and_summarises_them(tmp_path: Path) -> None:
     out = tmp_path / "drift.json"
     done = run_benchmark(
@@ -62,6 +63,7 @@ def test_bad_input_is_one_line(args: list[str], message: str) -> None:
     assert done.stdout.strip() == f"host_drift: error: {message}" and "Traceback" not in done.stderr
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_both_kinds_of_work_are_timed_in_the_same_windows(tmp_path: Path) -> None:
     """`--work both`: every worker alternates a matmul and a Python block; each kind summarised apart, the
     top-level figures the first kind's (matmul)."""

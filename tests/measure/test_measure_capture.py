@@ -68,6 +68,7 @@ def test_capture_gives_a_valid_bundle_of_measured_runs(captured: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_events_are_consistent(captured: Path) -> None:
     bundle = traces.read_bundle(captured / "bundle")
     events = bundle.events
@@ -189,6 +190,7 @@ def test_rerun_keeps_finished_runs_and_refuses_another_plan(captured: Path) -> N
     assert other.stderr.count("\n") == 1 and "another plan" in other.stderr and "systems" in other.stderr
 
 
+@pytest.mark.heavy  # uses the module's capture (~20 s): the heavy tier
 def test_measured_timeline_is_a_chrome_trace(captured: Path, tmp_path: Path) -> None:
     bundle = traces.read_bundle(captured / "bundle")
     run_id = bundle.runs[bundle.runs["system"] == "ciera"]["run_id"].iloc[0]
@@ -276,6 +278,7 @@ def test_ctrl_c_stops_the_ranks_and_the_next_run_redoes_it(tmp_path: Path) -> No
     assert leftover.stdout.strip() == ""  # no rank outlives the capture
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -379,6 +382,7 @@ def test_emulated_capture_after_a_killed_one_cleans_up_and_records_its_link(tmp_
     assert 0.2 * run.link_rate_Bps < run.measured_link_Bps < 1.1 * run.link_rate_Bps
 
 
+@pytest.mark.heavy  # uses the module's capture (~20 s): the heavy tier
 def test_report_shows_the_measured_runs(captured: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.html"
     done = ciera("report", "--bundle", str(captured / "bundle"), "--html", str(out), "--gpus", "4")
@@ -392,6 +396,7 @@ def test_report_shows_the_measured_runs(captured: Path, tmp_path: Path) -> None:
         assert f">{label}</td>" in section
 
 
+@pytest.mark.heavy  # uses the module's capture (~20 s): the heavy tier
 def test_replay_reproduces_every_captured_iteration(captured: Path, tmp_path: Path) -> None:
     out = tmp_path / "replay.json"
     done = ciera("replay", "--bundle", str(captured / "bundle"), "--json", str(out))
@@ -413,6 +418,7 @@ def test_without_torch_the_capture_says_what_to_install(tmp_path: Path) -> None:
     assert not (tmp_path / "cap").exists()
 
 
+@pytest.mark.heavy  # uses the module's capture (~20 s): the heavy tier
 def test_ciera_rounds_are_counted_at_the_layer_of_the_parameter_they_gather(captured: Path) -> None:
     # A CIERA bucket row (one per DeepSpeed coalesced call) counts at the layer of its first parameter, as
     # DeepSpeed's own coalesced gather does; its decode, however late it runs and whichever row was issued

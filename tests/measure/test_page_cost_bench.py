@@ -7,12 +7,15 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 from _bench_script import run_benchmark  # noqa: E402
 
 from measure.launch import RETAIN_ALLOCATOR_ENV, allocator_in_use  # noqa: E402
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_the_retained_allocator_faults_nothing_in_where_the_systems_faults_every_page(tmp_path: Path) -> None:
     out = tmp_path / "pages.json"
     done = run_benchmark("page_cost.py", "--mib", "64", "--repetitions", "4", "--json", str(out), timeout=120)

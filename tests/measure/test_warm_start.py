@@ -200,6 +200,7 @@ def test_a_run_finished_before_the_new_fields_is_kept(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------- warm steps run
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_warm_steps_train_on_the_first_batches_and_are_not_recorded() -> None:
     """One rank, FSDP2 without CIERA, 5 steps: with 3 warm steps the records are steps 3 and 4, with the
     losses the same run records there without warm steps, and the warm run's last loss is step 2's."""
@@ -242,6 +243,7 @@ def warm_capture(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_a_capture_with_warm_steps_records_only_its_iterations(warm_capture: Path) -> None:
     """Events of exactly the 2 timed iterations (a warm step in the recorder would add iterations); the runs
     row says B, the iterations before the first traced and how many of them were warm steps."""

@@ -28,6 +28,7 @@ def _require_chromium() -> None:
         pytest.skip("no Chromium installed (set CIERA_REQUIRE_BROWSER=1 to make this a failure)")
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_report_renders_without_console_errors(tmp_path, records, timeline_events, bundle):
     _require_chromium()
     html_path = write_report(
@@ -40,6 +41,7 @@ def test_report_renders_without_console_errors(tmp_path, records, timeline_event
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_render_check_catches_a_broken_page(tmp_path):
     _require_chromium()
     # The checker itself must see failures: a script error, and a plot div plotly never drew.
@@ -54,6 +56,7 @@ def test_render_check_catches_a_broken_page(tmp_path):
     assert result.plots_expected == 1 and result.plots_rendered == 0 and not result.ok
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_render_check_script_prints_json(tmp_path, records):
     _require_chromium()
     html_path = write_report(tmp_path / "report.html", build_report(records, [], None, "Script test"))

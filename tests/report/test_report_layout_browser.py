@@ -18,6 +18,7 @@ pytestmark = pytest.mark.browser
 MODELS = ("Llama-4-Scout-17B-16E", "Qwen2-57B-A14B", "OLMoE-1B-7B")
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @pytest.mark.parametrize("width_px", [1024, 1600])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_whole_report_has_no_layout_problems(tmp_path, width_px, dtype):

@@ -39,6 +39,7 @@ def test_a_timeline_choice_that_cannot_be_honoured_is_one_line(
     assert not (tmp_path / "r.html").exists()
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_the_timeline_shows_the_chosen_model_and_world_size(tmp_path: Path) -> None:
     html_path = tmp_path / "r.html"
     done = _report(

@@ -552,6 +552,7 @@ def _require_chromium() -> None:
         pytest.skip("no Chromium installed (set CIERA_REQUIRE_BROWSER=1 to make this a failure)")
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @pytest.mark.browser
 @pytest.mark.parametrize("width_px", [1024, 1600])
 def test_validation_section_renders_without_overlaps(tmp_path, records, width_px):

@@ -51,6 +51,7 @@ def test_fp16_verdicts_name_a_faster_zeropp_and_every_verdict_its_basis(records:
     assert "at least 1.01× over ZeRO-3" in summary
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_report_from_records_fills_the_bandwidth_section_and_ends_with_the_summary(tmp_path: Path) -> None:
     sim_json, html = tmp_path / "sim.json", tmp_path / "r.html"
     common = [sys.executable, "-m", "ciera_cli.main"]

@@ -7,10 +7,13 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
 from _bench_script import run_benchmark  # noqa: E402
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_a_tiny_run_times_every_bucket_size_and_gathers_exactly(tmp_path: Path) -> None:
     out = tmp_path / "bucket_host.json"
     done = run_benchmark(
@@ -32,6 +35,7 @@ def test_a_tiny_run_times_every_bucket_size_and_gathers_exactly(tmp_path: Path) 
         assert 0 < row["wire_over_raw"] <= 1.0
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_bad_arguments_are_one_line_errors() -> None:
     for args, expected in (
         (("--shards", "0,2"), "expected comma-separated positive integers"),

@@ -7,10 +7,13 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
 from _bench_script import run_benchmark  # noqa: E402
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_a_tiny_run_sizes_and_times_both_entropy_stages(tmp_path: Path) -> None:
     out = tmp_path / "codec.json"
     done = run_benchmark("codec.py", "--json", str(out), "--numel", "65536", "--repeats", "2", timeout=120)

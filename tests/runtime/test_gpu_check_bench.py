@@ -31,6 +31,7 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], words: str) -> N
     assert words in lines[0]
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_tiny_cpu_run_is_exact_and_says_it_is_not_a_gpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     done = run_benchmark(
@@ -67,6 +68,7 @@ def test_tiny_cpu_run_is_exact_and_says_it_is_not_a_gpu(tmp_path: Path) -> None:
         assert result["kernels"][f"{name}_GBps"] > 0
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_the_whole_check_runs_the_cuda_kernels_in_numbas_simulator(tmp_path: Path) -> None:
     """The device rANS's CUDA kernels (not their CPU twin) through every section — the per-shard path,
     the emulated W-rank gather, the 2-rank gloo gather — on CPU tensors: what the GPU compiles, run here."""

@@ -20,6 +20,7 @@ from _dist_workers import (  # noqa: E402
 from tests.ranks import spawn_ranks  # noqa: E402
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @pytest.mark.parametrize("world_size, iterations", [(2, 24), (3, 8)])
 def test_changing_weights_match_raw_all_gather_bit_for_bit(world_size: int, iterations: int) -> None:
     results = spawn_ranks(changing_weights_worker, world_size, iterations)

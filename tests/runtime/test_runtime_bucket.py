@@ -16,6 +16,7 @@ import _bucket_workers as workers  # noqa: E402
 from tests.ranks import spawn_ranks  # noqa: E402
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @pytest.mark.parametrize("world_size, entropy", [(2, "rans"), (3, "rans"), (2, "none")])
 def test_buckets_are_exact_in_one_round_with_rare_overflow(world_size: int, entropy: str) -> None:
     iterations = 12
@@ -38,6 +39,7 @@ def test_buckets_are_exact_in_one_round_with_rare_overflow(world_size: int, entr
             assert seeds == 0
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_a_decode_failure_surfaces_here_on_that_rank_and_at_the_next_call_on_the_others() -> None:
     results = {
         rank: (log, recoveries) for rank, log, recoveries in spawn_ranks(workers.bucket_failure_worker, 3)
@@ -54,6 +56,7 @@ def test_a_decode_failure_surfaces_here_on_that_rank_and_at_the_next_call_on_the
     assert all(recoveries == 1 for _, recoveries in results.values())
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_a_rank_that_gives_up_tells_the_others_so_both_meet_at_the_recovery() -> None:
     timeout_s = 3.0
     results = {rank: rest for rank, *rest in spawn_ranks(workers.bucket_stall_worker, 2, timeout_s)}
@@ -138,6 +141,7 @@ MUST_BE_EXACT = {"output_noncontiguous", "output_2d", "shard_noncontiguous", "ch
 
 
 # The exact detector runs the one-call bucket passes, the hash detector the per-shard loop.
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @pytest.mark.parametrize("detector", ["hash", "exact"])
 @pytest.mark.parametrize("world_size, injections", [(2, 70), (3, 46)])
 def test_every_fault_ends_exact_or_in_the_same_error_now_or_at_the_next_call(

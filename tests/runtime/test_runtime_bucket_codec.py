@@ -16,6 +16,7 @@ import _bucket_workers as workers  # noqa: E402
 from tests.ranks import spawn_ranks  # noqa: E402
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @pytest.mark.parametrize(
     "world_size, entropy, verify_every", [(2, "rans", 0), (3, "rans", 3), (2, "none", 0)]
 )

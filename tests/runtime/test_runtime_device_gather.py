@@ -19,6 +19,7 @@ import _device_gather_workers as workers  # noqa: E402
 from tests.ranks import free_port, spawn_ranks  # noqa: E402
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @pytest.mark.parametrize("world_size,entropy", [(2, "rans"), (3, "rans"), (2, "none")])
 def test_steady_gathers_are_exact_and_read_nothing_on_the_host(world_size: int, entropy: str) -> None:
     results = spawn_ranks(workers.steady_worker, world_size, entropy)
@@ -142,6 +143,7 @@ def _random_faults(world_size: int, steps: int, seed: int) -> collections.Counte
     return counts
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_random_faults_end_exact_or_refused_by_every_rank(world_size: int) -> None:
     counts = _random_faults(world_size, 60, seed=world_size)

@@ -156,6 +156,7 @@ print("simulated cases", cases)
 """
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_the_cuda_kernels_in_numbas_simulator_make_the_same_streams() -> None:
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(

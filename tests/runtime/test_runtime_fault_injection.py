@@ -73,6 +73,7 @@ def _run_and_check(
     return counts
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @pytest.mark.parametrize("world_size, injections", [(2, 160), (3, 90)])
 def test_every_fault_ends_exact_or_in_the_same_error_on_every_rank(world_size: int, injections: int) -> None:
     counts = _run_and_check(world_size, injections, seed=world_size)
@@ -90,6 +91,7 @@ def test_many_faults_slow(world_size: int, injections: int) -> None:
     assert sum(counts.values()) == injections
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_a_rank_that_never_arrives_makes_the_others_raise_within_the_timeout() -> None:
     results = spawn_ranks(workers.missing_rank_worker, 3, 3.0, timeout_s=120)
     for rank, outcome, elapsed_s in results[:-1]:

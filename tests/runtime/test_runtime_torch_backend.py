@@ -296,6 +296,7 @@ def _weights_steps(dtype: torch.dtype, numel: int, steps: int, seed: int) -> lis
     return versions
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 @pytest.mark.parametrize("detector", ["hash", "exact"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_end_to_end_payloads_are_identical_and_cross_decode(dtype: torch.dtype, detector: str) -> None:

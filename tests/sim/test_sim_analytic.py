@@ -11,6 +11,7 @@ from sim.analytic import generate_bundle, load_settings
 from sim.model_config import layer_parameters, list_models, load_model_config
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_shipped_default_bundle_is_reproduced_by_the_generator():
     shipped = traces.read_bundle(traces.default_bundle_path())
     regenerated = generate_bundle(load_settings())

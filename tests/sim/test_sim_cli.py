@@ -215,6 +215,7 @@ def test_bad_bundle_exits_2(tmp_path: Path, capsys, monkeypatch) -> None:
     assert code == 2 and len(stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_default_bundle_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     if not traces.default_bundle_path().is_dir():
         pytest.skip("the packaged default bundle has not been generated in this checkout")

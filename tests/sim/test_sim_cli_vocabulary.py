@@ -29,6 +29,7 @@ def _one_line_error(done: subprocess.CompletedProcess[str], expected: str) -> No
     assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], done.stderr
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_version_models_and_clusters_are_listed() -> None:
     version = _ciera("--version")
     assert version.returncode == 0 and version.stdout.startswith("ciera ")

@@ -89,6 +89,7 @@ def test_the_middle_iteration_is_the_median_or_the_upper_of_the_two_middle_ones(
     assert middle_index([5.0]) == 0
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_a_measured_runs_path_is_its_middle_iteration_replayed(shipped_measured_bundle) -> None:  # noqa: ANN001
     """Replay is exact, so the measured parts sum to the middle iteration's measured time; a run without
     events is one line."""

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from sim.cluster import load_cluster
 from sim.collectives import CollectiveModel
@@ -53,6 +54,7 @@ def test_measured_collectives_inside_one_node_leave_the_fit_to_the_preset_points
     assert model.inter_beta_Bps == CollectiveModel.from_preset(preset).inter_beta_Bps
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_sweep_repeats_the_simulation_per_value(tmp_path: Path) -> None:
     import json
 

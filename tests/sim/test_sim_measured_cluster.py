@@ -67,6 +67,7 @@ def test_another_depth_and_world_size_are_rewrites_of_this_clusters_runs(
     assert wider[0].iteration_s < wider[1].iteration_s  # more ranks over the same slow link
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_ciera_is_projected_by_the_rewrite_validate_sim_checks(measured: traces.TraceBundle) -> None:
     """Off its traced configuration, a CIERA system is its plain engine's graph with CIERA written in at the
     target W (predict_run with CieraOn: what `ciera validate sim` scores as its system category), with

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 
+
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_generator_only_fields_are_refused_not_ignored() -> None:
     """--set of a field a simulation of a traced bundle cannot change (the trace's compute and prefetch)
     is one line naming the field and what to do, from `ciera simulate`, `--sweep` and `ciera report`."""

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
 from _bench_script import load_benchmark, run_benchmark  # noqa: E402
 
@@ -55,6 +57,7 @@ def test_the_kernel_timing_rebuilds_the_shard_it_times() -> None:
     assert all(value > 0 for value in seconds.values())
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_on_the_shipped_bundle_the_bytes_alone_bracket_the_rewrite(tmp_path: Path) -> None:
     out = tmp_path / "bytes_only.json"
     done = run_benchmark(
@@ -78,6 +81,7 @@ def test_on_the_shipped_bundle_the_bytes_alone_bracket_the_rewrite(tmp_path: Pat
     assert done.stderr.count("bytes only") == done.stderr.count("kernels only") == 2
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_bad_input_is_one_line(tmp_path: Path) -> None:
     outcomes = {}
     for name, args in {

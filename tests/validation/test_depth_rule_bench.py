@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
 from _bench_script import load_benchmark, run_benchmark  # noqa: E402
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_the_pooled_blocks_predict_held_out_compute_at_least_as_well_as_the_other_rules() -> None:
     """~13 s. Every cluster and system of the shipped bundle, L = 8 predicted from L = 2, 4, 6 (the
     shipped held-out file's seen depths)."""

@@ -7,6 +7,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
 from _bench_script import load_benchmark, run_benchmark  # noqa: E402
 
@@ -28,6 +30,7 @@ def test_without_the_path_its_time_is_compute_and_nothing_else_moves() -> None:
     assert stripped.events[columns].equals(events[columns])
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_a_bundle_without_the_path_and_bad_input_are_one_line(tmp_path: Path) -> None:
     held_out = "traces/data/measured.held-out.toml"
     outcomes = {}

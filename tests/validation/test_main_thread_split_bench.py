@@ -15,6 +15,7 @@ from _bench_script import load_benchmark, run_benchmark  # noqa: E402
 SHIPPED = Path(__file__).resolve().parents[2] / "report" / "data" / "validate-sim-measured.json"
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_fsdp_s_optimizer_step_as_built_is_the_measured_one_and_the_iteration_is_validate_sims() -> None:
     """~10 s. FSDP2 on 3 × 1 and 2 × 2 (held out by topology): the step kept at its traced work comes out
     nearer the measured step than 1/W in 7 of 8 runs (1/W made it short in all 8); the as-built iteration is the one
@@ -42,6 +43,7 @@ def test_fsdp_s_optimizer_step_as_built_is_the_measured_one_and_the_iteration_is
     assert closer >= len(rows) - 1
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_without_the_transport_cpu_only_that_load_leaves_the_prediction() -> None:
     """~10 s. The what-if leaves the collectives' transport CPU out of anchor and target: ZeRO-3's
     predicted compute on the shared cores changes, the measured side does not, and the simulator's own
@@ -58,6 +60,7 @@ def test_without_the_transport_cpu_only_that_load_leaves_the_prediction() -> Non
     assert any(a["as_built"]["compute_s"] != b["as_built"]["compute_s"] for a, b in pairs)
 
 
+@pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_the_link_category_is_the_held_out_link_rate_and_its_iterations_are_validate_sims() -> None:
     """~8 s. ``--category link``: the plain engines' 1 Gbit runs (held out by link rate), each predicted
     as `ciera validate sim` predicts it."""

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from _ranks import run_loopback_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -176,8 +176,6 @@ def _runtime_min_shards() -> int:
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument(
@@ -200,13 +198,8 @@ def main() -> None:
         parser.error(f"--one-call-min-shards {args.one_call_min_shards}: expected >= 1")
     if args.values < max(args.shards):
         parser.error(f"--values {args.values}: expected at least one value per shard ({max(args.shards)})")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     world_size = 2
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(world_size, port, args, queue), nprocs=world_size, start_method="spawn")
-    ranks = [queue.get() for _ in range(world_size)]
+    ranks = run_loopback_ranks(_worker, args, world_size)
     rows = []
     for position, first in enumerate(ranks[0]["rows"]):
         row = {

@@ -25,12 +25,12 @@ off its core. ``--pin`` puts each rank's process (all its threads) on core RANK.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 from _output import OneLineParser, emit_json  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from _ranks import run_loopback_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -144,15 +144,8 @@ def main() -> None:
         parser.error(f"--rounds {args.rounds}: expected >= 2 (the first one is warm-up)")
     if args.pin and (os.cpu_count() or 1) < 2:
         parser.error("--pin: expected at least 2 cores (one per rank)")
-    import torch.multiprocessing as mp  # after the arguments: a bad one is refused without importing torch
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     world_size = 2
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(world_size, port, args, queue), nprocs=world_size, start_method="spawn")
-    ranks = sorted((queue.get() for _ in range(world_size)), key=lambda r: r["rank"])
+    ranks = run_loopback_ranks(_worker, args, world_size)
     result = {
         "benchmark": "compute_after_gather",
         "world_size": world_size,

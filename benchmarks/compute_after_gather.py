@@ -47,7 +47,7 @@ def _worker(rank: int, world_size: int, port: int, args, queue) -> None:
 
     from ciera_runtime import CodecConfig, CompressedAllGather
     from ciera_runtime.selection import perturb_blocks
-    from measure.train import quiet_engine_deprecations
+    from measure.placement import quiet_engine_deprecations
 
     quiet_engine_deprecations()
     os.environ["MASTER_ADDR"] = "127.0.0.1"

@@ -258,9 +258,8 @@ def _warm_rank_main(args) -> None:
     rank = _rank_environment(args)
     import torch.distributed as dist
 
-    from measure.train import _float_bits, _init_group, quiet_engine_deprecations, run_rank
+    from measure.train import _float_bits, _init_group, run_rank
 
-    quiet_engine_deprecations()
     engines = _engines(args)
     _init_group(rank, 2, _system_config(args, engines[0], "warm"))
     out: dict = {"rank": rank, "engines": {}}
@@ -286,9 +285,8 @@ def _rank_main(args) -> None:
     rank = _rank_environment(args)
     import torch.distributed as dist
 
-    from measure.train import _init_group, quiet_engine_deprecations, run_rank
+    from measure.train import _init_group, run_rank
 
-    quiet_engine_deprecations()
     systems = args.systems.split(",")
     _init_group(rank, 2, _system_config(args, systems[0]))
     timer = _CommTimer()

@@ -152,11 +152,26 @@ def check_ds_accelerator(placement: Placement, env: Mapping[str, str]) -> str:
     return wanted
 
 
+def quiet_engine_deprecations() -> None:
+    """Silence, in this process, the FutureWarning torch 2.13 prints for the `torch.distributed` APIs that
+    DeepSpeed and FSDP2 call (`all_gather_into_tensor`, `reduce_scatter_tensor`): it repeats on every rank
+    and step, names nothing a user of these commands can act on, and buries their output. Only that
+    message is filtered; every other warning still prints."""
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
+
+
 def init_group(placement: Placement, rank: int, world_size: int, timeout_s: float) -> None:
-    """Form the default process group on ``placement`` (NCCL bound to this rank's GPU)."""
+    """Form the default process group on ``placement`` (NCCL bound to this rank's GPU), in a process
+    whose engines' deprecated collectives no longer warn (`quiet_engine_deprecations`): every rank of
+    `ciera train`, `ciera measure` (spawned or under a launcher) and `benchmarks/train_step.py` forms it here."""
     import torch
     import torch.distributed as dist
 
+    quiet_engine_deprecations()
     device_id = torch.device(placement.device) if placement.cuda else None
     dist.init_process_group(
         placement.backend,

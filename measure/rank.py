@@ -58,9 +58,6 @@ def main(argv: list[str]) -> int:
     try:
         from .events import EventRecorder
         from .placement import init_group, place_rank
-        from .train import quiet_engine_deprecations
-
-        quiet_engine_deprecations()
 
         placement = place_rank()  # cuda:<LOCAL_RANK> with NCCL when CUDA is available, else CPU with gloo
         if rank == 0:

@@ -704,20 +704,7 @@ def _init_group(rank: int, world_size: int, cfg: TrainConfig):
     return placement
 
 
-def quiet_engine_deprecations() -> None:
-    """Silence, in this process, the FutureWarning torch 2.13 prints for the `torch.distributed` APIs that
-    DeepSpeed and FSDP2 call (`all_gather_into_tensor`, `reduce_scatter_tensor`): it repeats on every rank
-    and step, names nothing a user of these commands can act on, and buries their output. Only that
-    message is filtered; every other warning still prints."""
-    import warnings
-
-    warnings.filterwarnings(
-        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
-    )
-
-
 def _spawned_rank(rank: int, world_size: int, port: int, cfg: TrainConfig, queue) -> None:
-    quiet_engine_deprecations()
     # A hung run is stopped by the parent after cfg.timeout_s + 60 s without progress; it first asks each
     # rank for its Python stacks (SIGUSR1) so the hang can be located from the console.
     faulthandler.register(signal.SIGUSR1, all_threads=True)

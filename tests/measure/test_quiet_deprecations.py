@@ -1,9 +1,10 @@
-"""`measure.train.quiet_engine_deprecations`: the rank processes of `ciera train`, `ciera measure` and
-`benchmarks/train_step.py` drop torch's deprecation notice for the collectives DeepSpeed calls, and only it."""
+"""`measure.placement.quiet_engine_deprecations` (called by `init_group`, where every rank of `ciera train`,
+`ciera measure` and `benchmarks/train_step.py` forms its group): torch's deprecation notice for the
+collectives DeepSpeed calls is dropped, and only it."""
 
 import warnings
 
-from measure.train import quiet_engine_deprecations
+from measure.placement import quiet_engine_deprecations
 
 
 def _caught(emit) -> list[str]:

@@ -19,11 +19,14 @@ import pandas as pd
 import traces
 
 from .ciera_rewrite import CodecFigures, ciera_graph, parameter_sizes
+from .curves import GRAPH_STREAM_OPS
 from .depth import block_map, repeat_blocks
 from .errors import SimInputError
 from .evaluate import critical_path, evaluate, middle_index
 from .opgraph import build_graph
 from .rewrite import ClusterSpec, compute_scale, rewrite_costs, traced_cluster, transport_scale
+
+COLLECTIVE_STREAMS = list(GRAPH_STREAM_OPS)  # a graph's collective streams (the rewrites' included)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,11 @@ class Prediction:
     # The critical path (`sim.evaluate.critical_path`, seconds per part) of the rewritten iteration in the
     # middle (`middle_index`), the same attribution a measured run's replayed middle iteration gets.
     critical_path_s: dict[str, float] = field(default_factory=dict)
+    # The collectives likewise: per collective stream (allgather, reduce_scatter, all_reduce), its ops' time
+    # from start to end summed per rank and iteration (as traces.stream_summaries gives a measured run's) and
+    # the median op's — to hold against the measured run's collectives (benchmarks/main_thread_split.py).
+    collective_s: dict[str, float] = field(default_factory=dict)
+    collective_median_s: dict[str, float] = field(default_factory=dict)
 
 
 def parameter_ratio(
@@ -156,6 +164,8 @@ def predict_run(
     times, simulated, notes = [], 0, []
     evaluated = []  # (graph, evaluation) per iteration, for the middle one's critical path
     main_thread: dict[str, list[float]] = {}
+    collective: dict[str, list[float]] = {}  # per collective stream: each iteration's per-rank sum
+    collective_ops: dict[str, list[np.ndarray]] = {}  # … and its ops' durations
     counts: dict[str, int] = {}
     sizes = parameter_sizes(seen, target_layers) if ciera_on is not None else {}
     traced = [build_graph(per_iteration) for _, per_iteration in events.groupby("iteration", sort=True)]
@@ -190,6 +200,10 @@ def predict_run(
         busy_s, ranks = result.end_s - result.start_s, len(np.unique(graph.rank))  # rank classes
         for stream in np.unique(graph.stream[graph.is_main]).tolist():
             main_thread.setdefault(stream, []).append(float(busy_s[graph.stream == stream].sum()) / ranks)
+        for stream in np.unique(graph.stream[np.isin(graph.stream, COLLECTIVE_STREAMS)]).tolist():
+            on_stream = busy_s[graph.stream == stream]
+            collective.setdefault(stream, []).append(float(on_stream.sum()) / ranks)
+            collective_ops.setdefault(stream, []).append(on_stream)
     if scale_note:
         notes = [*notes, scale_note]
     if block_fit is not None:  # what every block added costs: on the console, not only in the basis
@@ -233,4 +247,6 @@ def predict_run(
         work_scale,
         {stream: float(np.mean(values)) for stream, values in main_thread.items()},
         critical_path(*evaluated[middle_index(times)]) if evaluated else {},
+        {stream: float(np.mean(values)) for stream, values in collective.items()},
+        {stream: float(np.median(np.concatenate(ops))) for stream, ops in collective_ops.items()},
     )

@@ -23,7 +23,7 @@ import traces
 from sim.ciera_rewrite import PLAIN_ENGINE, CodecFigures, fit_system_figures
 from sim.errors import SimInputError
 from sim.evaluate import BREAKDOWN_KEYS
-from sim.predict import CieraOn, predict_run
+from sim.predict import CieraOn, Prediction, predict_run
 from sim.replay import measured_critical_path, replay_run
 from sim.rewrite import measured_cluster
 
@@ -292,6 +292,23 @@ def path_miss_by_category(held_rows: list[dict[str, Any]]) -> dict[str, dict[str
     return result
 
 
+def predict_held_out(
+    bundle: traces.TraceBundle, split: Split, figures: dict[str, CodecFigures | None], run: pd.Series
+) -> Prediction | str:
+    """The prediction `ciera validate sim` makes of `run` (a runs row) from the split's seen runs — a CIERA
+    system the seen runs lack written into its plain engine's graph with `figures` — or, where it makes
+    none, why not."""
+    ciera_on = None
+    if run["system"] in PLAIN_ENGINE and not split.seen_runs["system"].eq(run["system"]).any():
+        if figures.get(run["system"]) is None:
+            return f"not predicted: no codec run of {run['system']} to fit codec figures to"
+        engine = PLAIN_ENGINE[run["system"]]
+        ciera_on = CieraOn(figures[run["system"]], engine, engine)
+    return predict_run(
+        split.seen, run, measured_cluster(bundle.collectives, run), bundle.collectives, ciera_on
+    )
+
+
 def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float) -> dict[str, Any]:
     split = split_runs(bundle, held_out)
     seen, measured_runs, seen_runs, target_runs = (
@@ -319,19 +336,10 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
     anchors: dict[str, dict[str, Any]] = {}  # each anchor's in-sample calibration, as predictions used it
     simulated_events = 0
     for run in target_runs.itertuples():
-        row = pd.Series(run._asdict())
-        target_cluster = measured_cluster(bundle.collectives, row)
-        ciera_on = None
-        if run.system in PLAIN_ENGINE and not seen_runs["system"].eq(run.system).any():
-            if figures.get(run.system) is None:
-                predicted[run.run_id] = (
-                    None,
-                    f"not predicted: no codec run of {run.system} to fit codec figures to",
-                    (),
-                )
-                continue
-            ciera_on = CieraOn(figures[run.system], PLAIN_ENGINE[run.system], PLAIN_ENGINE[run.system])
-        prediction = predict_run(seen, row, target_cluster, bundle.collectives, ciera_on)
+        prediction = predict_held_out(bundle, split, figures, pd.Series(run._asdict()))
+        if isinstance(prediction, str):
+            predicted[run.run_id] = (None, prediction, ())
+            continue
         predicted[run.run_id] = (prediction.iteration_s, prediction.basis, prediction.notes)
         paths[run.run_id] = prediction.critical_path_s
         simulated_events += prediction.events
@@ -345,13 +353,11 @@ def validate_sim(bundle: traces.TraceBundle, held_out: HeldOut, tolerance: float
     # beside the held-out errors, never counted in them.
     codec_rows = []
     for run in split.codec_runs.sort_values(["cluster", "layers", "system"]).itertuples():
-        row = pd.Series(run._asdict())
-        if figures.get(run.system) is None or seen_runs["system"].eq(run.system).any():
+        if seen_runs["system"].eq(run.system).any():
             continue
-        ciera_on = CieraOn(figures[run.system], PLAIN_ENGINE[run.system], PLAIN_ENGINE[run.system])
-        prediction = predict_run(
-            seen, row, measured_cluster(bundle.collectives, row), bundle.collectives, ciera_on
-        )
+        prediction = predict_held_out(bundle, split, figures, pd.Series(run._asdict()))
+        if isinstance(prediction, str):
+            continue
         simulated_events += prediction.events
         measured = float(measured_s[run.run_id])
         codec_rows.append({

@@ -19,14 +19,11 @@ import pandas as pd
 import traces
 
 from .ciera_rewrite import CodecFigures, ciera_graph, parameter_sizes
-from .curves import GRAPH_STREAM_OPS
 from .depth import block_map, repeat_blocks
 from .errors import SimInputError
 from .evaluate import critical_path, evaluate, middle_index
-from .opgraph import build_graph
+from .opgraph import KERNEL_STREAMS, build_graph
 from .rewrite import ClusterSpec, compute_scale, rewrite_costs, traced_cluster, transport_scale
-
-COLLECTIVE_STREAMS = list(GRAPH_STREAM_OPS)  # a graph's collective streams (the rewrites' included)
 
 
 @dataclass(frozen=True)
@@ -200,7 +197,8 @@ def predict_run(
         busy_s, ranks = result.end_s - result.start_s, len(np.unique(graph.rank))  # rank classes
         for stream in np.unique(graph.stream[graph.is_main]).tolist():
             main_thread.setdefault(stream, []).append(float(busy_s[graph.stream == stream].sum()) / ranks)
-        for stream in np.unique(graph.stream[np.isin(graph.stream, COLLECTIVE_STREAMS)]).tolist():
+        collective_op = (graph.group >= 0) & ~np.isin(graph.stream, KERNEL_STREAMS)  # as sim.rewrite reads it
+        for stream in np.unique(graph.stream[collective_op]).tolist():
             on_stream = busy_s[graph.stream == stream]
             collective.setdefault(stream, []).append(float(on_stream.sum()) / ranks)
             collective_ops.setdefault(stream, []).append(on_stream)

@@ -42,7 +42,7 @@ import traces
 
 from .errors import SimInputError
 from .graph_edit import EditableOp, editable_ops, relink_main, to_graph
-from .opgraph import MAIN_THREAD_STREAMS, OpGraph, build_graph
+from .opgraph import MAIN_THREAD_STREAMS, OpGraph, iteration_graphs
 from .rewrite import compute_scale, main_work_s, run_transport_s, traced_cluster, transport_scale
 from .system_rewrite import AnchorTime, insert_codec, rescaled_duration
 
@@ -156,18 +156,36 @@ def shards_per_call(engine: str, raw: float, layer: int, parameters: dict[int, l
     return ParameterLayout(parameters).shards(engine, raw, layer)
 
 
-def _calls(per_rank: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """One rank's iteration of a CIERA run: its calls' rows (raw > 0, in issue order), its encodes (the
-    k-th precedes the k-th row's issue), its decodes (calls finish in start order: the k-th decode is the
-    k-th row's) and its overflow rounds (raw 0)."""
-    ordered = per_rank.sort_values(["issued_s", "start_s"], kind="stable")
-    gathers = ordered[ordered["stream"] == "allgather"]
-    return (
-        gathers[gathers["raw_bytes"] > 0],
-        ordered[ordered["stream"] == "codec_send"],
-        ordered[ordered["stream"] == "codec_recv"],
-        gathers[gathers["raw_bytes"] == 0],
+def _calls(
+    events: pd.DataFrame, run_id: str
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """A CIERA run's calls, rank by rank and iteration by iteration: each rank-iteration's calls' rows
+    (raw > 0, in issue order), its encodes (the k-th precedes the k-th row's issue), its decodes (calls
+    finish in start order: the k-th decode is the k-th row's) and its overflow rounds (raw 0) — so the
+    k-th encode and decode of the whole run belong to its k-th row."""
+    ordered = events.sort_values(["iteration", "rank", "issued_s", "start_s"], kind="stable")
+    stream = ordered["stream"].to_numpy(dtype=object)
+    raw = ordered["raw_bytes"].to_numpy(dtype=float)
+    kinds = {
+        "rows": (stream == "allgather") & (raw > 0),
+        "encodes": stream == "codec_send",
+        "decodes": stream == "codec_recv",
+        "overflow": (stream == "allgather") & (raw == 0),
+    }
+    keys = ordered[["iteration", "rank"]]
+    counts = (
+        pd.DataFrame({name: chosen for name, chosen in kinds.items()})
+        .groupby([keys["iteration"].to_numpy(), keys["rank"].to_numpy()], sort=True)
+        .sum()
     )
+    unequal = counts[(counts["encodes"] != counts["rows"]) | (counts["decodes"] != counts["rows"])]
+    if len(unequal):
+        bad = unequal.iloc[0]
+        raise SimInputError(
+            f"codec run {run_id!r}: {bad['encodes']} encodes, {bad['decodes']} decodes and {bad['rows']} "
+            "gathers per rank; expected one of each per engine call (a capture of the bucket runtime)"
+        )
+    return tuple(ordered[chosen] for chosen in kinds.values())
 
 
 def fit_codec_figures(
@@ -191,30 +209,25 @@ def fit_codec_figures(
         world_sizes.add(world)
         layout = ParameterLayout(parameters[run_id])
         events = bundle.events[bundle.events["run_id"] == run_id]
-        events = events.assign(work_s=main_thread_work_s(bundle, run))
-        for _, per_rank in events.groupby(["iteration", "rank"]):
-            rows, encodes, decodes, overflow = _calls(per_rank)
-            if not (len(encodes) == len(decodes) == len(rows)):
-                raise SimInputError(
-                    f"codec run {run_id!r}: {len(encodes)} encodes, {len(decodes)} decodes and {len(rows)} "
-                    "gathers per rank; expected one of each per engine call (a capture of the bucket runtime)"
-                )
-            raw = rows["raw_bytes"].to_numpy(dtype=float)
-            shards = np.array(
-                [layout.shards(engine, r, int(layer)) for r, layer in zip(raw, rows["layer"], strict=True)],
-                dtype=float,
-            )  # fmt: skip
-            first = rows["phase"].isin(FIRST_PHASES).to_numpy()
-            encode_rows.append(np.column_stack([np.ones_like(raw), shards, raw / world,
-                                                encodes["work_s"].to_numpy()]))  # fmt: skip
-            decode_rows.append(np.column_stack([np.ones_like(raw), shards * (world - 1), raw * (world - 1) / world,
-                                                decodes["work_s"].to_numpy()]))  # fmt: skip
-            decode_worlds.append(np.full(len(raw), world))
-            wire_rows.append(np.column_stack([raw * first, raw * ~first, world * shards,
-                                              rows["wire_bytes"].to_numpy(dtype=float)]))  # fmt: skip
-            first_calls += int(first.sum())
-            overflows += len(overflow)
-            overflow_s += (overflow["end_s"] - overflow["start_s"]).tolist()
+        graphs = iteration_graphs(events)
+        events = events.assign(work_s=main_thread_work_s(bundle, run, graphs))
+        rows, encodes, decodes, overflow = _calls(events, run_id)
+        raw = rows["raw_bytes"].to_numpy(dtype=float)
+        shards = np.array(
+            [layout.shards(engine, r, int(layer)) for r, layer in zip(raw, rows["layer"], strict=True)],
+            dtype=float,
+        )  # fmt: skip
+        first = rows["phase"].isin(FIRST_PHASES).to_numpy()
+        encode_rows.append(np.column_stack([np.ones_like(raw), shards, raw / world,
+                                            encodes["work_s"].to_numpy()]))  # fmt: skip
+        decode_rows.append(np.column_stack([np.ones_like(raw), shards * (world - 1), raw * (world - 1) / world,
+                                            decodes["work_s"].to_numpy()]))  # fmt: skip
+        decode_worlds.append(np.full(len(raw), world))
+        wire_rows.append(np.column_stack([raw * first, raw * ~first, world * shards,
+                                          rows["wire_bytes"].to_numpy(dtype=float)]))  # fmt: skip
+        first_calls += int(first.sum())
+        overflows += len(overflow)
+        overflow_s += (overflow["end_s"] - overflow["start_s"]).tolist()
         calls = len(events[(events["stream"] == "allgather") & (events["raw_bytes"] > 0)]) / max(
             events.groupby(["iteration", "rank"]).ngroups, 1
         )
@@ -224,12 +237,14 @@ def fit_codec_figures(
         if plain_id is not None:
             plain_run = bundle.runs[bundle.runs["run_id"] == plain_id].iloc[0]
             plain = bundle.events[bundle.events["run_id"] == plain_id]
-            plain = plain.assign(work_s=main_thread_work_s(bundle, plain_run))
+            plain_graphs = iteration_graphs(plain)
+            plain = plain.assign(work_s=main_thread_work_s(bundle, plain_run, plain_graphs))
             # Compute and optimizer segments: the work outside the codec (and outside a recorded gather path),
             # and the main thread's time between its segments that no collective held it for (Python
             # between hooks: the graph's lag), which CIERA's calls add to as well.
             work = _work_s(events, COMPUTE_STREAMS) - _work_s(plain, COMPUTE_STREAMS)
-            lag_glue.append((main_thread_lag_s(events) - main_thread_lag_s(plain)) / max(calls, 1.0))
+            lag = main_thread_lag_s(events, graphs) - main_thread_lag_s(plain, plain_graphs)
+            lag_glue.append(lag / max(calls, 1.0))
             glue.append(work / max(calls, 1.0) + lag_glue[-1])
             plain_paths.append(bool((plain["stream"] == "gather_host").any()))
     if not encode_rows:
@@ -307,46 +322,50 @@ def _work_s(frame: pd.DataFrame, streams: tuple[str, ...]) -> float:
     return float(chosen["work_s"].sum()) / max(frame.groupby(["iteration", "rank"]).ngroups, 1)
 
 
-def main_thread_lag_s(events: pd.DataFrame) -> float:
+def main_thread_lag_s(events: pd.DataFrame, graphs: dict[int, OpGraph] | None = None) -> float:
     """The main thread's lag per rank and iteration (`OpGraph.lag_s` of its ops): time between its
-    recorded segments that no collective's end explains."""
-    total = 0.0
-    for _, rows in events.groupby("iteration"):
-        graph = build_graph(rows)
-        total += float(graph.lag_s[graph.is_main].sum())
+    recorded segments that no collective's end explains. `graphs`: the events' iteration graphs, where
+    already built."""
+    graphs = iteration_graphs(events) if graphs is None else graphs
+    total = sum(float(graph.lag_s[graph.is_main].sum()) for graph in graphs.values())
     return total / max(events.groupby(["iteration", "rank"]).ngroups, 1)
 
 
-def main_thread_work_s(bundle: traces.TraceBundle, run: pd.Series) -> pd.Series:
+def main_thread_work_s(
+    bundle: traces.TraceBundle, run: pd.Series, graphs: dict[int, OpGraph] | None = None
+) -> pd.Series:
     """Per event of `run`, what its main-thread op would take at a full core (`rewrite.main_work_s`: its
     measured duration times the core share its rank had beside the other ranks and the collectives'
     transport on the run's own cluster); NaN for collectives. The codec figures are fitted to this, not to
     the measured durations: the rewritten graph's codec ops run on the evaluator's shared cores, which
     slow them by the sharing their measurement already held (in sample, ZeRO-3 + CIERA's encodes and
-    decodes came out 2.1× their measured time and its iteration +3.9 %)."""
+    decodes came out 2.1× their measured time and its iteration +3.9 %). `graphs`: the run's iteration
+    graphs, where already built."""
     events = bundle.events[bundle.events["run_id"] == run["run_id"]]
     cluster = traced_cluster(bundle.collectives, run)
-    graphs = {int(i): build_graph(rows) for i, rows in events.groupby("iteration", sort=True)}
+    graphs = iteration_graphs(events) if graphs is None else graphs
     scale = transport_scale(run, list(graphs.values()), cluster)[0]
     work_scale = compute_scale(list(graphs.values()), cluster, scale)
-    work = pd.Series(np.nan, index=events.index)
+    iteration_of = events["iteration"].to_numpy(dtype=int)
+    rank_of = events["rank"].to_numpy(dtype=int)
+    stream_of = events["stream"].to_numpy(dtype=object)
+    start_of, end_of = events["start_s"].to_numpy(dtype=float), events["end_s"].to_numpy(dtype=float)
+    work = np.full(len(events), np.nan)
     for iteration, graph in graphs.items():
         per_op = main_work_s(graph, cluster, run_transport_s(graph, cluster, scale)) * work_scale
-        rows = events[events["iteration"] == iteration]
-        for (rank, stream), chosen in rows.groupby(["rank", "stream"]):
-            if stream not in MAIN_THREAD_STREAMS:
-                continue
-            ordered = chosen.sort_values(["start_s", "end_s"], kind="stable")
-            ops = np.flatnonzero((graph.rank == rank) & (graph.stream == stream))
-            # An op cut at an issue point (`opgraph._split_at_issues`) adds its parts back to its event.
-            owner = (
-                np.searchsorted(
-                    ordered["start_s"].to_numpy(), graph.measured_start_s[ops] + 1e-9, side="right"
-                )
-                - 1
-            )
-            work.loc[ordered.index] = np.bincount(owner, weights=per_op[ops], minlength=len(ordered))
-    return work
+        rows_of_iteration = np.flatnonzero(iteration_of == iteration)
+        for rank in np.unique(rank_of[rows_of_iteration]).tolist():
+            of_rank = rows_of_iteration[rank_of[rows_of_iteration] == rank]
+            for stream in MAIN_THREAD_STREAMS:
+                rows = of_rank[stream_of[of_rank] == stream]
+                if not len(rows):
+                    continue
+                rows = rows[np.lexsort((end_of[rows], start_of[rows]))]
+                ops = np.flatnonzero((graph.rank == rank) & (graph.stream == stream))
+                # An op cut at an issue point (`opgraph._split_at_issues`) adds its parts back to its event.
+                owner = np.searchsorted(start_of[rows], graph.measured_start_s[ops] + 1e-9, side="right") - 1
+                work[rows] = np.bincount(owner, weights=per_op[ops], minlength=len(rows))
+    return pd.Series(work, index=events.index)
 
 
 def parameter_sizes(bundle: traces.TraceBundle, traced_layers: int) -> dict[int, list[float]]:

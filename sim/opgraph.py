@@ -82,16 +82,56 @@ class OpGraph:
         return len(self.duration_s)
 
 
-def _rank_arrays(events: pd.DataFrame) -> dict[str, np.ndarray]:
+@dataclass
+class _Columns:
+    """One iteration's events as plain arrays (one per column the graph reads), in some row order."""
+
+    rank: np.ndarray
+    stream: np.ndarray  # object
+    layer: np.ndarray
+    phase: np.ndarray  # object
+    start: np.ndarray
+    end: np.ndarray
+    issued: np.ndarray
+    raw: np.ndarray
+    wire: np.ndarray
+
+    @classmethod
+    def of(cls, events: pd.DataFrame) -> _Columns:
+        return cls(
+            rank=events["rank"].to_numpy(dtype=int),
+            stream=events["stream"].to_numpy(dtype=object),
+            layer=events["layer"].to_numpy(dtype=int),
+            phase=events["phase"].to_numpy(dtype=object),
+            start=events["start_s"].to_numpy(dtype=float),
+            end=events["end_s"].to_numpy(dtype=float),
+            issued=events["issued_s"].to_numpy(dtype=float),
+            raw=events["raw_bytes"].to_numpy(dtype=float),
+            wire=events["wire_bytes"].to_numpy(dtype=float),
+        )
+
+    def take(self, rows: np.ndarray) -> _Columns:
+        return _Columns(**{name: values[rows] for name, values in vars(self).items()})
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
+def _in_start_order(columns: _Columns) -> _Columns:
+    """The rows sorted by start, then end; ties keep their order (a stable sort, as the capture wrote them)."""
+    return columns.take(np.lexsort((columns.end, columns.start)))
+
+
+def _rank_arrays(columns: _Columns) -> dict[str, np.ndarray]:
     """The edges of one rank's iteration (events of one run, rank and iteration, in start order)."""
     # Plain lists: the loop below reads them element by element (numpy scalars would cost more, and
     # are the same floats).
-    streams = events["stream"].to_numpy(dtype=object).tolist()
-    start = events["start_s"].to_numpy(dtype=float).tolist()
-    end = events["end_s"].to_numpy(dtype=float).tolist()
-    issued = events["issued_s"].to_numpy(dtype=float).tolist()
-    count = len(events)
-    is_main = np.isin(np.array(streams, dtype=object), MAIN_THREAD_STREAMS).tolist()
+    streams = columns.stream.tolist()
+    start = columns.start.tolist()
+    end = columns.end.tolist()
+    issued = columns.issued.tolist()
+    count = len(columns)
+    is_main = np.isin(columns.stream, MAIN_THREAD_STREAMS).tolist()
     main_prev = np.full(count, -1)
     stream_prev = np.full(count, -1)
     blocker = np.full(count, -1)
@@ -129,23 +169,21 @@ def _rank_arrays(events: pd.DataFrame) -> dict[str, np.ndarray]:
     return {"main_prev": main_prev, "stream_prev": stream_prev, "blocker": blocker, "lag_s": lag}
 
 
-def _split_at_issues(rank_events: pd.DataFrame) -> pd.DataFrame:
+def _split_at_issues(ordered: _Columns) -> _Columns:
     """One rank's events (in start order) with every main-thread op inside which the rank issued a
     collective cut at each such issue point (an asynchronous call does not end a segment): the collective
     is then issued by the part before it, so its issue moves with that work when the work is slowed or
     sped up (shared cores), instead of staying a fixed time after the op's start."""
-    streams = rank_events["stream"].to_numpy(dtype=object)
-    is_main = np.isin(streams, MAIN_THREAD_STREAMS)
-    issued = np.sort(rank_events["issued_s"].to_numpy(dtype=float)[~is_main])
+    is_main = np.isin(ordered.stream, MAIN_THREAD_STREAMS)
+    issued = np.sort(ordered.issued[~is_main])
     if not len(issued) or not is_main.any():
-        return rank_events
-    start = rank_events["start_s"].to_numpy(dtype=float)
-    end = rank_events["end_s"].to_numpy(dtype=float)
+        return ordered
+    start, end = ordered.start, ordered.end
     low = np.searchsorted(issued, start + TOLERANCE_S, side="right")
     high = np.searchsorted(issued, end - TOLERANCE_S, side="left")
     cut = is_main & (high > low)
     if not cut.any():
-        return rank_events
+        return ordered
     rows, times = [], []
     for position in np.flatnonzero(cut):
         points = [start[position]]
@@ -156,30 +194,27 @@ def _split_at_issues(rank_events: pd.DataFrame) -> pd.DataFrame:
         for a, b in zip(points[:-1], points[1:], strict=True):
             rows.append(position)
             times.append((a, b))
-    parts = rank_events.iloc[rows].copy()
+    # The uncut rows, then the parts, sorted again (stably) by start and end.
+    kept = np.flatnonzero(~cut)
+    split = ordered.take(np.concatenate([kept, np.asarray(rows, dtype=np.int64)]))
     bounds = np.array(times)
-    parts["issued_s"], parts["start_s"], parts["end_s"] = bounds[:, 0], bounds[:, 0], bounds[:, 1]
-    return (
-        pd.concat([rank_events[~cut], parts], ignore_index=True)
-        .sort_values(["start_s", "end_s"], kind="stable")
-        .reset_index(drop=True)
-    )
+    split.issued[len(kept) :] = bounds[:, 0]
+    split.start[len(kept) :] = bounds[:, 0]
+    split.end[len(kept) :] = bounds[:, 1]
+    return _in_start_order(split)
 
 
 def build_graph(events: pd.DataFrame) -> OpGraph:
     """The op graph of one iteration from its events (one run, one iteration, every rank)."""
     if events.empty:
         raise SimInputError("events: an iteration without events has no graph")
-    pieces: list[pd.DataFrame] = []
+    columns = _Columns.of(events)
+    pieces: list[_Columns] = []
     arrays: dict[str, list[np.ndarray]] = {"main_prev": [], "stream_prev": [], "blocker": [], "lag_s": []}
     offset = 0
-    ranks = sorted(int(r) for r in set(events["rank"]))
+    ranks = sorted(int(r) for r in set(columns.rank.tolist()))
     for rank in ranks:
-        ordered = _split_at_issues(
-            events[events["rank"] == rank]
-            .sort_values(["start_s", "end_s"], kind="stable")
-            .reset_index(drop=True)
-        )
+        ordered = _split_at_issues(_in_start_order(columns.take(np.flatnonzero(columns.rank == rank))))
         per_rank = _rank_arrays(ordered)
         for name in ("main_prev", "stream_prev", "blocker"):
             values = per_rank[name]
@@ -187,27 +222,24 @@ def build_graph(events: pd.DataFrame) -> OpGraph:
         arrays["lag_s"].append(per_rank["lag_s"])
         pieces.append(ordered)
         offset += len(ordered)
-    frame = pd.concat(pieces, ignore_index=True)
-    stream = frame["stream"].to_numpy(dtype=object)
-    start = frame["start_s"].to_numpy(dtype=float)
-    end = frame["end_s"].to_numpy(dtype=float)
-    rank = frame["rank"].to_numpy(dtype=int)
-    group = _couple(frame, stream, len(ranks))
+    frame = _Columns(**{name: np.concatenate([getattr(p, name) for p in pieces]) for name in vars(pieces[0])})
+    start, end, rank = frame.start, frame.end, frame.rank
+    group = _couple(frame, len(ranks))
     tail = np.zeros(len(frame))
     collective = group >= 0
     if collective.any():
-        issued = frame["issued_s"].to_numpy(dtype=float)
-        last_issue = pd.Series(issued[collective]).groupby(group[collective]).transform("max").to_numpy()
-        tail[collective] = end[collective] - last_issue
+        last_issue = np.full(int(group.max()) + 1, -np.inf)
+        np.maximum.at(last_issue, group[collective], frame.issued[collective])
+        tail[collective] = end[collective] - last_issue[group[collective]]
     offsets = np.zeros(len(frame))
     for r in ranks:
         first = np.flatnonzero(rank == r)[0]
         offsets[first] = start[first]
     return OpGraph(
         rank=rank,
-        stream=stream,
-        layer=frame["layer"].to_numpy(dtype=int),
-        phase=frame["phase"].to_numpy(dtype=object),
+        stream=frame.stream,
+        layer=frame.layer,
+        phase=frame.phase,
         duration_s=end - start,
         tail_s=tail,
         lag_s=np.concatenate(arrays["lag_s"]),
@@ -215,41 +247,41 @@ def build_graph(events: pd.DataFrame) -> OpGraph:
         stream_prev=np.concatenate(arrays["stream_prev"]),
         blocker=np.concatenate(arrays["blocker"]),
         offset_s=offsets,
-        raw_bytes=frame["raw_bytes"].to_numpy(dtype=float),
-        wire_bytes=frame["wire_bytes"].to_numpy(dtype=float),
+        raw_bytes=frame.raw,
+        wire_bytes=frame.wire,
         group=group,
         world_size=len(ranks),
         measured_start_s=start,
         measured_end_s=end,
-        issued_s=frame["issued_s"].to_numpy(dtype=float),
+        issued_s=frame.issued,
     )
 
 
-def _couple(frame: pd.DataFrame, stream: np.ndarray, ranks: int) -> np.ndarray:
+def _couple(frame: _Columns, ranks: int) -> np.ndarray:
     """Group id per collective: the k-th collective issued on a stream is one collective on every rank.
     Ranks that disagree on how many collectives a stream ran (or on their sizes) are not one group."""
     group = np.full(len(frame), -1)
     next_id = 0
     for name in COLLECTIVE_STREAMS:
-        chosen = np.flatnonzero(stream == name)
+        chosen = np.flatnonzero(frame.stream == name)
         if not len(chosen):
             continue
         per_rank = []
-        for _, rows in frame.iloc[chosen].groupby("rank", sort=True):
-            per_rank.append(rows.sort_values(["issued_s", "start_s"], kind="stable").index.to_numpy())
+        for rank in np.unique(frame.rank[chosen]).tolist():
+            mine = chosen[frame.rank[chosen] == rank]
+            per_rank.append(mine[np.lexsort((frame.start[mine], frame.issued[mine]))])
         counts = {len(indices) for indices in per_rank}
         if len(per_rank) != ranks or len(counts) != 1:
             raise SimInputError(
                 f"events: the ranks ran different numbers of {name} collectives ({sorted(counts)}); "
                 "they cannot be coupled into one iteration"
             )
-        sizes = np.vstack([frame["raw_bytes"].to_numpy()[indices] for indices in per_rank])
+        indices = np.vstack(per_rank)
+        sizes = frame.raw[indices]
         if (sizes != sizes[0]).any():
             raise SimInputError(f"events: the k-th {name} collective has different sizes on different ranks")
-        for k in range(counts.pop()):
-            for indices in per_rank:
-                group[indices[k]] = next_id
-            next_id += 1
+        group[indices] = next_id + np.arange(indices.shape[1])
+        next_id += indices.shape[1]
     return group
 
 

@@ -502,6 +502,25 @@ def test_a_codec_run_of_another_protocol_is_one_line_not_a_wrong_fit(measured: t
         fit_codec_figures(broken, [codec.run_id], {}, {codec.run_id: parameter_sizes(measured, 2)}, 0.5)
 
 
+def test_one_decode_missing_on_one_rank_names_that_rank_iterations_counts(
+    measured: traces.TraceBundle,
+) -> None:
+    codec = _run(measured, "ciera", 2, CLUSTER)
+    events = measured.events
+    of_run = events[(events["run_id"] == codec.run_id) & (events["stream"] == "codec_recv")]
+    last = of_run[(of_run["rank"] == 1) & (of_run["iteration"] == of_run["iteration"].max())].index[-1]
+    gathers = events[
+        (events["run_id"] == codec.run_id) & (events["stream"] == "allgather") & (events["raw_bytes"] > 0)
+        & (events["rank"] == 1) & (events["iteration"] == of_run["iteration"].max())
+    ]  # fmt: skip
+    broken = dataclasses.replace(measured, events=events.drop(index=last))
+    calls = len(gathers)
+    with pytest.raises(
+        SimInputError, match=f"{calls} encodes, {calls - 1} decodes and {calls} gathers per rank"
+    ):
+        fit_codec_figures(broken, [codec.run_id], {}, {codec.run_id: parameter_sizes(measured, 2)}, 0.5)
+
+
 def test_a_block_size_the_statistics_lack_is_one_line_naming_those_they_have(
     measured: traces.TraceBundle,
 ) -> None:

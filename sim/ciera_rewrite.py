@@ -475,7 +475,7 @@ def ciera_graph(
     plain: OpGraph,
     engine: str,
     figures: CodecFigures,
-    parameters: dict[int, list[float]],
+    parameters: dict[int, list[float]] | ParameterLayout,
     anchor_time_s: AnchorTime,
     counts: dict[str, int] | None = None,
     world_size: int | None = None,
@@ -487,10 +487,12 @@ def ciera_graph(
     traced W) — a call's rows, its own shard (raw/W) and the sources it rebuilds (W − 1) are those of that
     W, while the gather's traced duration is still rescaled on the traced cluster's curve. `work_scale`:
     the anchor's compute calibration, which `rewrite_costs` applies to every main op — the codec ops are
-    written at their figures' (already calibrated) work over it, so they come out at their figures."""
+    written at their figures' (already calibrated) work over it, so they come out at their figures.
+    `parameters`: the sizes (`parameter_sizes`), or their layout where the caller rewrites several
+    iterations (it keeps the answers it has found)."""
     counts = counts if counts is not None else {}
     world = world_size if world_size is not None else plain.world_size
-    layout = ParameterLayout(parameters)
+    layout = parameters if isinstance(parameters, ParameterLayout) else ParameterLayout(parameters)
     ranks = sorted(set(plain.rank.tolist()))
     # Counted on the first rank: every rank rewrites the same calls.
     ops_by_rank = {

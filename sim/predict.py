@@ -18,7 +18,7 @@ import pandas as pd
 
 import traces
 
-from .ciera_rewrite import CodecFigures, ciera_graph, parameter_sizes
+from .ciera_rewrite import CodecFigures, ParameterLayout, ciera_graph, parameter_sizes
 from .depth import block_map, repeat_blocks
 from .errors import SimInputError
 from .evaluate import critical_path, evaluate, middle_index
@@ -164,7 +164,7 @@ def predict_run(
     collective: dict[str, list[float]] = {}  # per collective stream: each iteration's per-rank sum
     collective_ops: dict[str, list[np.ndarray]] = {}  # … and its ops' durations
     counts: dict[str, int] = {}
-    sizes = parameter_sizes(seen, target_layers) if ciera_on is not None else {}
+    layout = ParameterLayout(parameter_sizes(seen, target_layers)) if ciera_on is not None else None
     traced = [build_graph(per_iteration) for _, per_iteration in events.groupby("iteration", sort=True)]
     scale, scale_note = transport_scale(anchor, traced, anchor_cluster)
     work_scale = compute_scale(traced, anchor_cluster, scale)
@@ -181,7 +181,7 @@ def predict_run(
                 graph,
                 ciera_on.engine,
                 ciera_on.figures,
-                sizes,
+                layout,
                 lambda op, wire: anchor_cluster.curves[op].time_s(wire),
                 counts,
                 world_size=target_cluster.world_size,

@@ -130,10 +130,15 @@ def to_graph(ops_by_rank: dict[int, list[EditableOp]], world: int) -> OpGraph:
         # the listed order among those one op issues: a trace can hold a pair started against their issue
         # order (OLMoE's ZeRO-3 gathers with the gather path recorded), and a rewrite that moves issue
         # points would otherwise close a cycle (a wait for a collective stuck behind one issued later).
+        # The ranks are coupled in that order too — the k-th issued is one collective on every rank, as
+        # `opgraph._couple` couples a traced graph's — not in list order, which would pair a rank's
+        # collective with another rank's issued at another point.
         for indices in listed.values():
             ordered = sorted(indices, key=lambda k: main_prev[k])
             for before, k in zip([-1, *ordered[:-1]], ordered, strict=True):
                 stream_prev[k] = before
+            for issued, k in enumerate(ordered):
+                position[k] = issued
         for name, runs in seen.items():
             per_stream[name] = max(per_stream.get(name, 0), runs)
         base += len(ops_by_rank[rank])

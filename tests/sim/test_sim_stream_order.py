@@ -51,3 +51,21 @@ def test_in_issue_order_the_stream_keeps_its_listed_order() -> None:
     graph = to_graph({0: ops}, world=1)
     first, second = (k for k in range(graph.size) if graph.stream[k] == "allgather")
     assert graph.stream_prev[second] == first
+
+
+def test_the_ranks_are_coupled_in_issue_order_not_list_order() -> None:
+    """Rank 0 lists `late` before `early` (a trace that started them against their issue order), rank 1 in
+    issue order: the gather each rank issued first is one collective, as `opgraph._couple` couples a
+    traced graph's (by issue) and as gloo matches them; coupled by list position, rank 0's `late` would be
+    one collective with rank 1's `early`, and each would wait for a peer issued at another point."""
+    swapped = _rank(0)
+    a, late, early, b, c, d = swapped
+    in_order = _rank(1)
+    a1, late1, early1, b1, c1, d1 = in_order
+    graph = to_graph({0: swapped, 1: [a1, early1, b1, c1, late1, d1]}, world=2)
+    gathers = [k for k in range(graph.size) if graph.stream[k] == "allgather"]
+    by_rank_layer = {(int(graph.rank[k]), int(graph.layer[k])): int(graph.group[k]) for k in gathers}
+    assert by_rank_layer[(0, 1)] == by_rank_layer[(1, 1)]  # `early` (layer 1) with `early`
+    assert by_rank_layer[(0, 2)] == by_rank_layer[(1, 2)]  # `late` (layer 2) with `late`
+    assert by_rank_layer[(0, 1)] != by_rank_layer[(0, 2)]
+    assert evaluate(graph).iteration_s == pytest.approx(0.45, abs=0.1)

@@ -118,14 +118,9 @@ def to_graph(ops_by_rank: dict[int, list[EditableOp]], world: int) -> OpGraph:
     base = 0
     for rank in sorted(ops_by_rank):
         listed: dict[str, list[int]] = {}  # each stream's collectives, in list order
-        seen: dict[str, int] = {}
         for k in range(base, base + len(ops_by_rank[rank])):
-            if is_main[k]:
-                continue
-            name = streams[k]
-            listed.setdefault(name, []).append(k)
-            position[k] = seen.get(name, 0)
-            seen[name] = position[k] + 1
+            if not is_main[k]:
+                listed.setdefault(streams[k], []).append(k)
         # A stream runs its collectives in issue order (gloo and NCCL run a group's in the order issued),
         # the listed order among those one op issues: a trace can hold a pair started against their issue
         # order (OLMoE's ZeRO-3 gathers with the gather path recorded), and a rewrite that moves issue
@@ -139,8 +134,8 @@ def to_graph(ops_by_rank: dict[int, list[EditableOp]], world: int) -> OpGraph:
                 stream_prev[k] = before
             for issued, k in enumerate(ordered):
                 position[k] = issued
-        for name, runs in seen.items():
-            per_stream[name] = max(per_stream.get(name, 0), runs)
+        for name, indices in listed.items():
+            per_stream[name] = max(per_stream.get(name, 0), len(indices))
         base += len(ops_by_rank[rank])
     # Group ids: the k-th collective of a stream on every rank, numbered across streams; a side-stream
     # kernel is a group of its own (one rank's work).

@@ -228,9 +228,7 @@ def fit_codec_figures(
         first_calls += int(first.sum())
         overflows += len(overflow)
         overflow_s += (overflow["end_s"] - overflow["start_s"]).tolist()
-        calls = len(events[(events["stream"] == "allgather") & (events["raw_bytes"] > 0)]) / max(
-            events.groupby(["iteration", "rank"]).ngroups, 1
-        )
+        calls = len(rows) / max(events.groupby(["iteration", "rank"]).ngroups, 1)  # per rank and iteration
         if (events["stream"] == "gather_host").any():
             gather_host.append(_work_s(events, ("gather_host",)) / max(calls, 1.0))
         plain_id = plain_runs.get(run_id)

@@ -22,7 +22,7 @@ from .ciera_rewrite import CodecFigures, ParameterLayout, ciera_graph, parameter
 from .depth import block_map, repeat_blocks
 from .errors import SimInputError
 from .evaluate import critical_path, evaluate, middle_index
-from .opgraph import KERNEL_STREAMS, build_graph
+from .opgraph import KERNEL_STREAMS, iteration_graphs
 from .rewrite import ClusterSpec, compute_scale, rewrite_costs, traced_cluster, transport_scale
 
 
@@ -165,7 +165,7 @@ def predict_run(
     collective_ops: dict[str, list[np.ndarray]] = {}  # … and its ops' durations
     counts: dict[str, int] = {}
     layout = ParameterLayout(parameter_sizes(seen, target_layers)) if ciera_on is not None else None
-    traced = [build_graph(per_iteration) for _, per_iteration in events.groupby("iteration", sort=True)]
+    traced = list(iteration_graphs(events).values())
     scale, scale_note = transport_scale(anchor, traced, anchor_cluster)
     work_scale = compute_scale(traced, anchor_cluster, scale)
     for traced_graph in traced:

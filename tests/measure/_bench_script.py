@@ -39,3 +39,11 @@ def load_benchmark(name: str):  # noqa: ANN201  (a module)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    """A benchmark's refusal of bad input: exit status 2 and one line of output (no traceback); the line."""
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]

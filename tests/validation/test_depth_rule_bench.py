@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
-from _bench_script import load_benchmark, run_benchmark  # noqa: E402
+from _bench_script import load_benchmark, one_line_error, run_benchmark  # noqa: E402
 
 
 @pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
@@ -36,7 +36,5 @@ def test_the_pooled_blocks_predict_held_out_compute_at_least_as_well_as_the_othe
     ],
 )
 def test_bad_input_is_one_line(args: list[str], expected: str) -> None:
-    finished = run_benchmark("depth_rule.py", *args)
-    assert finished.returncode == 2
-    lines = (finished.stdout + finished.stderr).strip().splitlines()
-    assert len(lines) == 1 and expected in lines[0] and lines[0].startswith("depth_rule.py:")
+    line = one_line_error(run_benchmark("depth_rule.py", *args))
+    assert expected in line and line.startswith("depth_rule.py:"), line

@@ -55,8 +55,11 @@ def _ints(option: str, text: str) -> tuple[int, ...]:
     return values
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
+def _names(option: str, text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:  # `--systems ""` is a mistake, not a request for a capture without them
+        raise CaptureError(f"{option} {text!r}: expected at least one comma-separated name")
+    return names
 
 
 def _topologies(
@@ -72,7 +75,7 @@ def _topologies(
         return tuple(Topology(1, g) for g in per_node)
     from .emulated import EmulationError, check_environment, parse_rate_Bps
 
-    rates = _names(link_rates)
+    rates = _names("--link-rate", link_rates)
     for rate in rates:
         try:
             parse_rate_Bps(rate)
@@ -89,7 +92,7 @@ def _listed_topologies(text: str, latency_s: float) -> tuple[Topology, ...]:
     """`--topologies 2x1-200mbit,2x2-200mbit,3x1-200mbit,1x2`: each item M x G ranks, with an emulated
     inter-node link rate after the dash (none: plain local ranks on one node)."""
     topologies = []
-    for item in _names(text):
+    for item in (part.strip() for part in text.split(",") if part.strip()):
         shape, _, rate = item.partition("-")
         nodes_text, _, per_node_text = shape.partition("x")
         try:
@@ -566,7 +569,7 @@ def _plan(kinds, model, width_scale, nodes, ranks_per_node, link_rate, link_late
         model=model,
         width_scale=width_scale or None,
         layers=_ints("--layers", layers),
-        systems=_names(systems),
+        systems=_names("--systems", systems),
         topologies=chosen,
         iterations=iterations,
         warmup_iterations=warmup,

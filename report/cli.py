@@ -47,14 +47,18 @@ DEFAULT_TITLE = "CIERA scale-out report"
 DEFAULT_CLUSTER = "a100-hdr-testbed"  # the method's testbed, as `ciera simulate` defaults to
 
 
-def _split_list(values: list[str] | None) -> list[str]:
-    """Accept both `--models a,b` and `--models a --models b`."""
-    return [item.strip() for value in values or [] for item in value.split(",") if item.strip()]
+def _split_list(values: list[str] | None, option: str) -> list[str]:
+    """Accept both `--models a,b` and `--models a --models b`; given but empty (`--models ""`) is a
+    mistake, not a request for the default."""
+    items = [item.strip() for value in values or [] for item in value.split(",") if item.strip()]
+    if values and not items:
+        raise ReportInputError(f"{option}: empty, expected a comma-separated list")
+    return items
 
 
 def _parse_gpus(values: list[str] | None) -> list[int]:
     gpus: list[int] = []
-    for item in _split_list(values):
+    for item in _split_list(values, "--gpus"):
         if not item.isdigit() or int(item) < 1:
             raise ReportInputError(f"--gpus: {item!r}, expected positive integers such as 4,8,16")
         gpus.append(int(item))
@@ -338,7 +342,7 @@ def report_command(
         raise ReportInputError(f"--dtype: {dtype!r}, expected one of {', '.join(DTYPES)}")
     if html_path.is_dir():  # fail before a sweep that could take seconds, not after it
         raise ReportInputError(f"{html_path}: is a directory, expected a file path for the HTML report")
-    model_names = _split_list(models)
+    model_names = _split_list(models, "--models")
     gpu_counts = _parse_gpus(gpus)
     if len(set(gpu_counts)) < len(gpu_counts):
         repeated = next(g for g in gpu_counts if gpu_counts.count(g) > 1)

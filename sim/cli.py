@@ -42,12 +42,21 @@ def _split(values: list[str] | None) -> list[str]:
     return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
 
 
-def parse_gpus(values: list[str] | None) -> list[int]:
+def _listed(values: list[str] | None, option: str, example: str) -> list[str] | None:
+    """An option's comma-separated values; None where it was not given. Given but empty (`--systems ""`)
+    is a mistake, not a request for the default."""
     if not values:
-        return list(DEFAULT_GPUS)
+        return None
     parts = _split(values)
-    if not parts:  # `--gpus ""` is a mistake, not a request for the default sweep
-        raise SimInputError("--gpus: empty, expected positive integers >= 2, e.g. 4,8,16")
+    if not parts:
+        raise SimInputError(f"{option}: empty, expected a comma-separated list, e.g. {example}")
+    return parts
+
+
+def parse_gpus(values: list[str] | None) -> list[int]:
+    parts = _listed(values, "--gpus", "4,8,16")
+    if parts is None:
+        return list(DEFAULT_GPUS)
     gpus = []
     for part in parts:
         try:
@@ -260,7 +269,7 @@ def simulate_command(
     parsed_overrides = parse_overrides(overrides or [])
     check_simulate_overrides(parsed_overrides)
     preset = load_cluster(cluster, parsed_overrides)
-    system_names = _split(systems) or list(SYSTEMS)
+    system_names = _listed(systems, "--systems", "zero3,ciera") or list(SYSTEMS)
     for name in system_names:
         if name not in SYSTEMS:
             raise SimInputError(f"--systems: unknown system {name!r}, expected one of {list(SYSTEMS)}")
@@ -304,7 +313,7 @@ def simulate_command(
         records = simulate(
             loaded,
             preset,
-            models=_split(models) or None,
+            models=_listed(models, "--models", "mixtral-8x7b"),
             gpus=world_sizes,
             systems=system_names,
             dtypes=dtypes,
@@ -416,8 +425,8 @@ def _measured_cluster_command(
         records = simulate_measured_cluster(
             loaded,
             cluster,
-            models=_split(models) or None,
-            systems=_split(systems) or None,
+            models=_listed(models, "--models", "mixtral-8x7b"),
+            systems=_listed(systems, "--systems", "zero3,ciera"),
             layers=layers,
             gpus=parse_gpus(gpus) if gpus else None,
             dtypes=[dtype] if dtype else None,
@@ -493,7 +502,7 @@ def _sweep_command(
         raise SimInputError(f"--sweep {sweep!r}: expected KEY=V1,V2,... with two or more values")
     if json_path is not None:
         check_output_path(json_path, "--json")
-    system_names = _split(systems) or list(SYSTEMS)
+    system_names = _listed(systems, "--systems", "zero3,ciera") or list(SYSTEMS)
     dtypes = [dtype] if dtype else list(DTYPES)
     loaded = _read_bundle(bundle)
     runs = []
@@ -502,7 +511,7 @@ def _sweep_command(
         check_simulate_overrides(parsed_overrides)
         preset = load_cluster(cluster, parsed_overrides)
         records = simulate(
-            loaded, preset, models=_split(models) or None, gpus=parse_gpus(gpus), systems=system_names,
+            loaded, preset, models=_listed(models, "--models", "mixtral-8x7b"), gpus=parse_gpus(gpus), systems=system_names,
             dtypes=dtypes, layers=layers, workers=workers,
         )  # fmt: skip
         runs.append((value, records))

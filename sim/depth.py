@@ -156,6 +156,13 @@ class _RankWindows:
         }
 
 
+def check_target_depth(layers: int, model: str, full_layers: int) -> None:
+    """A depth rewrite goes from 1 block to the model's published depth, no further: past it there is no
+    such model (and a typo such as 1000 would build a graph of millions of ops)."""
+    if not 1 <= layers <= full_layers:
+        raise SimInputError(f"--layers {layers}: model {model!r} has 1..{full_layers} blocks")
+
+
 def block_map(traced_layers: int, target_layers: int) -> list[int]:
     """Which traced block each target block 1..N copies: the first and last as traced, the interior
     blocks in turn."""

@@ -28,6 +28,7 @@ import traces
 
 from .ciera_rewrite import PLAIN_ENGINE, fit_system_figures
 from .cluster import ScheduleSpec
+from .depth import check_target_depth
 from .errors import SimInputError
 from .memory import estimate, model_footprint
 from .predict import CieraOn, predict_run
@@ -180,8 +181,10 @@ def simulate_measured_cluster(
                 f"--systems: {system!r} was not measured on {cluster!r} (measured: {', '.join(known_systems)}); "
                 "a system is simulated from its own runs"
             )
-    if layers is not None and layers < 1:
-        raise SimInputError(f"--layers: value {layers}, expected a depth >= 1")
+    if layers is not None:
+        for model in chosen_models:
+            full_layers = int(on_cluster.loc[on_cluster["model"] == model, "full_layers"].min())
+            check_target_depth(layers, model, full_layers)
 
     measured_s = bundle.iterations.groupby("run_id")["iteration_s"].median()
     figures: dict[tuple[str, str, str], tuple[CieraOn, list[str]]] = {}

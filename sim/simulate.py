@@ -35,7 +35,7 @@ import traces
 
 from .cluster import ClusterPreset
 from .collectives import CollectiveModel
-from .depth import repeat_blocks
+from .depth import check_target_depth, repeat_blocks
 from .errors import SimInputError
 from .evaluate import BREAKDOWN_KEYS, Costs, Evaluation, critical_path, evaluate, evaluation_key
 from .memory import MemoryEstimate, ModelFootprint, activation_bytes, estimate, model_footprint
@@ -329,8 +329,8 @@ class Simulator:
         if (model, dtype) not in self._full_layers:
             self._full_layers[(model, dtype)] = int(self.model_runs(model, dtype)["full_layers"].iloc[0])
         full = self._full_layers[(model, dtype)]
-        if self.layers is not None and not 1 <= self.layers <= full:
-            raise SimInputError(f"--layers {self.layers}: model {model!r} has 1..{full} blocks")
+        if self.layers is not None:
+            check_target_depth(self.layers, model, full)
         return self.layers or full
 
     def anchor(self, model: str, dtype: str, world_size: int, system: str) -> pd.Series:

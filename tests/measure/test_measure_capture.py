@@ -285,6 +285,9 @@ def test_ctrl_c_stops_the_ranks_and_the_next_run_redoes_it(tmp_path: Path) -> No
         (["--model", "no-such-model"], "no-such-model"),
         (["--systems", "zero3,zeropp"], "'zeropp' is not a system"),
         (["--layers", "2,x"], "--layers"),
+        # Given but empty: a mistake, not a capture without layer runs (it captured the rest before).
+        (["--systems", " , "], "--systems ' , ': expected at least one comma-separated name"),
+        (["--nodes", "2", "--link-rate", ","], "--link-rate ',': expected at least one comma-separated name"),
         (["--nodes", "2"], "--nodes 2 needs --link-rate"),
         (["--ranks-per-node", "4000"], "more than this machine"),
         (["--warmup", "0"], "--warmup"),

@@ -161,6 +161,9 @@ def test_bad_timeline_file(monkeypatch, capsys, tmp_path, records_file):
         (["--dtype", "fp32"], "--dtype: 'fp32'"),
         (["--gpus", "4,x"], "--gpus: 'x'"),
         (["--models", "Nope"], "--models: 'Nope' not in the records"),
+        # Given but empty: a mistake, not a request for every model or W (the report was built before).
+        (["--models", ""], "--models: empty"),
+        (["--gpus", " , "], "--gpus: empty"),
     ],
 )
 def test_bad_options(monkeypatch, capsys, tmp_path, records_file, options, expected):

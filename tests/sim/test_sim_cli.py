@@ -159,6 +159,10 @@ def test_filters(bundle_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
         (["--gpus", "0"], "--gpus: value '0'"),
         (["--gpus", "-4"], "--gpus: value '-4'"),
         (["--gpus", ""], "--gpus: empty"),
+        (["--gpus", " , "], "--gpus: empty"),
+        # An empty list is a mistake, not a request for the default (it ran every system before).
+        (["--systems", ""], "--systems: empty"),
+        (["--models", ","], "--models: empty"),
         (["--dtype", "fp8"], "--dtype: value 'fp8'"),
         (["--systems", "zeropp", "--dtype", "bf16"], "fp16 only"),
         (["--workers", "0"], "--workers: value 0"),

@@ -111,7 +111,10 @@ def test_ciera_is_projected_by_the_rewrite_validate_sim_checks(measured: traces.
         ({"gpus": [5000]}, "--gpus 5000: expected at most 4096 ranks"),
         ({"systems": ["zeropp"]}, "--systems: 'zeropp' was not measured on 'emulated-2x1-200mbit'"),
         ({"models": ["olmoe-1b-7b"]}, "--models: model 'olmoe-1b-7b' was not measured on"),
-        ({"layers": 0}, "--layers: value 0, expected a depth >= 1"),
+        ({"layers": 0}, "--layers 0: model 'mixtral-8x7b-w32' has 1..32 blocks"),
+        # Past the model's published depth, as the analytic path refuses it (1000 built a graph for minutes).
+        ({"layers": 33}, "--layers 33: model 'mixtral-8x7b-w32' has 1..32 blocks"),
+        ({"layers": 1000}, "--layers 1000: model 'mixtral-8x7b-w32' has 1..32 blocks"),
         ({"dtypes": ["fp16"]}, "no measured run matches"),
     ],
 )

@@ -246,6 +246,16 @@ def split_runs(bundle: traces.TraceBundle, held_out: HeldOut) -> Split:
             f"{held_out.origin}: seen cluster {unknown[0]!r} is not in the bundle "
             f"(it has {', '.join(sorted(set(measured_runs['cluster'])))})"
         )
+    for field, wanted, column in (
+        ("system", held_out.seen_systems or [], "system"),
+        ("depth", held_out.seen_layers, "layers"),
+    ):
+        absent = sorted(set(wanted) - set(measured_runs[column]))
+        if absent:  # a typo would otherwise hold out every run of it and fail far from the file
+            raise ValidationInputError(
+                f"{held_out.origin}: seen {field} {absent[0]!r} is not in the bundle "
+                f"(it has {', '.join(str(v) for v in sorted(set(measured_runs[column])))})"
+            )
     missing_codec = sorted(set(held_out.codec_runs) - set(measured_runs["run_id"]))
     if missing_codec:
         raise ValidationInputError(f"{held_out.origin}: codec run {missing_codec[0]!r} is not in the bundle")

@@ -183,6 +183,15 @@ def test_unknown_runs_and_nothing_held_out_are_refused(tmp_path: Path, bundle: t
     unknown.write_text("[seen]\nclusters = ['nope']\nlayers = [2]\n")
     with pytest.raises(ValidationInputError, match="seen cluster 'nope' is not in the bundle"):
         validate_sim(bundle, load_held_out(unknown), 0.04)
+    # A typo in the seen systems or depths would hold out every run of them and fail far from the file.
+    for lines, named in (
+        ("layers = [2]\nsystems = ['zero9']", "seen system 'zero9'"),
+        ("layers = [3]", "seen depth 3"),
+    ):
+        typo = tmp_path / "typo.toml"
+        typo.write_text(f"[seen]\nclusters = ['{SEEN}']\n{lines}\n")
+        with pytest.raises(ValidationInputError, match=f"{named} is not in the bundle"):
+            validate_sim(bundle, load_held_out(typo), 0.04)
     codec = tmp_path / "codec.toml"
     codec.write_text(f"[seen]\nclusters = ['{SEEN}']\nlayers = [2]\n[codec]\nruns = ['nope']\n")
     with pytest.raises(ValidationInputError, match="codec run 'nope' is not in the bundle"):

@@ -139,8 +139,12 @@ class TrainConfig:
             raise TrainError(
                 f"global batch of {self.global_batch} sequences does not split over {self.world_size} ranks"
             )
-        if not (isinstance(self.lr, float | int) and math.isfinite(self.lr) and self.lr > 0):
-            raise TrainError(f"lr is {self.lr!r}: expected a positive number")
+        for name in ("lr", "timeout_s"):  # a timeout of 0 failed every rank's connect with a torch message
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (
+                isinstance(value, float | int) and math.isfinite(value) and value > 0
+            ):
+                raise TrainError(f"{name} is {value!r}: expected a positive number")
         if (self.save_at is not None or self.resume) and not self.checkpoint_dir:
             raise TrainError("--save-at and --resume need --checkpoint-dir")
         if self.save_at is not None and not 1 <= self.save_at <= self.steps:

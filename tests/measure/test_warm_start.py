@@ -1,5 +1,5 @@
 """Block size per run and warm start: `--block-size` and `--warm-steps` of `ciera train` and `ciera measure`
-are checked with one line before any rank starts; B reaches the codec's CodecConfig and the capture's jobs;
+(and `ciera train`'s other numbers: lr, timeout) are checked with one line before any rank starts; B reaches the codec's CodecConfig and the capture's jobs;
 warm steps train on batches 0..N-1 and leave nothing in the step records, the events or the recorder (tiny
 one-rank runs)."""
 
@@ -360,3 +360,19 @@ def test_every_system_takes_every_place_in_its_block_alike(launches: int) -> Non
             place_of_run.setdefault(step.job["run_id"], []).append(place)
     assert set(places.values()) == {launches}
     assert all(len(set(seen)) == len(seen) == launches for seen in place_of_run.values())
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        # A timeout of 0 started the ranks and failed each connect with torch's own message.
+        ({"timeout_s": 0}, "timeout_s is 0: expected a positive number"),
+        ({"timeout_s": float("nan")}, "timeout_s is nan: expected a positive number"),
+        ({"timeout_s": True}, "timeout_s is True: expected a positive number"),
+        ({"lr": -1.0}, "lr is -1.0: expected a positive number"),
+    ],
+)
+def test_bad_numbers_are_one_line_before_any_rank_starts(changes: dict, words: str) -> None:
+    with pytest.raises(TrainError) as error:
+        dataclasses.replace(TrainConfig(), **changes).check()
+    assert words in str(error.value) and "\n" not in str(error.value)

@@ -103,7 +103,7 @@ _INITIAL_PAYLOAD_RATIO = 0.45
 # while the next is encoded). The engines cut their calls (zero3, fsdp2); the rule is shared. 2 MiB: at
 # 200 Mbit it keeps ZeRO-3's gain (1.250x against 1.255x with 1 MiB) and most of FSDP2's (1.258x against
 # 1.310x, both above their bytes bound) with 8 and 13 collectives per step against 12 and 25 (the plain
-# engines: 6 and 11); README, "Training steps".
+# engines: 6 and 11); docs/training-steps.md.
 DEFAULT_PART_BYTES = 2 << 20
 MAX_PARTS = 8
 # Pipelining adds collectives: a step's extra calls stay within max(EXTRA_CALLS_PER_STEP, EXTRA_CALLS_SHARE ×

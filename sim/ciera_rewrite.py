@@ -44,7 +44,7 @@ from .errors import SimInputError
 from .graph_edit import EditableOp, editable_ops, relink_main, to_graph
 from .opgraph import MAIN_THREAD_STREAMS, OpGraph, iteration_graphs
 from .rewrite import compute_scale, main_work_s, run_transport_s, traced_cluster, transport_scale
-from .system_rewrite import AnchorTime, insert_codec, rescaled_duration
+from .system_rewrite import AnchorTime, insert_codec, rescaled_durations
 
 SIGN_MANTISSA_FRACTION = {"bf16": 0.5, "fp16": 11 / 16}
 COMPUTE_STREAMS = ("compute", "optim")
@@ -548,14 +548,25 @@ def _rewrite_rank(
     # runtime decides from the rows every rank received). The round runs between the gather and its
     # decode; its measured in-run time is added to the gather's (a round of its own would couple the
     # ranks again at each decode point, where a traced graph's ranks are further apart than the runtime's).
+    gathers = [insertion.gather for insertion in done]
+    firsts = [gather.phase in FIRST_PHASES for gather in gathers]
+    new_wires = np.array(
+        [
+            payload_bytes(g.raw_bytes, first, shards[id(g)], world, figures)
+            for g, first in zip(gathers, firsts, strict=True)
+        ]
+    )
+    # Every gather's duration at once: one curve lookup per rank, not two per gather.
+    durations = rescaled_durations(
+        np.array([g.duration_s for g in gathers]), np.array([g.wire_bytes for g in gathers], dtype=float),
+        "all_gather", "all_gather", new_wires, anchor_time_s,
+    )  # fmt: skip
     credit = 0.5
-    for insertion in done:
+    for insertion, first, new_wire, duration_s in zip(
+        done, firsts, new_wires.tolist(), durations.tolist(), strict=True
+    ):
         gather = insertion.gather
-        first = gather.phase in FIRST_PHASES
-        new_wire = payload_bytes(gather.raw_bytes, first, shards[id(gather)], world, figures)
-        gather.duration_s = rescaled_duration(
-            gather.duration_s, gather.wire_bytes, "all_gather", "all_gather", new_wire, anchor_time_s
-        )
+        gather.duration_s = duration_s
         gather.wire_bytes = new_wire
         counts["ciera_gathers"] = counts.get("ciera_gathers", 0) + 1
         if insertion.receive is None:  # no op after it uses it: its decode has nowhere to go

@@ -55,8 +55,12 @@ def _ints(option: str, text: str) -> tuple[int, ...]:
     return values
 
 
+def _split_names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def _names(option: str, text: str) -> tuple[str, ...]:
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    names = _split_names(text)
     if not names:  # `--systems ""` is a mistake, not a request for a capture without them
         raise CaptureError(f"{option} {text!r}: expected at least one comma-separated name")
     return names
@@ -92,7 +96,7 @@ def _listed_topologies(text: str, latency_s: float) -> tuple[Topology, ...]:
     """`--topologies 2x1-200mbit,2x2-200mbit,3x1-200mbit,1x2`: each item M x G ranks, with an emulated
     inter-node link rate after the dash (none: plain local ranks on one node)."""
     topologies = []
-    for item in (part.strip() for part in text.split(",") if part.strip()):
+    for item in _split_names(text):  # none: refused below, naming the shape expected
         shape, _, rate = item.partition("-")
         nodes_text, _, per_node_text = shape.partition("x")
         try:

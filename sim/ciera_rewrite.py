@@ -208,9 +208,7 @@ def fit_codec_figures(
         world, engine = int(run["world_size"]), PLAIN_ENGINE[str(run["system"])]
         world_sizes.add(world)
         layout = ParameterLayout(parameters[run_id])
-        events = bundle.events[bundle.events["run_id"] == run_id]
-        graphs = iteration_graphs(events)
-        events = events.assign(work_s=main_thread_work_s(bundle, run, graphs))
+        events, lag_s = _main_thread_of(bundle, run)
         rows, encodes, decodes, overflow = _calls(events, run_id)
         raw = rows["raw_bytes"].to_numpy(dtype=float)
         shards = np.array(
@@ -228,21 +226,18 @@ def fit_codec_figures(
         first_calls += int(first.sum())
         overflows += len(overflow)
         overflow_s += (overflow["end_s"] - overflow["start_s"]).tolist()
-        calls = len(rows) / max(events.groupby(["iteration", "rank"]).ngroups, 1)  # per rank and iteration
+        calls = len(rows) / _per_rank_iteration(events)
         if (events["stream"] == "gather_host").any():
             gather_host.append(_work_s(events, ("gather_host",)) / max(calls, 1.0))
         plain_id = plain_runs.get(run_id)
         if plain_id is not None:
             plain_run = bundle.runs[bundle.runs["run_id"] == plain_id].iloc[0]
-            plain = bundle.events[bundle.events["run_id"] == plain_id]
-            plain_graphs = iteration_graphs(plain)
-            plain = plain.assign(work_s=main_thread_work_s(bundle, plain_run, plain_graphs))
+            plain, plain_lag_s = _main_thread_of(bundle, plain_run)
             # Compute and optimizer segments: the work outside the codec (and outside a recorded gather path),
             # and the main thread's time between its segments that no collective held it for (Python
             # between hooks: the graph's lag), which CIERA's calls add to as well.
             work = _work_s(events, COMPUTE_STREAMS) - _work_s(plain, COMPUTE_STREAMS)
-            lag = main_thread_lag_s(events, graphs) - main_thread_lag_s(plain, plain_graphs)
-            lag_glue.append(lag / max(calls, 1.0))
+            lag_glue.append((lag_s - plain_lag_s) / max(calls, 1.0))
             glue.append(work / max(calls, 1.0) + lag_glue[-1])
             plain_paths.append(bool((plain["stream"] == "gather_host").any()))
     if not encode_rows:
@@ -317,31 +312,48 @@ def fit_system_figures(
 def _work_s(frame: pd.DataFrame, streams: tuple[str, ...]) -> float:
     """Main-thread work on `streams` per rank and iteration (`work_s`, at a full core)."""
     chosen = frame[frame["stream"].isin(streams)]
-    return float(chosen["work_s"].sum()) / max(frame.groupby(["iteration", "rank"]).ngroups, 1)
+    return float(chosen["work_s"].sum()) / _per_rank_iteration(frame)
 
 
-def main_thread_lag_s(events: pd.DataFrame, graphs: dict[int, OpGraph] | None = None) -> float:
-    """The main thread's lag per rank and iteration (`OpGraph.lag_s` of its ops): time between its
-    recorded segments that no collective's end explains. `graphs`: the events' iteration graphs, where
-    already built."""
-    graphs = iteration_graphs(events) if graphs is None else graphs
+def _per_rank_iteration(events: pd.DataFrame) -> int:
+    return max(events.groupby(["iteration", "rank"]).ngroups, 1)
+
+
+def _lag_s(events: pd.DataFrame, graphs: dict[int, OpGraph]) -> float:
     total = sum(float(graph.lag_s[graph.is_main].sum()) for graph in graphs.values())
-    return total / max(events.groupby(["iteration", "rank"]).ngroups, 1)
+    return total / _per_rank_iteration(events)
 
 
-def main_thread_work_s(
-    bundle: traces.TraceBundle, run: pd.Series, graphs: dict[int, OpGraph] | None = None
-) -> pd.Series:
+def main_thread_lag_s(events: pd.DataFrame) -> float:
+    """The main thread's lag per rank and iteration (`OpGraph.lag_s` of its ops): time between its
+    recorded segments that no collective's end explains."""
+    return _lag_s(events, iteration_graphs(events))
+
+
+def _main_thread_of(bundle: traces.TraceBundle, run: pd.Series) -> tuple[pd.DataFrame, float]:
+    """A run's events with their main-thread work (`work_s`) and its main-thread lag: what the codec fit
+    reads of each run, from one build of its iteration graphs."""
+    events = bundle.events[bundle.events["run_id"] == run["run_id"]]
+    graphs = iteration_graphs(events)
+    return events.assign(work_s=_work_at_full_core(bundle, run, events, graphs)), _lag_s(events, graphs)
+
+
+def main_thread_work_s(bundle: traces.TraceBundle, run: pd.Series) -> pd.Series:
     """Per event of `run`, what its main-thread op would take at a full core (`rewrite.main_work_s`: its
     measured duration times the core share its rank had beside the other ranks and the collectives'
     transport on the run's own cluster); NaN for collectives. The codec figures are fitted to this, not to
     the measured durations: the rewritten graph's codec ops run on the evaluator's shared cores, which
     slow them by the sharing their measurement already held (in sample, ZeRO-3 + CIERA's encodes and
-    decodes came out 2.1× their measured time and its iteration +3.9 %). `graphs`: the run's iteration
-    graphs, where already built."""
+    decodes came out 2.1× their measured time and its iteration +3.9 %)."""
     events = bundle.events[bundle.events["run_id"] == run["run_id"]]
+    return _work_at_full_core(bundle, run, events, iteration_graphs(events))
+
+
+def _work_at_full_core(
+    bundle: traces.TraceBundle, run: pd.Series, events: pd.DataFrame, graphs: dict[int, OpGraph]
+) -> pd.Series:
+    """`main_thread_work_s` of the run's `events`, whose iteration graphs are `graphs`."""
     cluster = traced_cluster(bundle.collectives, run)
-    graphs = iteration_graphs(events) if graphs is None else graphs
     scale = transport_scale(run, list(graphs.values()), cluster)[0]
     work_scale = compute_scale(list(graphs.values()), cluster, scale)
     iteration_of = events["iteration"].to_numpy(dtype=int)

@@ -12,6 +12,7 @@ from typing import Any
 
 import typer
 import typer.core
+import typer.main
 
 # (module, attribute) pairs: each module has `register(app)` and `USER_ERRORS`, a tuple of exception types.
 STAGE_CLI_MODULES = (
@@ -80,7 +81,44 @@ USER_ERRORS: tuple[type[BaseException], ...] = tuple(_user_errors)
 _USAGE_ERROR: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 
+def _command_of(argv: list[str]) -> tuple[Any, list[str], int]:
+    """The click command `argv` invokes, its path (`ciera validate sim`) and where its own tokens start."""
+    command: Any = typer.main.get_command(app)
+    path, position = ["ciera"], 0
+    while hasattr(command, "commands") and position < len(argv) and argv[position] in command.commands:
+        command = command.commands[argv[position]]
+        path.append(argv[position])
+        position += 1
+    return command, path, position
+
+
+def option_taken_as_value(argv: list[str]) -> str | None:
+    """The one-line error for an option given where another option's value belongs (`ciera simulate
+    --sweep --gpus 7`: click takes `--gpus` as the sweep's value and then refuses `7` as an extra
+    argument, naming neither option); None when there is none. Only a token that is one of the command's
+    own option names counts, so a negative number or a path that starts with a dash stays a value."""
+    command, path, position = _command_of(argv)
+    options = [param for param in getattr(command, "params", []) if param.param_type_name == "option"]
+    names = {name for option in options for name in (*option.opts, *option.secondary_opts)}
+    takes_value = {
+        name for option in options if not option.is_flag and not option.count for name in option.opts
+    }
+    tokens = argv[position:]
+    for token, following in zip(tokens, tokens[1:], strict=False):
+        if token == "--":
+            break
+        if token in takes_value and following in names:
+            return (
+                f"error: {token} expects a value, got the option {following} (see `{' '.join(path)} --help`)"
+            )
+    return None
+
+
 def main() -> None:
+    misplaced = option_taken_as_value(sys.argv[1:])
+    if misplaced is not None:
+        print(misplaced, file=sys.stderr)
+        sys.exit(2)
     try:
         # Not standalone: click raises a malformed option (`--layers two`, an unknown option, a missing
         # value) as a UsageError, which prints as one line like every other user error, not a usage box.
@@ -90,7 +128,8 @@ def main() -> None:
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
     except _USAGE_ERROR as error:
-        command = error.ctx.command_path if error.ctx is not None else "ciera"
+        # The command the arguments name: click's context for a missing value is the root's.
+        command = " ".join(_command_of(sys.argv[1:])[1])
         message = " ".join(error.format_message().split())
         print(f"error: {message} (see `{command} --help`)", file=sys.stderr)
         sys.exit(2)

@@ -56,6 +56,37 @@ def test_help_and_version_show_no_bool_type():
         assert result.exit_code == 0 and "<bool>" not in result.output, command
 
 
+def test_an_option_where_a_value_belongs_is_named():
+    """click reads `--sweep --gpus 7` as a sweep of '--gpus' and then refuses '7', naming neither; the
+    console names both. A negative number, a dash-led value or an option after `--` stays a value."""
+    from ciera_cli.main import option_taken_as_value
+
+    refused = {
+        ("simulate", "--sweep", "--gpus", "7"): "--sweep expects a value, got the option --gpus "
+        "(see `ciera simulate --help`)",
+        ("validate", "sim", "--bundle", "--held-out", "x.toml"): "--bundle expects a value, got the option "
+        "--held-out (see `ciera validate sim --help`)",
+        ("measure", "all", "--systems", "--out", "d"): "--systems expects a value, got the option --out",
+    }
+    kept = [
+        ("simulate", "--layers", "-3"),
+        ("simulate", "--gpus", "4", "--sweep", "inter_node.beta_Bps=1e9,2e9"),
+        ("simulate", "--json", "--", "--gpus"),
+        ("simulate", "--verbose", "--gpus", "8"),  # --verbose is a flag
+        ("nosuchcommand", "--gpus", "--sweep"),
+        (),
+    ]
+    outcomes = {"named": 0, "kept": 0}
+    for argv, expected in refused.items():
+        message = option_taken_as_value(list(argv))
+        assert message is not None and message.startswith("error: ") and expected in message, (argv, message)
+        outcomes["named"] += 1
+    for argv in kept:
+        assert option_taken_as_value(list(argv)) is None, argv
+        outcomes["kept"] += 1
+    assert outcomes == {"named": len(refused), "kept": len(kept)}
+
+
 @pytest.mark.heavy  # over 3 s on 2 cores: the heavy tier (CI runs it with -m heavy)
 def test_malformed_options_are_one_line_errors():
     """A value of the wrong type, an unknown option or command, a missing value: one line on stderr, exit 2
@@ -64,7 +95,8 @@ def test_malformed_options_are_one_line_errors():
         ("simulate", "--workers", "two"): "Invalid value for '--workers'",
         ("simulate", "--layers"): "requires an argument",
         ("simulate", "--bogus"): "No such option: --bogus",
-        ("report", "--gpus"): "requires an argument",
+        ("report", "--gpus"): "requires an argument. (see `ciera report --help`)",
+        ("simulate", "--sweep", "--gpus", "7"): "--sweep expects a value, got the option --gpus",
         ("nosuchcommand",): "No such command 'nosuchcommand'",
     }
     outcomes = {"one-line error": 0}

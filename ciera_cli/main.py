@@ -97,6 +97,8 @@ def option_taken_as_value(argv: list[str]) -> str | None:
     --sweep --gpus 7`: click takes `--gpus` as the sweep's value and then refuses `7` as an extra
     argument, naming neither option); None when there is none. Only a token that is one of the command's
     own option names counts, so a negative number or a path that starts with a dash stays a value."""
+    if not any(a.startswith("--") and b.startswith("--") for a, b in zip(argv, argv[1:], strict=False)):
+        return None  # no two options side by side: nothing to look up (the command tree takes ~30 ms)
     command, path, position = _command_of(argv)
     options = [param for param in getattr(command, "params", []) if param.param_type_name == "option"]
     names = {name for option in options for name in (*option.opts, *option.secondary_opts)}

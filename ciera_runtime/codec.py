@@ -136,7 +136,9 @@ ENTROPY_STAGES = {"rans": 1, "none": 2}  # CodecConfig.entropy → its code in t
 class CodecConfig:
     """Codec settings shared by senders and receivers of one group.
 
-    block_size: values per change-detection block. detector: 'exact' (the sender keeps the last exponents
+    block_size: values per change-detection block — any positive size on the host codec; the device path
+    (`device_gather.DevicePayloadCodec`) takes a power of two, and so do `ciera train` and `ciera measure`,
+    so that one setting runs on either. detector: 'exact' (the sender keeps the last exponents
     it sent, 1 B per value, and one more plane as the deltas' base: no collision risk, and changed blocks
     travel as deltas against the receivers' caches) or 'hash' (16 B of sender state per block; changed
     blocks travel as exponents).

@@ -96,12 +96,15 @@ def option_taken_as_value(argv: list[str]) -> str | None:
     """The one-line error for an option given where another option's value belongs (`ciera simulate
     --sweep --gpus 7`: click takes `--gpus` as the sweep's value and then refuses `7` as an extra
     argument, naming neither option); None when there is none. Only a token that is one of the command's
-    own option names counts, so a negative number or a path that starts with a dash stays a value."""
+    own option names (its --help included: `--json --help` would write a file named `--help`) counts, so a
+    negative number or a path that starts with a dash stays a value."""
     if not any(a.startswith("--") and b.startswith("--") for a, b in zip(argv, argv[1:], strict=False)):
         return None  # no two options side by side: nothing to look up (the command tree takes ~30 ms)
     command, path, position = _command_of(argv)
     options = [param for param in getattr(command, "params", []) if param.param_type_name == "option"]
     names = {name for option in options for name in (*option.opts, *option.secondary_opts)}
+    if hasattr(command, "get_help_option_names"):
+        names.update(command.get_help_option_names(command.context_class(command)))
     takes_value = {
         name for option in options if not option.is_flag and not option.count for name in option.opts
     }

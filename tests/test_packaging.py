@@ -67,6 +67,9 @@ def test_an_option_where_a_value_belongs_is_named():
         ("validate", "sim", "--bundle", "--held-out", "x.toml"): "--bundle expects a value, got the option "
         "--held-out (see `ciera validate sim --help`)",
         ("measure", "all", "--systems", "--out", "d"): "--systems expects a value, got the option --out",
+        # Help where a value belongs: `--json --help` would run the projection and write a file `--help`.
+        ("simulate", "--json", "--help"): "--json expects a value, got the option --help",
+        ("simulate", "--sweep", "--help"): "--sweep expects a value, got the option --help",
     }
     kept = [
         ("simulate", "--layers", "-3"),

@@ -640,6 +640,8 @@ def clusters_command(
     ] = "measured",
 ) -> None:
     """List the cluster presets (`--cluster NAME`) and the measured clusters a bundle can replay."""
+    # The bundle first: a bad --bundle is refused before anything is printed, not after the presets.
+    loaded = traces.read_bundle(traces.resolve_bundle(bundle))
     table = Table(title="cluster presets (sim/data/clusters; copy one to describe your cluster)", box=None)
     for column in ("name", "GPUs/node", "description"):
         table.add_column(column)
@@ -649,7 +651,6 @@ def clusters_command(
     console = Console()
     console = console if console.is_terminal else Console(width=150)
     console.print(table)
-    loaded = traces.read_bundle(traces.resolve_bundle(bundle))
     runs = loaded.runs[loaded.runs["cluster"].isin(measured_clusters(loaded))]
     measured = Table(
         title=f"measured clusters of --bundle {bundle} (replayed by `ciera simulate --cluster`)", box=None

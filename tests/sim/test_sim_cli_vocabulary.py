@@ -38,6 +38,10 @@ def test_version_models_and_clusters_are_listed() -> None:
     clusters = _ciera("clusters")
     assert clusters.returncode == 0
     assert "a100-hdr-testbed" in clusters.stdout and "emulated-2x2-200mbit" in clusters.stdout
+    # A bad --bundle is refused before anything is printed (the presets table came first).
+    missing = _ciera("clusters", "--bundle", "/nonexistent-bundle")
+    _one_line_error(missing, "/nonexistent-bundle: not a trace bundle directory")
+    assert missing.stdout == ""
     help_text = " ".join(re.sub("[│╭╮╰╯─]", " ", _ciera("simulate", "--help").stdout).split())
     for phrase in ("ciera models", "ciera clusters", "ZeRO++", "benefit-driven", "critical path"):
         assert phrase in help_text

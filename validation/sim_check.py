@@ -56,12 +56,20 @@ def default_held_out_path(bundle: str = "measured") -> Path | None:
     return held_out if held_out.is_file() else None
 
 
+def _given(value: object) -> str:
+    """A field's value as an error names it: 'missing' where the file has none (not 'None')."""
+    return "missing" if value is None else f"is {value!r}"
+
+
 def _string_list(path: Path, document: dict, table: str, key: str, required: bool) -> tuple[str, ...] | None:
-    value = document.get(table, {}).get(key)
+    section = document.get(table, {})
+    if not isinstance(section, dict):
+        raise ValidationInputError(f"{path}: '{table}' is {section!r}, expected a table [{table}]")
+    value = section.get(key)
     if value is None and not required:
         return None
     if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
-        raise ValidationInputError(f"{path}: field '{table}.{key}' is {value!r}, expected a list of names")
+        raise ValidationInputError(f"{path}: field '{table}.{key}' {_given(value)}, expected a list of names")
     return tuple(value)
 
 
@@ -76,11 +84,13 @@ def load_held_out(path: Path) -> HeldOut:
     clusters, layers = seen.get("clusters"), seen.get("layers")
     if not (isinstance(clusters, list) and clusters and all(isinstance(c, str) for c in clusters)):
         raise ValidationInputError(
-            f"{path}: field 'seen.clusters' is {clusters!r}, expected a list of cluster names"
+            f"{path}: field 'seen.clusters' {_given(clusters)}, expected a list of cluster names"
         )
-    if not (isinstance(layers, list) and layers and all(isinstance(n, int) and n >= 1 for n in layers)):
+    depths_ok = isinstance(layers, list) and layers
+    # bool is an int in Python: `layers = [true]` would read as depth 1.
+    if not (depths_ok and all(type(n) is int and n >= 1 for n in layers)):
         raise ValidationInputError(
-            f"{path}: field 'seen.layers' is {layers!r}, expected a list of depths >= 1"
+            f"{path}: field 'seen.layers' {_given(layers)}, expected a list of depths >= 1"
         )
     systems = _string_list(path, document, "seen", "systems", required=False)
     codec = _string_list(path, document, "codec", "runs", required=False) if "codec" in document else None

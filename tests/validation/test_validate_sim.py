@@ -164,6 +164,9 @@ def test_the_first_thing_no_seen_run_has_names_the_category() -> None:
         ("[seen]\nclusters = ['x']\nlayers = [2]\nsystems = 'zero3'\n", "field 'seen.systems'"),
         ("[seen]\nclusters = ['x']\nlayers = [2]\n[codec]\nruns = [1]\n", "field 'codec.runs'"),
         ("[seen\n", "cannot read"),
+        ("[seen]\nlayers = [2]\n", "field 'seen.clusters' missing, expected"),
+        ("[seen]\nclusters = ['x']\nlayers = [true]\n", "field 'seen.layers' is \\[True\\]"),
+        ("codec = 3\n[seen]\nclusters = ['x']\nlayers = [2]\n", "'codec' is 3, expected a table"),
     ],
 )
 def test_bad_held_out_files_are_one_line(tmp_path: Path, text: str, expected: str) -> None:

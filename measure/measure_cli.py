@@ -52,7 +52,15 @@ def _ints(option: str, text: str) -> tuple[int, ...]:
         ) from None
     if not values:
         raise CaptureError(f"{option} {text!r}: expected at least one number")
+    _refuse_twice(option, text, values)
     return values
+
+
+def _refuse_twice(option: str, text: str, values: tuple) -> None:
+    """A value listed twice is a typo, not a request (the plan would record it twice)."""
+    twice = sorted({value for value in values if values.count(value) > 1}, key=str)
+    if twice:
+        raise CaptureError(f"{option} {text!r}: names {', '.join(map(str, twice))} twice")
 
 
 def _split_names(text: str) -> tuple[str, ...]:
@@ -63,6 +71,7 @@ def _names(option: str, text: str) -> tuple[str, ...]:
     names = _split_names(text)
     if not names:  # `--systems ""` is a mistake, not a request for a capture without them
         raise CaptureError(f"{option} {text!r}: expected at least one comma-separated name")
+    _refuse_twice(option, text, names)
     return names
 
 

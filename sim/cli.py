@@ -50,6 +50,9 @@ def _listed(values: list[str] | None, option: str, example: str) -> list[str] | 
     parts = _split(values)
     if not parts:
         raise SimInputError(f"{option}: empty, expected a comma-separated list, e.g. {example}")
+    twice = sorted({part for part in parts if parts.count(part) > 1})
+    if twice:  # `--systems zero3,zero3` printed every row twice
+        raise SimInputError(f"{option}: {', '.join(twice)} given twice; list each once")
     return parts
 
 

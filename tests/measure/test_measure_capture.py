@@ -299,6 +299,9 @@ def test_ctrl_c_stops_the_ranks_and_the_next_run_redoes_it(tmp_path: Path) -> No
         (["--topologies", "2by1"], "--topologies '2by1': expected NODESxRANKS[-RATE]"),
         (["--topologies", "0x1"], "nodes and ranks per node must be >= 1"),
         (["--topologies", "1x2,1x2"], "names a topology twice"),
+        # Twice in a list: the plan recorded it twice and captured it once.
+        (["--systems", "zero3,fsdp,zero3"], "--systems 'zero3,fsdp,zero3': names zero3 twice"),
+        (["--layers", "2,4,2"], "--layers '2,4,2': names 2 twice"),
         (["--topologies", "1x2", "--nodes", "2"], "--topologies names nodes, ranks per node and link rates"),
         (["--topologies", "2x1"], "--nodes 2 needs --link-rate"),
     ],

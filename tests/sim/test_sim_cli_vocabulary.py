@@ -63,6 +63,7 @@ def test_short_names_any_case_and_no_model_twice() -> None:
     [
         (["--gpus", "1000000"], "--gpus: value 1000000, expected at most 65536"),
         (["--gpus", "16,16"], "--gpus: 16 given twice"),
+        (["--systems", "zero3,ciera,zero3"], "--systems: zero3 given twice"),  # printed every row twice
         (["--models", "olmoe,OLMoE-1B-7B"], "names OLMoE-1B-7B again"),
         (["--json", "/nonexistent-ciera-dir/x.json"], "directory /nonexistent-ciera-dir does not exist"),
         (["--timeline", "/nonexistent-ciera-dir/t.json"], "directory /nonexistent-ciera-dir does not exist"),

@@ -503,6 +503,9 @@ def _sweep_command(
     values = [value.strip() for value in text.split(",") if value.strip()]
     if not sep or not key.strip() or len(values) < 2:
         raise SimInputError(f"--sweep {sweep!r}: expected KEY=V1,V2,... with two or more values")
+    twice = sorted({value for value in values if values.count(value) > 1})
+    if twice:
+        raise SimInputError(f"--sweep {sweep!r}: {', '.join(twice)} given twice; list each value once")
     if json_path is not None:
         check_output_path(json_path, "--json")
     system_names = _listed(systems, "--systems", "zero3,ciera") or list(SYSTEMS)
@@ -518,8 +521,17 @@ def _sweep_command(
             dtypes=dtypes, layers=layers, workers=workers,
         )  # fmt: skip
         runs.append((value, records))
+    # A value the preset substitutes is said so in its column and below the table: inter_node.beta_Bps=0
+    # asks for the fit to the calibration points, and the column would read 0 for the fitted β.
+    substituted = {
+        value: note
+        for value, records in runs
+        for note in {n for record in records for n in record.notes if n.startswith("inter-node β")}
+        if key.strip() == "inter_node.beta_Bps" and "set in the preset" not in note
+    }
+    headers = [f"{value} (fitted)" if value in substituted else value for value in values]
     table = Table(title=f"speedup vs zero3 (p50) as {key.strip()} varies ({cluster})")
-    for column in ("model", "dtype", "gpus", "system", *values):
+    for column in ("model", "dtype", "gpus", "system", *headers):
         table.add_column(column, justify="left" if column in ("model", "dtype", "system") else "right")
     first = runs[0][1]
     by_value = [{(r.model, r.dtype, r.gpus, r.system): r for r in records} for _, records in runs]
@@ -540,6 +552,8 @@ def _sweep_command(
     for note in verdict.grouped_notes(every_record):
         if not note.startswith("inter-node β"):  # that one differs per value and is in the JSON
             console.print(f"note: {note}", markup=False, highlight=False)
+    for value, note in substituted.items():
+        console.print(f"note: --sweep {key.strip()}={value}: {note}", markup=False, highlight=False)
     if json_path is not None:
         write_json_atomic(
             {

@@ -62,16 +62,20 @@ def test_sweep_repeats_the_simulation_per_value(tmp_path: Path) -> None:
     args = [sys.executable, "-m", "ciera_cli.main", "simulate", "--models", "olmoe-1b-7b", "--gpus", "16",
             "--dtype", "bf16"]  # fmt: skip
     done = subprocess.run(
-        [*args, "--sweep", "inter_node.beta_Bps=2e9,25e9", "--json", str(out)],
+        [*args, "--sweep", "inter_node.beta_Bps=2e9,25e9,0", "--json", str(out)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     document = json.loads(out.read_text())
-    assert document["schema"] == "ciera.simulate.sweep/1" and document["values"] == ["2e9", "25e9"]
+    assert document["schema"] == "ciera.simulate.sweep/1" and document["values"] == ["2e9", "25e9", "0"]
+    # β = 0 asks the preset for its fitted β: the column and a note say so, not a column headed "0".
+    console = " ".join(done.stdout.split())
+    assert "0 (fitted)" in console and "--sweep inter_node.beta_Bps=0: inter-node β" in console, console
     speedups = [{r["system"]: r["speedup_vs_zero3"] for r in run["records"]} for run in document["runs"]]
     # A faster link leaves less for fewer bytes to save.
     assert speedups[1]["ciera-er"] < speedups[0]["ciera-er"]
     for bad, expected in ((["--sweep", "inter_node.beta_Bps=2e9"], "two or more values"),
+                          (["--sweep", "inter_node.beta_Bps=2e9,2e9"], "2e9 given twice"),
                           (["--sweep", "x=1,2", "--timeline", str(tmp_path / "t.json")], "--timeline with --sweep")):  # fmt: skip
         refused = subprocess.run([*args, *bad], capture_output=True, text=True, timeout=60)
         assert refused.returncode == 2 and expected in refused.stderr

@@ -65,10 +65,12 @@ def _parse_gpus(values: list[str] | None) -> list[int]:
     return gpus
 
 
-def resolve_model_names(models: list[str], known: list[str] | None = None) -> list[str]:
+def resolve_model_names(
+    models: list[str], known: list[str] | None = None, option: str = "--models"
+) -> list[str]:
     """--models entries as the display names records use: a name in `known` (the records' models) in
     any case, else a shipped model's key, alias or display name in any case (traces.load_model_shape).
-    The same model named twice (e.g. 'olmoe,OLMoE-1B-7B') is refused."""
+    The same model named twice (e.g. 'olmoe,OLMoE-1B-7B') is refused. Errors name `option`."""
     from traces import ModelShapeError, load_model_shape
 
     by_lower = {name.lower(): name for name in known or []}
@@ -80,16 +82,16 @@ def resolve_model_names(models: list[str], known: list[str] | None = None) -> li
                 name = load_model_shape(given).name
             except ModelShapeError as error:
                 if known is None:
-                    raise ReportInputError(f"--models: {error}") from None
+                    raise ReportInputError(f"{option}: {error}") from None
                 raise ReportInputError(
-                    f"--models: {given!r} not in the records (have: {', '.join(sorted(known))})"
+                    f"{option}: {given!r} not in the records (have: {', '.join(sorted(known))})"
                 ) from None
             if known is not None and name not in known:
                 raise ReportInputError(
-                    f"--models: {given!r} ({name}) not in the records (have: {', '.join(sorted(known))})"
+                    f"{option}: {given!r} ({name}) not in the records (have: {', '.join(sorted(known))})"
                 )
         if name in resolved:
-            raise ReportInputError(f"--models: {given!r} and {resolved[name]!r} are the same model ({name})")
+            raise ReportInputError(f"{option}: {given!r} and {resolved[name]!r} are the same model ({name})")
         resolved[name] = given
     return list(resolved)
 
@@ -226,7 +228,7 @@ def _simulate_sweep(
     else:
         timeline_model, timeline_gpus, wanted_dtype = timeline_of
         (timeline_model,) = resolve_model_names(
-            [timeline_model], list(dict.fromkeys(r["model"] for r in records))
+            [timeline_model], list(dict.fromkeys(r["model"] for r in records)), "--timeline-of"
         )
         if timeline_gpus not in {r["gpus"] for r in records}:
             raise ReportInputError(
@@ -368,6 +370,12 @@ def report_command(
         timeline_events = load_timeline(timeline_path) if timeline_path is not None else []
     else:
         model_names = resolve_model_names(model_names)
+        if parsed_timeline_of is not None:  # before the sweep: a model it will not simulate fails now
+            (timeline_model,) = resolve_model_names([parsed_timeline_of[0]], None, "--timeline-of")
+            if model_names and timeline_model not in model_names:
+                raise ReportInputError(
+                    f"--timeline-of: {timeline_model} is not in --models ({', '.join(model_names)})"
+                )
     # Read before any simulation: a bad file fails in a moment, not after the sweep.
     sensitivity = load_sensitivity(sensitivity_path) if sensitivity_path is not None else None
     given_validation = split_paths(validation_paths)

@@ -27,6 +27,11 @@ def _report(*arguments: str) -> subprocess.CompletedProcess[str]:
         (["--timeline-of", "olmoe:x"], "expected MODEL:W[:DTYPE]"),
         (["--timeline-of", "olmoe:16:int4"], "dtype 'int4'"),
         (["--timeline-of", "olmoe:64", "--gpus", "16"], "W=64 is not in --gpus (16)"),
+        (["--timeline-of", "nosuch:16"], "--timeline-of: model 'nosuch'"),
+        (
+            ["--timeline-of", "mixtral:16", "--models", "olmoe"],
+            "Mixtral-8x7B is not in --models (OLMoE-1B-7B)",
+        ),
         (["--timeline-of", "olmoe:16", "--records", "x.json"], "with --records pass the matching --timeline"),
     ],
 )

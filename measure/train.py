@@ -661,6 +661,8 @@ def run_rank(
         snapshot_parameters(step + 1)
         if cfg.save_at is not None and step + 1 == cfg.save_at:
             run.save(cfg.checkpoint_dir, step + 1)
+            if rank == 0:
+                write_checkpoint_manifest(cfg, step + 1)
     result.gathers_per_parameter = run.gathers_per_parameter()
     result.ciera = run.ciera_stats()
     result.parameter_digest = _parameter_digest(run.full_parameters())
@@ -766,13 +768,83 @@ def check_environment(cfg: TrainConfig) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Every one-line error that needs no rank: options, the model at this depth and width, the engine's
-    package and version."""
+    """Every one-line error that needs no rank: options, the model at this depth and width, the checkpoint
+    to resume from, the engine's package and version."""
     cfg.check()
     from .zoo import scaled_shape
 
     scaled_shape(cfg.model, cfg.width_scale, cfg.layers)
+    if cfg.resume:
+        check_resume(cfg)
     check_environment(cfg)
+
+
+# Written beside each checkpoint `ciera train --save-at` saves: what a resume must match. Without it a
+# resume from an empty or foreign directory failed on every rank inside the engine ("AssertionError:").
+CHECKPOINT_MANIFEST = "ciera-train-checkpoint.json"
+CHECKPOINT_SCHEMA = "ciera.train.checkpoint/1"
+
+
+def checkpoint_manifest(cfg: TrainConfig, step: int) -> dict:
+    """What a checkpoint of `cfg` saved after `step` steps holds: the fields a resume must match."""
+    from .zoo import default_width_scale, scaled_shape
+
+    shape = scaled_shape(cfg.model, cfg.width_scale, cfg.layers)
+    width_scale = default_width_scale(shape.key) if cfg.width_scale is None else cfg.width_scale
+    return {
+        "schema": CHECKPOINT_SCHEMA,
+        "engine": cfg.engine,
+        "model": shape.key,
+        "layers": shape.num_layers,
+        "width_scale": width_scale,
+        "world_size": cfg.world_size,
+        "step": step,
+    }
+
+
+def write_checkpoint_manifest(cfg: TrainConfig, step: int) -> None:
+    """Rank 0, after the engine saved: the manifest, whole or not at all (a temporary file renamed)."""
+    import json
+
+    path = Path(cfg.checkpoint_dir, CHECKPOINT_MANIFEST)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(checkpoint_manifest(cfg, step), indent=1) + "\n")
+    os.replace(partial, path)
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """One line when `cfg.checkpoint_dir` holds no checkpoint this run can resume from: none saved by
+    `ciera train`, or one of another engine, model, depth, width or world size, or one at or past the
+    last step."""
+    import json
+
+    path = Path(cfg.checkpoint_dir, CHECKPOINT_MANIFEST)
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TrainError(
+            f"--resume: {cfg.checkpoint_dir} holds no checkpoint of `ciera train` (no {CHECKPOINT_MANIFEST}; "
+            "--save-at writes one)"
+        ) from None
+    except (OSError, ValueError) as error:
+        raise TrainError(f"--resume: {path}: not readable ({' '.join(str(error).split())})") from None
+    if not isinstance(saved, dict) or saved.get("schema") != CHECKPOINT_SCHEMA:
+        raise TrainError(f"--resume: {path}: expected schema {CHECKPOINT_SCHEMA}")
+    wanted = checkpoint_manifest(cfg, 0)
+    for key in ("engine", "model", "layers", "width_scale", "world_size"):
+        if saved.get(key) != wanted[key]:
+            raise TrainError(
+                f"--resume: the checkpoint in {cfg.checkpoint_dir} was saved with {key} {saved.get(key)!r}; "
+                f"this run has {wanted[key]!r}"
+            )
+    step = saved.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise TrainError(f"--resume: {path}: field 'step' is {step!r}, expected a step >= 1")
+    if step + cfg.warm_steps >= cfg.steps:
+        raise TrainError(
+            f"--resume: the checkpoint is at step {step}; --steps {cfg.steps} leaves no step to record after "
+            f"it{f' and {cfg.warm_steps} warm steps' if cfg.warm_steps else ''}"
+        )
 
 
 def launched_rank() -> tuple[int, int] | None:

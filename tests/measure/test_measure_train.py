@@ -5,6 +5,7 @@ bad input and a dying rank end in one line."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from _train_workers import runs_worker  # noqa: E402
 
-from measure.train import TrainConfig, TrainError, train  # noqa: E402
+from measure.train import CHECKPOINT_MANIFEST, TrainConfig, TrainError, check_resume, train  # noqa: E402
 
 pytestmark = pytest.mark.heavy  # minutes of multi-process work: CI runs it with -m heavy
 
@@ -56,7 +57,7 @@ def runs(tmp_path_factory) -> dict:
     results = dict(queue.get() for _ in range(2))
     for name in results[0]:
         assert results[0][name]["parameter_digest"] == results[1][name]["parameter_digest"], name
-    return results[0]
+    return {**results[0], "checkpoint_dir": checkpoint}
 
 
 def _losses(run: dict) -> list[str]:
@@ -104,6 +105,10 @@ def test_resume_from_a_checkpoint_with_ciera_is_bit_identical(runs: dict) -> Non
     assert [step["step"] for step in resumed["steps"]] == list(range(HALF, TINY.steps))
     assert _losses(first) + _losses(resumed) == _losses(straight)
     assert resumed["parameter_digest"] == straight["parameter_digest"]
+    # The save wrote its manifest: the resume was checked against it before any rank started.
+    manifest = json.loads((Path(runs["checkpoint_dir"]) / CHECKPOINT_MANIFEST).read_text())
+    assert manifest["step"] == HALF and manifest["engine"] == "zero3" and manifest["layers"] == 1
+    check_resume(dataclasses.replace(TINY, resume=True, checkpoint_dir=runs["checkpoint_dir"]))
 
 
 def test_a_rank_that_dies_stops_the_run_with_one_line() -> None:

@@ -20,6 +20,14 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValidationInputError,)
 
 app = typer.Typer(help="Check the simulator against measurements it was not given.", no_args_is_help=True)
 
+# The options the training checks share (`lossless`, `divergence`) and every command's --json.
+EngineOption = Annotated[str, typer.Option("--engine", help="zero3 (DeepSpeed ZeRO-3) or fsdp (FSDP2).")]
+WorldSizeOption = Annotated[int, typer.Option("--world-size", help="Local gloo ranks.")]
+WidthScaleOption = Annotated[
+    int, typer.Option("--width-scale", help="Width divisor (0: the zoo's default small scale).")
+]
+JsonOption = Annotated[Path | None, typer.Option("--json", help="Write every number as JSON.")]
+
 
 def _out() -> Console:
     """The console for tables: its own width on a terminal, 140 columns into a file or pipe."""
@@ -45,7 +53,7 @@ def sim_command(
     tolerance: Annotated[
         float, typer.Option("--tolerance", help="Mean |error| allowed on held-out runs.")
     ] = 0.04,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write every number as JSON.")] = None,
+    json_path: JsonOption = None,
 ) -> None:
     """Replay the seen runs and predict every held-out measured run from them; report per configuration the
     measured and predicted iteration times, the error, and the error of the speedup over zero3."""
@@ -284,23 +292,25 @@ def verdict_line(verdicts: list[dict]) -> str:
 
 @app.command("lossless")
 def lossless_command(
-    engine: Annotated[
-        str, typer.Option("--engine", help="zero3 (DeepSpeed ZeRO-3) or fsdp (FSDP2).")
-    ] = "zero3",
+    engine: EngineOption = "zero3",
     steps: Annotated[
         int, typer.Option("--steps", help="Training steps per arm (the CIERA arm resumes at half).")
     ] = 20,
-    world_size: Annotated[int, typer.Option("--world-size", help="Local gloo ranks.")] = 2,
+    world_size: WorldSizeOption = 2,
     model: Annotated[str, typer.Option("--model", help="Zoo model.")] = "small-moe",
     layers: Annotated[int, typer.Option("--layers", help="Blocks of the model (0: all).")] = 2,
+    width_scale: WidthScaleOption = 0,
+    block_size: Annotated[
+        int, typer.Option("--block-size", help="CIERA's block size B (a power of two), as `ciera train`'s.")
+    ] = 64,
     seed: Annotated[int, typer.Option("--seed", help="Weights and data order.")] = 0,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write every number as JSON.")] = None,
+    json_path: JsonOption = None,
 ) -> None:
     """Train with the engine + CIERA (checkpointed and resumed half-way) and with the plain engine from the
     same seed and data; compare the loss and every parameter and optimizer state at every step. A control
     arm with one int8-quantised gather must be flagged. Exit 1 unless bit-identical and flagged."""
 
-    from measure.train import ENGINES
+    from measure.train import ENGINES, block_size_problem
 
     from .lossless import LosslessPlan, run_lossless
 
@@ -310,14 +320,24 @@ def lossless_command(
         raise ValidationInputError(f"--steps {steps}: expected at least 2 (the CIERA arm resumes half-way)")
     if layers < 0:
         raise ValidationInputError(f"--layers {layers}: expected a block count >= 0 (0: all)")
+    if width_scale < 0:
+        raise ValidationInputError(
+            f"--width-scale {width_scale}: expected a divisor >= 1 (0: the zoo's default)"
+        )
+    problem = block_size_problem(block_size, "--block-size")
+    if problem:
+        raise ValidationInputError(problem)
     _check_json_path(json_path)
     plan = LosslessPlan(
-        engine=engine, steps=steps, world_size=world_size, model=model, layers=layers or None, seed=seed
-    )
+        engine=engine, steps=steps, world_size=world_size, model=model, layers=layers or None,
+        width_scale=width_scale or None, block_size=block_size, seed=seed,
+    )  # fmt: skip
     _check_train_options(plan)
     document = _run_arms("lossless", run_lossless, plan)
     table = Table(
-        title=f"lossless: {engine} + CIERA against {engine}, {world_size} ranks", box=box.SIMPLE_HEAD
+        title=f"lossless: {engine} + CIERA (block size {document['block_size']}) against {engine}, "
+        f"{world_size} ranks",
+        box=box.SIMPLE_HEAD,
     )
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -364,23 +384,22 @@ def lossless_command(
 
 @app.command("divergence")
 def divergence_command(
-    engine: Annotated[
-        str, typer.Option("--engine", help="zero3 (DeepSpeed ZeRO-3) or fsdp (FSDP2).")
-    ] = "zero3",
+    engine: EngineOption = "zero3",
     steps: Annotated[int, typer.Option("--steps", help="Training steps per arm.")] = 200,
     checkpoints: Annotated[
         int, typer.Option("--checkpoints", help="Evaluations after step 0, evenly spaced.")
     ] = 4,
-    world_size: Annotated[int, typer.Option("--world-size", help="Local gloo ranks.")] = 2,
+    world_size: WorldSizeOption = 2,
     model: Annotated[str, typer.Option("--model", help="Zoo model (a top-k MoE).")] = "small-moe",
     layers: Annotated[
         int, typer.Option("--layers", help="Blocks of the model (0: all; small-moe has 6).")
     ] = 0,
+    width_scale: WidthScaleOption = 0,
     held_out_sequences: Annotated[
         int, typer.Option("--held-out-sequences", help="Held-out windows of 64 tokens evaluated.")
     ] = 64,
     seed: Annotated[int, typer.Option("--seed", help="Reference weights and every arm's data order.")] = 0,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write every number as JSON.")] = None,
+    json_path: JsonOption = None,
 ) -> None:
     """Train a reference and four arms (CIERA, a 1-ULP nudge, int8 weight gathers, another seed) on the same
     data; at each checkpoint compare each arm's next-token distributions and routing decisions with the
@@ -393,13 +412,15 @@ def divergence_command(
     if engine not in ENGINES:
         raise ValidationInputError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
     for name, value, least in (("--steps", steps, 1), ("--checkpoints", checkpoints, 1),
-                               ("--held-out-sequences", held_out_sequences, 1), ("--layers", layers, 0)):  # fmt: skip
+                               ("--held-out-sequences", held_out_sequences, 1), ("--layers", layers, 0),
+                               ("--width-scale", width_scale, 0)):  # fmt: skip
         if value < least:
             raise ValidationInputError(f"{name} {value}: expected an integer >= {least}")
     _check_json_path(json_path)
     plan = DivergencePlan(
         engine=engine, steps=steps, checkpoints=checkpoints, world_size=world_size, model=model,
-        layers=layers or None, seed=seed, other_seed=seed + 1, held_out_sequences=held_out_sequences,
+        layers=layers or None, width_scale=width_scale or None, seed=seed, other_seed=seed + 1,
+        held_out_sequences=held_out_sequences,
     )  # fmt: skip
     _check_train_options(plan)
     document = _run_arms("divergence", run_divergence, plan)
@@ -504,7 +525,8 @@ def _check_train_options(plan) -> None:  # noqa: ANN001 — a LosslessPlan or Di
         validate(
             TrainConfig(
                 model=plan.model, engine=plan.engine, world_size=plan.world_size, steps=plan.steps,
-                layers=plan.layers, seed=plan.seed,
+                layers=plan.layers, width_scale=plan.width_scale, seed=plan.seed,
+                block_size=getattr(plan, "block_size", TrainConfig.block_size),
             )
         )  # fmt: skip
     except (TrainError, ValueError) as error:

@@ -43,6 +43,7 @@ class DivergencePlan:
     world_size: int = 2
     model: str = "small-moe"
     layers: int | None = None  # None: every block (small-moe: 6)
+    width_scale: int | None = None  # None: the zoo's default small scale
     seed: int = 0
     other_seed: int = 1
     lr: float = 1e-4
@@ -204,6 +205,7 @@ def run_divergence(
             world_size=plan.world_size,
             steps=plan.steps,
             layers=plan.layers,
+            width_scale=plan.width_scale,
             seed=plan.seed,
             lr=plan.lr,
             timeout_s=plan.timeout_s,
@@ -217,7 +219,9 @@ def run_divergence(
                 nudged = document["nudged"]
         progress.say("evaluating on held-out tokens")
         torch.manual_seed(0)
-        model = build_model(plan.model, plan.layers, None, plan.seed, activation_checkpointing=False)
+        model = build_model(
+            plan.model, plan.layers, plan.width_scale, plan.seed, activation_checkpointing=False
+        )
         tokens = held_out_tokens(plan)
         from measure.arms import load_state
 
@@ -241,6 +245,7 @@ def run_divergence(
         "engine": plan.engine,
         "model": plan.model,
         "layers": plan.layers,
+        "width_scale": plan.width_scale,
         "world_size": plan.world_size,
         "steps": plan.steps,
         "seed": plan.seed,

@@ -35,7 +35,8 @@ class LosslessPlan:
     world_size: int = 2
     model: str = "small-moe"
     layers: int | None = None  # None: every block of the model
-    width_scale: int | None = None
+    width_scale: int | None = None  # None: the zoo's default small scale
+    block_size: int = 64  # CIERA's B (a power of two), as `ciera train --block-size`
     seed: int = 0
     lr: float = 1e-4
     timeout_s: float = 300.0
@@ -120,6 +121,7 @@ def run_lossless(
             steps=plan.steps,
             layers=plan.layers,
             width_scale=plan.width_scale,
+            block_size=plan.block_size,
             seed=plan.seed,
             lr=plan.lr,
             timeout_s=plan.timeout_s,
@@ -201,6 +203,8 @@ def run_lossless(
         "model": plan.model,
         "layers": plan.layers,
         "width_scale": plan.width_scale,
+        # What CIERA's engine ran with (its CodecConfig), as the CIERA arm reported it.
+        "block_size": (ciera_document.get("ciera") or {}).get("block_size"),
         "world_size": plan.world_size,
         "steps": plan.steps,
         "resume_at": half,

@@ -145,6 +145,9 @@ def test_checkpoints_include_step_zero_and_the_last_step() -> None:
         (["divergence", "--layers", "-1"], "--layers -1: expected an integer >= 0"),
         (["divergence", "--json", "/nonexistent-dir/y.json"], "directory /nonexistent-dir does not exist"),
         (["lossless", "--json", "/"], "is a directory"),
+        (["lossless", "--block-size", "100"], "--block-size is 100: expected a power of two"),
+        (["lossless", "--width-scale", "3"], "width_scale 3 does not divide hidden_size"),
+        (["divergence", "--width-scale", "-2"], "--width-scale -2: expected an integer >= 0"),
     ],
 )
 def test_bad_options_are_one_line_before_any_rank_starts(arguments: list[str], expected: str) -> None:

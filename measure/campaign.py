@@ -344,7 +344,12 @@ def prepare_out_dir(plan: CapturePlan, out_dir: Path) -> list[str]:
     per run, extends the capture: the recorded plan is replaced by it, and what it adds is returned (one
     line per field) for the console."""
     plan.check()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CaptureError(f"--out {out_dir}: is a file, expected a capture directory (new or earlier)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file on the way, no permission, a read-only file system
+        raise CaptureError(f"--out {out_dir}: cannot create the directory ({error.strerror})") from None
     plan_path = out_dir / "plan.json"
     document = plan.to_json()
     current = json.loads(json.dumps(document))

@@ -753,16 +753,23 @@ def check_environment(cfg: TrainConfig) -> None:
     except ImportError:
         raise TrainError('torch is not installed: pip install -e ".[runtime]"') from None
     if cfg.engine == "zero3":
+        # Found and versioned without importing it: the import takes ~2 s and, before a placement sets
+        # DS_ACCELERATOR, logs DeepSpeed's accelerator guess above our own lines. The ranks import it.
+        import importlib.metadata
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise TrainError('deepspeed is not installed: DS_BUILD_OPS=0 pip install -e ".[deepspeed]"')
         try:
+            version = importlib.metadata.version("deepspeed")
+        except importlib.metadata.PackageNotFoundError:  # a source tree on the path, never installed
             import deepspeed
-        except ImportError:
-            raise TrainError(
-                'deepspeed is not installed: DS_BUILD_OPS=0 pip install -e ".[deepspeed]"'
-            ) from None
+
+            version = deepspeed.__version__
         from ciera_runtime.zero3 import check_deepspeed_version
 
         try:
-            check_deepspeed_version(deepspeed.__version__)
+            check_deepspeed_version(version)
         except Exception as error:  # noqa: BLE001 — the version error is already one line
             raise TrainError(str(error)) from None
 

@@ -82,3 +82,18 @@ def test_a_plan_recorded_before_the_allocator_ran_with_the_systems(tmp_path: Pat
         prepare_out_dir(_plan(), tmp_path)
     assert "differs in allocator)" in str(error.value)
     assert prepare_out_dir(_plan(allocator="system"), tmp_path) == []
+
+
+def test_an_out_that_cannot_be_a_capture_directory_is_one_line(tmp_path: Path) -> None:
+    """A file where the directory belongs, or on its way: refused in one line (it was a traceback)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("keep")
+    cases = {
+        a_file: "is a file, expected a capture directory",
+        a_file / "capture": "cannot create the directory (Not a directory)",
+    }
+    for out, expected in cases.items():
+        with pytest.raises(CaptureError, match=expected) as raised:
+            prepare_out_dir(_plan(), out)
+        assert "\n" not in str(raised.value)
+    assert a_file.read_text() == "keep"

@@ -25,8 +25,12 @@ def measured_timeline(bundle: traces.TraceBundle, run_id: str, iteration: int) -
     """The events of `run_id`'s `iteration` in Chrome-trace JSON."""
     runs = bundle.runs[bundle.runs["run_id"] == run_id]
     if runs.empty:
-        known = ", ".join(sorted(set(bundle.events["run_id"].unique())))[:400] or "none"
-        raise CaptureError(f"--run {run_id!r}: not in the bundle (runs with events: {known})")
+        known = sorted(set(bundle.events["run_id"].unique()))
+        shown = ", ".join(known[:4]) + (f", … {len(known) - 4} more" if len(known) > 4 else "")
+        raise CaptureError(
+            f"--run {run_id!r}: not in the bundle ({len(known)} runs with events: {shown or 'none'}; "
+            "`ciera replay --bundle B` lists them)"
+        )
     events = bundle.events[(bundle.events["run_id"] == run_id)]
     if events.empty:
         raise CaptureError(f"--run {run_id!r}: has no events (an analytic or exponent-statistics run)")

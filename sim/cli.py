@@ -592,7 +592,10 @@ def replay_command(
     started_s = time.perf_counter()
     if run is not None:
         if run not in set(loaded.events["run_id"].unique()):
-            raise SimInputError(f"--run {run!r}: no run with events of that id in --bundle {bundle}")
+            raise SimInputError(
+                f"--run {run!r}: no run with events of that id in --bundle {bundle} (`ciera replay --bundle "
+                f"{bundle}` lists them)"
+            )
         per_iteration = replay_run(loaded, run)
         rows = [
             {
@@ -610,8 +613,9 @@ def replay_command(
     else:
         rows = replay_bundle(loaded).to_dict("records")
     table = Table(title=f"replayed measured iterations ({bundle})")
-    for column in ("cluster", "L", "system", "W", "iterations", "measured", "replayed", "max |error|"):
-        table.add_column(column, justify="left" if column in ("cluster", "system") else "right")
+    columns = ("cluster", "L", "system", "W", "iterations", "measured", "replayed", "max |error|", "run")
+    for column in columns:  # the run id last: what `--run` (here and `ciera measure timeline`) takes
+        table.add_column(column, justify="left" if column in ("cluster", "system", "run") else "right")
     for row in rows:
         table.add_row(
             str(row["cluster"]),
@@ -622,8 +626,10 @@ def replay_command(
             f"{row['measured_s'] * 1e3:.1f} ms",
             f"{row['replayed_s'] * 1e3:.1f} ms",
             f"{row['max_abs_error'] * 100:.3f} %",
+            str(row["run_id"]),
         )
     console = Console()
+    console = console if console.is_terminal else Console(width=180)  # a pipe or file: nothing cut
     console.print(table)
     worst = max(row["max_abs_error"] for row in rows)
     elapsed_s = time.perf_counter() - started_s

@@ -26,10 +26,12 @@ What it computes, per layer and phase, on one rank of a W-rank ZeRO-3 group (doc
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import get_args, get_origin, get_type_hints
 
 import numpy as np
 import pandas as pd
@@ -75,16 +77,56 @@ class AnalyticSettings:
 
 
 def load_settings(path: str | Path | None = None) -> AnalyticSettings:
-    """Read generator settings (default: sim/data/analytic_bundle.toml)."""
+    """Read generator settings (default: sim/data/analytic_bundle.toml); one line naming the field for a
+    missing, unknown or mistyped one."""
     source = Path(path) if path else Path(str(resources.files("sim") / "data" / "analytic_bundle.toml"))
     try:
         with source.open("rb") as handle:
             raw = tomllib.load(handle)
-        return AnalyticSettings(**raw)
     except FileNotFoundError:
         raise SimInputError(f"{source}: no such settings file") from None
-    except (tomllib.TOMLDecodeError, TypeError) as error:
+    except (OSError, tomllib.TOMLDecodeError) as error:
         raise SimInputError(f"{source}: bad generator settings: {error}") from None
+    _check_settings(source, raw)
+    return AnalyticSettings(**raw)
+
+
+def _check_settings(source: Path, raw: dict) -> None:
+    """Every field of AnalyticSettings present, none other, each of its annotated type (bool is not an
+    int here); counts and sizes positive, spreads >= 0."""
+    hints = get_type_hints(AnalyticSettings)
+    unknown = sorted(set(raw) - set(hints))
+    if unknown:
+        raise SimInputError(f"{source}: unknown field {unknown[0]!r}, expected one of {', '.join(hints)}")
+    for name, hint in hints.items():
+        if name not in raw:
+            raise SimInputError(f"{source}: field {name!r} missing")
+        value = raw[name]
+        origin, arguments = get_origin(hint), get_args(hint)
+        if origin is list:
+            ok = isinstance(value, list) and value and all(_is(item, arguments[0]) for item in value)
+            expected = f"a non-empty list of {arguments[0].__name__}"
+        elif origin is dict:
+            ok = isinstance(value, dict) and all(_is(v, arguments[1]) for v in value.values())
+            expected = f"a table of {arguments[1].__name__} values"
+        else:
+            ok, expected = _is(value, hint), hint.__name__
+        if ok and name not in ("seed", "compute_time_cv", "comm_time_cv"):
+            numbers = value if isinstance(value, list) else [value]
+            ok = all(not isinstance(n, int | float) or isinstance(n, bool) or n > 0 for n in numbers)
+            expected += " > 0" if not ok else ""
+        if ok and name in ("compute_time_cv", "comm_time_cv"):
+            ok, expected = value >= 0, "a number >= 0"
+        if not ok:
+            raise SimInputError(f"{source}: field {name!r} is {value!r}, expected {expected}")
+
+
+def _is(value: object, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def _noise(rng: np.random.Generator, cv: float, size: int) -> np.ndarray:

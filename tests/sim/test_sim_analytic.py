@@ -124,3 +124,37 @@ def test_a_gather_beside_a_reduce_scatter_shares_the_link():
     gather = events[events["stream"] == "allgather"].iloc[0]
     assert scatter["end_s"] - scatter["start_s"] > 0.1 + 1e-6
     assert gather["end_s"] - gather["start_s"] > 0.1 + 1e-6
+
+
+def test_bad_generator_settings_name_the_field(tmp_path) -> None:
+    """A settings file with a field missing, unknown or of the wrong type is one line naming it (it was
+    "AnalyticSettings.__init__() got an unexpected keyword argument", or accepted and failed later)."""
+    import re
+    from importlib import resources
+
+    from sim import SimInputError
+
+    shipped = (resources.files("sim") / "data" / "analytic_bundle.toml").read_text()
+    cases = {
+        "generator_layers = 3\n" + shipped: "unknown field 'generator_layers', expected one of cluster",
+        shipped.replace('cluster = "a100-hdr-testbed"\n', ""): "field 'cluster' missing",
+        shipped.replace("seq_len = 1024", 'seq_len = "long"'): "field 'seq_len' is 'long', expected int",
+        shipped.replace("seq_len = 1024", "seq_len = 0"): "field 'seq_len' is 0, expected int > 0",
+        shipped.replace("world_sizes = [4, 8]", "world_sizes = [4, true]"): "'world_sizes' is [4, True]",
+        shipped.replace("world_sizes = [4, 8]", "world_sizes = []"): "expected a non-empty list of int",
+        shipped.replace(
+            "comm_time_cv = 0.05", "comm_time_cv = -1"
+        ): "'comm_time_cv' is -1, expected a number",
+        shipped.replace("activation_checkpointing = true", "activation_checkpointing = 1"): "expected bool",
+        shipped.replace("compute_time_cv = 0.03", "compute_time_cv = nan"): "'compute_time_cv' is nan",
+    }
+    refused = 0
+    for index, (text, expected) in enumerate(cases.items()):
+        path = tmp_path / f"settings-{index}.toml"
+        path.write_text(text)
+        with pytest.raises(SimInputError, match=re.escape(expected)) as raised:
+            load_settings(path)
+        assert "\n" not in str(raised.value)
+        refused += 1
+    assert refused == len(cases)
+    assert load_settings().seq_len == 1024  # the shipped file passes its own check

@@ -135,8 +135,24 @@ def load_model_shape(key_or_path: str) -> ModelShape:
     return _parse(path, _read_toml(path))
 
 
+_BOOLS = (
+    "tie_word_embeddings",
+    "qk_norm",
+    "attention_bias",
+    "norm_topk_prob",
+    "shared_expert_gate",
+)
+_OPTIONAL = ("name", "aliases", "optimizer", "rope_theta", "rms_norm_eps", "block_change_rate_prior")
+_FIELDS = (*REQUIRED_INT, *_BOOLS, *_CHOICES, *_OPTIONAL)
+
+
 def _parse(path: Path, raw: dict) -> ModelShape:
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:  # a misspelt optional field would silently keep its default
+        raise ModelShapeError(f"{path}: unknown field '{unknown[0]}', expected one of {', '.join(_FIELDS)}")
     for name in REQUIRED_INT:
+        if name not in raw:
+            raise ModelShapeError(f"{path}: field '{name}' missing, expected a non-negative integer")
         value = raw.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ModelShapeError(f"{path}: field '{name}' is {value!r}, expected a non-negative integer")
@@ -153,6 +169,12 @@ def _parse(path: Path, raw: dict) -> ModelShape:
             f"{path}: field 'experts_per_token' is {raw['experts_per_token']}, expected 1..num_experts "
             f"({raw['num_experts']})"
         )
+    for name in _BOOLS:  # bool("false") is True: a quoted boolean would flip the field
+        if not isinstance(raw.get(name, False), bool):
+            raise ModelShapeError(f"{path}: field '{name}' is {raw[name]!r}, expected true or false")
+    for name in ("name", "optimizer"):
+        if not isinstance(raw.get(name, ""), str):
+            raise ModelShapeError(f"{path}: field '{name}' is {raw[name]!r}, expected a string")
     for name, choices in _CHOICES.items():
         value = raw.get(name, choices[0])
         if value not in choices:

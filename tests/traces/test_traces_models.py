@@ -39,3 +39,24 @@ def test_bad_field_names_the_file_field_and_value(tmp_path: Path):
     bad.write_text(source.replace('router_score = "softmax"', 'router_score = "argmax"'))
     with pytest.raises(traces.ModelShapeError, match=r"field 'router_score' is 'argmax'"):
         traces.load_model_shape(str(bad))
+
+
+def test_a_missing_misspelt_or_quoted_field_is_named(tmp_path: Path):
+    """A misspelt optional field kept its default without a word, and `qk_norm = "false"` read as true."""
+    source = (traces.models.models_dir() / "mixtral-8x7b.toml").read_text()
+    cases = {
+        source.replace("num_layers = 32\n", ""): "field 'num_layers' missing",
+        "rope_thetta = 1e6\n" + source: "unknown field 'rope_thetta', expected one of hidden_size",
+        source.replace(
+            "qk_norm = false", 'qk_norm = "false"'
+        ): "field 'qk_norm' is 'false', expected true or false",
+        "optimizer = 3\n" + source: "field 'optimizer' is 3, expected a string",
+    }
+    refused = 0
+    for index, (text, expected) in enumerate(cases.items()):
+        bad = tmp_path / f"bad-{index}.toml"
+        bad.write_text(text)
+        with pytest.raises(traces.ModelShapeError, match=expected):
+            traces.load_model_shape(str(bad))
+        refused += 1
+    assert refused == len(cases)

@@ -163,11 +163,14 @@ def _blocks_to_elements(blocks: float | None, block_numel: int) -> int | None:
 
 
 def layer_jobs(plan: CapturePlan) -> list[tuple[Topology, LayersJob]]:
-    from .zoo import default_width_scale, parameter_count, scaled_shape
+    from .zoo import default_width_scale, model_reference, parameter_count, scaled_shape
 
     scale = plan.width_scale or default_width_scale(plan.model)
     key = scaled_shape(plan.model, scale, 1).key
-    one_block = parameter_count(scaled_shape(key, scale, 2)) - parameter_count(scaled_shape(key, scale, 1))
+    reference = model_reference(plan.model)  # what a rank builds: a file outside the zoo by its path
+    one_block = parameter_count(scaled_shape(reference, scale, 2)) - parameter_count(
+        scaled_shape(reference, scale, 1)
+    )
     label = model_label(key, scale)
     jobs = []
     for topology in plan.topologies:
@@ -175,7 +178,7 @@ def layer_jobs(plan: CapturePlan) -> list[tuple[Topology, LayersJob]]:
             for system in plan.systems:
                 train = train_config_for(
                     system,
-                    model=key,
+                    model=reference,
                     width_scale=scale,
                     layers=depth,
                     world_size=topology.world_size,
@@ -224,10 +227,11 @@ class Step:
 
 
 def plan_steps(plan: CapturePlan) -> list[Step]:
-    from .zoo import default_width_scale, scaled_shape
+    from .zoo import default_width_scale, model_reference, scaled_shape
 
     scale = plan.width_scale or default_width_scale(plan.model)
     key = scaled_shape(plan.model, scale, 1).key
+    reference = model_reference(plan.model)
     steps: list[Step] = []
     for topology in plan.topologies:
         if "collectives" in plan.kinds and plan.collectives:
@@ -265,7 +269,7 @@ def plan_steps(plan: CapturePlan) -> list[Step]:
         topology = plan.topologies[0]
         train = train_config_for(
             "zero3",
-            model=key,
+            model=reference,
             width_scale=scale,
             layers=plan.exponent_layers,
             world_size=topology.world_size,

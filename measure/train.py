@@ -797,7 +797,7 @@ def checkpoint_manifest(cfg: TrainConfig, step: int) -> dict:
     from .zoo import default_width_scale, scaled_shape
 
     shape = scaled_shape(cfg.model, cfg.width_scale, cfg.layers)
-    width_scale = default_width_scale(shape.key) if cfg.width_scale is None else cfg.width_scale
+    width_scale = default_width_scale(cfg.model) if cfg.width_scale is None else cfg.width_scale
     return {
         "schema": CHECKPOINT_SCHEMA,
         "engine": cfg.engine,

@@ -62,18 +62,39 @@ def full_shape(key: str) -> ModelShape:
         raise ZooError(str(error)) from None
 
 
-def default_width_scale(key: str) -> int:
-    shape = full_shape(key)
-    scale = _default_scales().get(shape.key)
+def is_shipped(shape: ModelShape) -> bool:
+    """Whether `shape` is a zoo model's own file (a copy elsewhere with the same name may differ)."""
+    try:
+        return traces.load_model_shape(shape.key).path.resolve() == Path(shape.path).resolve()
+    except traces.ModelShapeError:
+        return False
+
+
+def model_reference(key_or_path: str) -> str:
+    """How a spawned rank names the model: a zoo model's key, or the absolute path of a shape file outside
+    the zoo (its key alone resolves to nothing, and a relative path not from a rank's directory)."""
+    shape = full_shape(key_or_path)
+    return shape.key if is_shipped(shape) else str(Path(shape.path).resolve())
+
+
+def default_width_scale(key_or_path: str) -> int:
+    return _default_scale(full_shape(key_or_path))
+
+
+def _default_scale(shape: ModelShape) -> int:
+    scale = _default_scales().get(shape.key) if is_shipped(shape) else None
     if scale is None:
-        raise ZooError(f"{_zoo_file()}: no default_width_scale for model '{shape.key}'")
+        where = "" if is_shipped(shape) else f" ({shape.path}, not a zoo model)"
+        raise ZooError(
+            f"model '{shape.key}'{where}: no default width scale; pass --width-scale (1: full width)"
+        )
     return int(scale)
 
 
 def scaled_shape(key: str, width_scale: int | None = None, layers: int | None = None) -> ModelShape:
     """The shape `build_model` builds: `width_scale` (default: the zoo's) applied, cut to `layers` blocks."""
     shape = full_shape(key)
-    scale = default_width_scale(shape.key) if width_scale is None else width_scale
+    scale = _default_scale(shape) if width_scale is None else width_scale
     if not isinstance(scale, int) or isinstance(scale, bool) or scale < 1:
         raise ZooError(f"model '{shape.key}': width_scale is {scale!r}, expected a positive integer")
     depth = shape.num_layers if layers is None else layers

@@ -685,8 +685,14 @@ def clusters_command(
         measured.add_row(
             str(name),
             f"{int(first['nodes'])} × {int(first['gpus_per_node'])}",
-            f"{first['link_rate_Bps'] * 8 / 1e6:.0f} Mbit/s",
-            f"{first['measured_link_Bps'] / 1e6:.1f} MB/s",
+            *(
+                (
+                    f"{first['link_rate_Bps'] * 8 / 1e6:.0f} Mbit/s",
+                    f"{first['measured_link_Bps'] / 1e6:.1f} MB/s",
+                )
+                if int(first["nodes"]) > 1 and first["link_rate_Bps"] > 0
+                else ("none (one node)", "—")  # a local capture: no emulated link, nothing measured across it
+            ),
             ",".join(str(n) for n in sorted(set(group["layers"]))),
             ",".join(sorted(set(group["system"]))),
         )

@@ -16,7 +16,16 @@ from rich.table import Table
 from .corpus import CorpusError
 from .emulated import EmulationError
 from .train import ENGINES, TrainConfig, TrainError
-from .zoo import ZooError, default_width_scale, full_shape, parameter_count, scaled_shape, zoo_keys
+from .zoo import (
+    ZooError,
+    default_width_scale,
+    full_shape,
+    is_shipped,
+    model_reference,
+    parameter_count,
+    scaled_shape,
+    zoo_keys,
+)
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ZooError, CorpusError, TrainError, EmulationError)
 
@@ -24,10 +33,12 @@ SCHEMA = "ciera.models/1"
 
 
 def model_record(key: str) -> dict[str, object]:
-    """One zoo model: its published shape and parameter counts, and the same at the default small scale."""
+    """One zoo model: its published shape and parameter counts, and the same at the default small scale
+    (None for a shape file outside the zoo, which has no default scale)."""
     shape = full_shape(key)
-    scale = default_width_scale(shape.key)
-    small = scaled_shape(shape.key, scale)
+    reference = model_reference(key)
+    scale = default_width_scale(reference) if is_shipped(shape) else None
+    small = scaled_shape(reference, scale) if scale is not None else None
     return {
         "key": shape.key,
         "name": shape.name,
@@ -47,7 +58,9 @@ def model_record(key: str) -> dict[str, object]:
         "qk_norm": shape.qk_norm_scope if shape.qk_norm else None,
         "params": parameter_count(shape),
         "active_params": parameter_count(shape, active=True),
-        "small": {
+        "small": None
+        if small is None
+        else {
             "width_scale": scale,
             "hidden_size": small.hidden_size,
             "head_dim": small.head_dim,
@@ -55,7 +68,7 @@ def model_record(key: str) -> dict[str, object]:
             "vocab_size": small.vocab_size,
             "params": parameter_count(small),
             "params_at_2_layers": parameter_count(
-                scaled_shape(shape.key, scale, layers=min(2, shape.num_layers))
+                scaled_shape(reference, scale, layers=min(2, shape.num_layers))
             ),
         },
     }
@@ -99,8 +112,8 @@ def models_command(
             f"{record['attention_heads']}/{record['kv_heads']}",
             _count(record["params"]),
             _count(record["active_params"]),
-            f"1/{small['width_scale']}",
-            _count(small["params"]),
+            f"1/{small['width_scale']}" if small else "-",
+            _count(small["params"]) if small else "not in the zoo: --width-scale",
         )
     (Console() if Console().is_terminal else Console(width=150)).print(table)
 

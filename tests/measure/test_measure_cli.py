@@ -59,6 +59,22 @@ def test_models_accepts_an_alias(capsys, monkeypatch) -> None:
     assert [r["key"] for r in json.loads(out)["models"]] == ["olmoe-1b-7b"]
 
 
+def test_a_shape_file_outside_the_zoo_is_listed_without_a_small_scale(tmp_path, capsys, monkeypatch) -> None:
+    """It has no default width scale: shown as such (it was "no such model" by its key)."""
+    import traces
+
+    path = tmp_path / "mymoe.toml"
+    path.write_text(
+        (traces.models.models_dir() / "olmoe-1b-7b.toml")
+        .read_text()
+        .replace('aliases = ["olmoe"]', "aliases = []")
+    )
+    code, out, _ = run_ciera(["models", str(path), "--json"], capsys, monkeypatch)
+    assert code == 0
+    (record,) = json.loads(out)["models"]
+    assert record["key"] == "mymoe" and record["small"] is None and record["layers"] == 16
+
+
 def test_unknown_model_is_one_line_exit_2(capsys, monkeypatch) -> None:
     code, out, err = run_ciera(["models", "gpt-5"], capsys, monkeypatch)
     assert code == 2 and out == ""

@@ -660,7 +660,9 @@ def run_rank(
             del state
         snapshot_parameters(step + 1)
         if cfg.save_at is not None and step + 1 == cfg.save_at:
-            run.save(cfg.checkpoint_dir, step + 1)
+            if rank == 0:  # an earlier save's manifest must not vouch for a save that stops half-way
+                Path(cfg.checkpoint_dir, CHECKPOINT_MANIFEST).unlink(missing_ok=True)
+            run.save(cfg.checkpoint_dir, step + 1)  # collective; both engines end it with a barrier
             if rank == 0:
                 write_checkpoint_manifest(cfg, step + 1)
     result.gathers_per_parameter = run.gathers_per_parameter()

@@ -251,6 +251,15 @@ def _simulate_sweep(
     return records, timeline_document["traceEvents"], {"cluster": preset.name}
 
 
+def _check_timeline_model(given: str, models: list[str], bundle_models: list[str]) -> None:
+    """--timeline-of's model, before the sweep: one of the bundle's own models (any case) or a shipped
+    model's name, and among --models when they are given."""
+    by_lower = {name.lower(): name for name in bundle_models}
+    name = by_lower.get(given.lower()) or resolve_model_names([given], None, "--timeline-of")[0]
+    if models and name not in models:
+        raise ReportInputError(f"--timeline-of: {name} is not in --models ({', '.join(models)})")
+
+
 def _parse_timeline_of(text: str) -> tuple[str, int, str | None]:
     """MODEL:W[:DTYPE] → (model, W, dtype or None); one line for anything else."""
     parts = [part.strip() for part in text.split(":")]
@@ -370,12 +379,6 @@ def report_command(
         timeline_events = load_timeline(timeline_path) if timeline_path is not None else []
     else:
         model_names = resolve_model_names(model_names)
-        if parsed_timeline_of is not None:  # before the sweep: a model it will not simulate fails now
-            (timeline_model,) = resolve_model_names([parsed_timeline_of[0]], None, "--timeline-of")
-            if model_names and timeline_model not in model_names:
-                raise ReportInputError(
-                    f"--timeline-of: {timeline_model} is not in --models ({', '.join(model_names)})"
-                )
     # Read before any simulation: a bad file fails in a moment, not after the sweep.
     sensitivity = load_sensitivity(sensitivity_path) if sensitivity_path is not None else None
     given_validation = split_paths(validation_paths)
@@ -397,6 +400,8 @@ def report_command(
             console.print(f"note: no simulation — {not_simulated}", markup=False, highlight=False)
             records, timeline_events, metadata = [], [], {}
         else:
+            if parsed_timeline_of is not None:  # before the sweep: a model it will not simulate fails now
+                _check_timeline_model(parsed_timeline_of[0], model_names, list(bundle.runs["model"].unique()))
             records, timeline_events, metadata = _simulate_sweep(
                 bundle, model_names, gpu_counts, dtype, cluster, overrides or [], console, parsed_timeline_of
             )

@@ -21,7 +21,6 @@ from .zoo import (
     default_width_scale,
     full_shape,
     is_shipped,
-    model_reference,
     parameter_count,
     scaled_shape,
     zoo_keys,
@@ -36,9 +35,8 @@ def model_record(key: str) -> dict[str, object]:
     """One zoo model: its published shape and parameter counts, and the same at the default small scale
     (None for a shape file outside the zoo, which has no default scale)."""
     shape = full_shape(key)
-    reference = model_reference(key)
-    scale = default_width_scale(reference) if is_shipped(shape) else None
-    small = scaled_shape(reference, scale) if scale is not None else None
+    scale = default_width_scale(shape.key) if is_shipped(shape) else None  # a zoo model: its key names it
+    small = scaled_shape(shape.key, scale) if scale is not None else None
     return {
         "key": shape.key,
         "name": shape.name,
@@ -68,7 +66,7 @@ def model_record(key: str) -> dict[str, object]:
             "vocab_size": small.vocab_size,
             "params": parameter_count(small),
             "params_at_2_layers": parameter_count(
-                scaled_shape(reference, scale, layers=min(2, shape.num_layers))
+                scaled_shape(shape.key, scale, layers=min(2, shape.num_layers))
             ),
         },
     }

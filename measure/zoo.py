@@ -82,9 +82,10 @@ def default_width_scale(key_or_path: str) -> int:
 
 
 def _default_scale(shape: ModelShape) -> int:
-    scale = _default_scales().get(shape.key) if is_shipped(shape) else None
+    shipped = is_shipped(shape)
+    scale = _default_scales().get(shape.key) if shipped else None
     if scale is None:
-        where = "" if is_shipped(shape) else f" ({shape.path}, not a zoo model)"
+        where = "" if shipped else f" ({shape.path}, not a zoo model)"
         raise ZooError(
             f"model '{shape.key}'{where}: no default width scale; pass --width-scale (1: full width)"
         )

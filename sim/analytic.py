@@ -91,6 +91,10 @@ def load_settings(path: str | Path | None = None) -> AnalyticSettings:
     return AnalyticSettings(**raw)
 
 
+# Fields whose numbers may be zero or negative: the seed, and the spreads (>= 0, checked apart).
+_ANY_SIGN = {"seed", "compute_time_cv", "comm_time_cv"}
+
+
 def _check_settings(source: Path, raw: dict) -> None:
     """Every field of AnalyticSettings present, none other, each of its annotated type (bool is not an
     int here); counts and sizes positive, spreads >= 0."""
@@ -101,8 +105,7 @@ def _check_settings(source: Path, raw: dict) -> None:
     for name, hint in hints.items():
         if name not in raw:
             raise SimInputError(f"{source}: field {name!r} missing")
-        value = raw[name]
-        origin, arguments = get_origin(hint), get_args(hint)
+        value, (origin, arguments) = raw[name], (get_origin(hint), get_args(hint))
         if origin is list:
             ok = isinstance(value, list) and value and all(_is(item, arguments[0]) for item in value)
             expected = f"a non-empty list of {arguments[0].__name__}"
@@ -111,12 +114,10 @@ def _check_settings(source: Path, raw: dict) -> None:
             expected = f"a table of {arguments[1].__name__} values"
         else:
             ok, expected = _is(value, hint), hint.__name__
-        if ok and name not in ("seed", "compute_time_cv", "comm_time_cv"):
-            numbers = value if isinstance(value, list) else [value]
-            ok = all(not isinstance(n, int | float) or isinstance(n, bool) or n > 0 for n in numbers)
-            expected += " > 0" if not ok else ""
         if ok and name in ("compute_time_cv", "comm_time_cv"):
             ok, expected = value >= 0, "a number >= 0"
+        elif ok and name not in _ANY_SIGN and hint in (int, float, list[int]):
+            ok, expected = min(value if isinstance(value, list) else [value]) > 0, f"{expected} > 0"
         if not ok:
             raise SimInputError(f"{source}: field {name!r} is {value!r}, expected {expected}")
 

@@ -42,6 +42,10 @@ def _split(values: list[str] | None) -> list[str]:
     return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
 
 
+def _given_twice(values: list[str]) -> list[str]:
+    return sorted({value for value in values if values.count(value) > 1})
+
+
 def _listed(values: list[str] | None, option: str, example: str) -> list[str] | None:
     """An option's comma-separated values; None where it was not given. Given but empty (`--systems ""`)
     is a mistake, not a request for the default."""
@@ -50,7 +54,7 @@ def _listed(values: list[str] | None, option: str, example: str) -> list[str] | 
     parts = _split(values)
     if not parts:
         raise SimInputError(f"{option}: empty, expected a comma-separated list, e.g. {example}")
-    twice = sorted({part for part in parts if parts.count(part) > 1})
+    twice = _given_twice(parts)
     if twice:  # `--systems zero3,zero3` printed every row twice
         raise SimInputError(f"{option}: {', '.join(twice)} given twice; list each once")
     return parts
@@ -503,7 +507,7 @@ def _sweep_command(
     values = [value.strip() for value in text.split(",") if value.strip()]
     if not sep or not key.strip() or len(values) < 2:
         raise SimInputError(f"--sweep {sweep!r}: expected KEY=V1,V2,... with two or more values")
-    twice = sorted({value for value in values if values.count(value) > 1})
+    twice = _given_twice(values)
     if twice:
         raise SimInputError(f"--sweep {sweep!r}: {', '.join(twice)} given twice; list each value once")
     if json_path is not None:
